@@ -1,0 +1,67 @@
+"""The LightningModule: a plain one. Parallelism is the strategy's business, chosen in the YAML config."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torchmetrics.text import Perplexity
+
+from example_projects.gpt.model import GPT, GPTConfig
+
+
+class GPTModule(pl.LightningModule):
+    """Character-level GPT. The model is built in ``configure_model`` so that strategies can create it on the meta
+    device and materialize only each rank's shards."""
+
+    def __init__(self, vocab_size: int = 97, block_size: int = 128, n_layer: int = 4, n_head: int = 4,
+                 n_embd: int = 128, dropout: float = 0.0, lr: float = 1e-3, weight_decay: float = 0.1,
+                 warmup_steps: int = 20, max_steps: int = 1000) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: GPT | None = None
+        self.val_perplexity = Perplexity()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            hp = self.hparams
+            self.model = GPT(GPTConfig(hp.vocab_size, hp.block_size, hp.n_layer, hp.n_head, hp.n_embd, hp.dropout))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss(self(x), y)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x).float()
+        self.log("val/loss", self.loss(logits, y), sync_dist=True)
+        self.val_perplexity.update(logits, y)
+        self.log("val/perplexity", self.val_perplexity)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr, betas=(0.9, 0.95), foreach=True,
+        )
+
+        def warmup_cosine(step: int) -> float:
+            if step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

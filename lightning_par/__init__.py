@@ -1,0 +1,19 @@
+"""lightning_par: PyTorch Lightning strategies for models too big or too slow for one GPU."""
+
+from lightning_par.checkpoint import consolidate_checkpoint, full_state_dict
+from lightning_par.dims import ParallelDims
+from lightning_par.strategies.base import BaseParallelStrategy
+from lightning_par.strategies.nd import NDParallelStrategy
+from lightning_par.strategies.presets import FSDP2Strategy, register_strategies
+
+register_strategies()
+
+__all__ = [
+    "BaseParallelStrategy",
+    "FSDP2Strategy",
+    "NDParallelStrategy",
+    "ParallelDims",
+    "consolidate_checkpoint",
+    "full_state_dict",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,44 @@
+"""What the three monitors share: the logging-step decision and the summarize-then-log path."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from lightning_par.callbacks.summary import log_on_rank_zero, summarize_across_ranks
+
+
+def check_positive_int(name: str, value: Any, allow_none: bool = False, minimum: int = 1) -> None:
+    """ValueError naming the parameter, the value and the fix, before anything runs."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"`{name}` must be an int >= {minimum}{' or None' if allow_none else ''}, got {value!r}. "
+            f"Pass e.g. {name}={max(minimum, 1) * 10}."
+        )
+
+
+class RankSummaryCallback(Callback):
+    """Base: decide logging steps from ``trainer.global_step`` (equal on every rank) and publish summaries."""
+
+    def __init__(self, log_every_n_steps: int | None = None) -> None:
+        check_positive_int("log_every_n_steps", log_every_n_steps, allow_none=True)
+        self.log_every_n_steps = log_every_n_steps
+        self._last_logged_step = -1
+
+    def _interval(self, trainer: Any) -> int:
+        return self.log_every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
+
+    def _is_logging_step(self, trainer: Any) -> bool:
+        step = trainer.global_step
+        return step > 0 and step != self._last_logged_step and step % self._interval(trainer) == 0
+
+    def _publish(self, trainer: Any, values: Mapping[str, float | None], names: Sequence[str]) -> dict[str, float]:
+        """Collective on every rank, then rank-0 logging. Returns the summary (same on every rank)."""
+        self._last_logged_step = trainer.global_step
+        summary = summarize_across_ranks(values, names)
+        log_on_rank_zero(trainer, summary)
+        return summary

@@ -1,0 +1,309 @@
+"""Turn ``torch.profiler`` events into compute and communication intervals, with a kind per communication.
+
+Two trace shapes are understood:
+
+- **CUDA**: kernels on streams. NCCL kernels (``ncclDevKernel_*``, ``ncclKernel_*``) are communication, other
+  kernels are compute, memcpy/memset are neither (HTA's "memory" category) but count as busy.
+- **CPU / gloo** (see ``CPU_FACTS.md``): a collective's real duration is a ``gloo:<op>`` user annotation on a
+  gloo worker thread (``gloo:send`` / ``gloo:recv`` on the calling thread). Everything on a gloo worker thread
+  is communication. Compute is every ``cpu_op`` on the other threads, minus that thread's own communication
+  (a thread cannot compute while it sends) and minus collective bookkeeping ops (``c10d::*`` enqueues,
+  ``*wait*``), which run no math.
+
+The kind of a communication comes from the context it was *issued* in: the launching CPU call of an NCCL kernel
+(matched by correlation id), or the ``c10d::*`` enqueue op a gloo collective belongs to (matched in order). The
+annotations around that point decide: ``FSDP::all_gather`` -> ``fsdp_all_gather``, ``FSDP::post_backward_reduce``
+-> ``fsdp_reduce_scatter``, ``TP::``/``CP::``/``PP::`` prefixes (any ``record_function``) -> ``tp``/``cp``/
+``pp_send_recv``, an all-reduce issued from an ``AccumulateGrad`` node (DDP's reducer hooks) -> ``ddp_all_reduce``,
+a DTensor functional collective -> ``tp``, point-to-point -> ``pp_send_recv``; otherwise the collective's own name
+(``all_reduce``, ``all_gather``, ...). Extra rules can be given as ``(substring, kind)`` pairs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_par.callbacks.intervals import Interval, merge, subtract
+
+#: Every kind a communication can get, in the order the metrics list them (a fixed list, so every rank sends
+#: the same vector in the cross-rank summary).
+COMM_KINDS: tuple[str, ...] = (
+    "fsdp_all_gather",
+    "fsdp_reduce_scatter",
+    "ddp_all_reduce",
+    "tp",
+    "cp",
+    "pp_send_recv",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "other",
+)
+
+#: Context rules tried innermost annotation first: (substring of an enclosing event's name, kind).
+DEFAULT_CONTEXT_RULES: tuple[tuple[str, str], ...] = (
+    ("FSDP::all_gather", "fsdp_all_gather"),
+    ("FSDP::post_backward_reduce", "fsdp_reduce_scatter"),
+    ("FSDP::reduce_scatter", "fsdp_reduce_scatter"),
+    ("TP::", "tp"),
+    ("CP::", "cp"),
+    ("PP::", "pp_send_recv"),
+)
+
+_MARK = "lightning_par::step"  # the annotation the overlap monitor puts around each measured step
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One profiler event, reduced to what the analysis needs.
+
+    ``track`` is the thread (CPU events) or ``(device index, stream)`` (GPU events) the event ran on;
+    ``activity`` is the profiler's activity type (``cpu_op``, ``user_annotation``, ``kernel``, ``gpu_memcpy``,
+    ``gpu_memset``, ``cuda_runtime``, ...); ``correlation`` links a GPU event to the CPU call that launched it.
+    """
+
+    name: str
+    activity: str
+    track: Any
+    start: int
+    end: int
+    on_gpu: bool = False
+    correlation: int = 0
+
+
+@dataclass
+class ClassifiedTrace:
+    """A window's compute and communication, merged per category and ready for the interval math."""
+
+    compute: list[Interval] = field(default_factory=list)
+    comm: list[Interval] = field(default_factory=list)
+    other_busy: list[Interval] = field(default_factory=list)
+    comm_by_kind: dict[str, list[Interval]] = field(default_factory=dict)
+    steps: list[Interval] = field(default_factory=list)
+
+
+def events_from_profiler(prof: Any) -> list[TraceEvent]:
+    """Read a stopped ``torch.profiler.profile``'s events without building its FunctionEvent tree (slow)."""
+    from torch.autograd import DeviceType
+
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is None:
+        raise ValueError(
+            f"`prof` ({type(prof).__name__}) has no kineto results. Pass a stopped torch.profiler.profile "
+            f"that recorded events."
+        )
+    out = []
+    for e in results.events():
+        activity = e.activity_type()
+        if activity == "python_function":
+            continue
+        on_gpu = e.device_type() != DeviceType.CPU
+        track = (e.device_index(), e.device_resource_id()) if on_gpu else e.start_thread_id()
+        start = e.start_ns()
+        out.append(TraceEvent(e.name(), activity, track, start, start + e.duration_ns(), on_gpu, e.correlation_id()))
+    return out
+
+
+def _gloo_op(name: str) -> str | None:
+    return name[5:] if name.startswith("gloo:") else None
+
+
+def _is_nccl_kernel(ev: TraceEvent) -> bool:
+    return ev.on_gpu and ev.activity == "kernel" and ev.name.startswith("nccl")
+
+
+def _is_enqueue(name: str) -> bool:
+    return name.startswith(("c10d::", "_c10d_functional::", "c10d_functional::")) and "wait" not in name
+
+
+def _is_comm_bookkeeping(name: str) -> bool:
+    return _is_enqueue(name) or "wait" in name.lower() or name.startswith(("record_param_comms", "nccl:"))
+
+
+def _family(name: str) -> str:
+    """The collective an op, gloo annotation or NCCL kernel name stands for."""
+    n = name.lower().replace("_", "")
+    for key, fam in (
+        ("sendrecv", "p2p"),
+        ("send", "p2p"),
+        ("recv", "p2p"),
+        ("reducescatter", "reduce_scatter"),
+        ("allreduce", "all_reduce"),
+        ("allgather", "all_gather"),
+        ("alltoall", "all_to_all"),
+        ("broadcast", "broadcast"),
+        ("barrier", "barrier"),
+    ):
+        if key in n:
+            return fam
+    return "other"
+
+
+# gloo runs a reduce-scatter as an all-reduce and a barrier as its own op or an all-reduce
+_GLOO_RUNS_AS = {"reduce_scatter": {"reduce_scatter", "all_reduce"}, "barrier": {"barrier", "all_reduce"}}
+
+
+class _Contexts:
+    """The enclosing events of each thread, to look up what was running at an instant."""
+
+    def __init__(self, events: Iterable[TraceEvent]) -> None:
+        self._by_track: dict[Any, list[TraceEvent]] = defaultdict(list)
+        for ev in events:
+            if not ev.on_gpu and ev.activity in ("cpu_op", "user_annotation"):
+                self._by_track[ev.track].append(ev)
+        self._starts: dict[Any, list[int]] = {}
+        for track, evs in self._by_track.items():
+            evs.sort(key=lambda e: e.start)
+            self._starts[track] = [e.start for e in evs]
+
+    def stack(self, track: Any, t: int) -> list[str]:
+        """Names of the events enclosing instant ``t`` on ``track``, innermost (latest start) first."""
+        evs = self._by_track.get(track, [])
+        i = bisect.bisect_right(self._starts.get(track, []), t)
+        return [e.name for e in reversed(evs[:i]) if e.end >= t]
+
+
+def _kind(family: str, stack: Sequence[str], functional: bool, rules: Sequence[tuple[str, str]]) -> str:
+    for name in stack:
+        for pattern, kind in rules:
+            if pattern in name:
+                return kind
+    if family == "all_reduce" and any("AccumulateGrad" in n or "reducer" in n for n in stack):
+        return "ddp_all_reduce"
+    if functional:
+        return "tp"
+    if family == "p2p":
+        return "pp_send_recv"
+    if family in COMM_KINDS:
+        return family
+    return "other"
+
+
+def classify(
+    events: Sequence[TraceEvent],
+    rules: Sequence[tuple[str, str]] = DEFAULT_CONTEXT_RULES,
+    device_index: int | None = None,
+) -> ClassifiedTrace:
+    """Split a window's events into compute, communication (by kind) and other busy time.
+
+    ``device_index`` keeps only that GPU's streams (a rank's profile can hold other devices' events);
+    ``rules`` are ``(substring, kind)`` pairs for the annotations around the point a collective was issued.
+    """
+    for pattern, kind in rules:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(
+                f"`rules` holds the pattern {pattern!r}; each rule must be a (non-empty substring, kind) pair."
+            )
+        if kind not in COMM_KINDS:
+            raise ValueError(f"`rules` maps {pattern!r} to the kind {kind!r}; use one of {COMM_KINDS}.")
+    contexts = _Contexts(events)
+    # with GPU kernels in the trace, compute is what the GPU runs (HTA); CPU ops only launch it
+    gpu_trace = any(ev.on_gpu and ev.activity == "kernel" for ev in events)
+    gloo_threads = {ev.track for ev in events if not ev.on_gpu and _gloo_op(ev.name) not in (None, "send", "recv")}
+
+    compute_by_track: dict[Any, list[Interval]] = defaultdict(list)
+    comm_by_track: dict[Any, list[Interval]] = defaultdict(list)
+    other_busy: list[Interval] = []
+    by_kind: dict[str, list[Interval]] = defaultdict(list)
+    steps: list[Interval] = []
+    enqueues: list[TraceEvent] = []
+    gloo_colls: list[TraceEvent] = []
+    launches: dict[int, TraceEvent] = {}
+
+    for ev in events:
+        if ev.on_gpu:
+            if device_index is not None and ev.track[0] != device_index:
+                continue
+            if ev.activity == "kernel":
+                (comm_by_track if _is_nccl_kernel(ev) else compute_by_track)[ev.track].append((ev.start, ev.end))
+            elif ev.activity in ("gpu_memcpy", "gpu_memset"):
+                other_busy.append((ev.start, ev.end))
+            continue
+        op = _gloo_op(ev.name)
+        if ev.name == _MARK:
+            steps.append((ev.start, ev.end))
+        elif op is not None:
+            comm_by_track[ev.track].append((ev.start, ev.end))
+            if op in ("send", "recv"):  # runs on the calling thread: its own context tells the kind
+                stack = contexts.stack(ev.track, ev.start)
+                by_kind[_kind("p2p", stack, False, rules)].append((ev.start, ev.end))
+            else:
+                gloo_colls.append(ev)
+        elif ev.activity in ("cuda_runtime", "cuda_driver"):
+            if ev.correlation:
+                launches[ev.correlation] = ev
+        elif ev.activity == "cpu_op" and ev.track not in gloo_threads:
+            if _is_enqueue(ev.name):
+                enqueues.append(ev)
+            if not gpu_trace and not _is_comm_bookkeeping(ev.name):
+                compute_by_track[ev.track].append((ev.start, ev.end))
+
+    # gloo collectives: match each to the enqueue it came from, in order, to find where it was issued
+    enqueues = _outermost(enqueues)
+    used = [False] * len(enqueues)
+    runs_as = [_GLOO_RUNS_AS.get(_family(e.name), {_family(e.name)}) for e in enqueues]
+    first_free = 0
+    for ev in sorted(gloo_colls, key=lambda e: e.start):
+        fam = _family(ev.name[5:])
+        match = None
+        for i in range(first_free, len(enqueues)):
+            if enqueues[i].start > ev.start:
+                break
+            if not used[i] and fam in runs_as[i]:
+                match = i
+                break
+        if match is None:
+            by_kind[_kind(fam, [], False, rules)].append((ev.start, ev.end))
+            continue
+        used[match] = True
+        while first_free < len(used) and used[first_free]:
+            first_free += 1
+        enq = enqueues[match]
+        stack = contexts.stack(enq.track, enq.start)
+        functional = "functional" in enq.name
+        by_kind[_kind(_family(enq.name), stack, functional, rules)].append((ev.start, ev.end))
+
+    # NCCL kernels: the launching runtime call's thread and time give the context
+    for ev in events:
+        if not _is_nccl_kernel(ev) or (device_index is not None and ev.track[0] != device_index):
+            continue
+        launch = launches.get(ev.correlation)
+        fam = _family(ev.name)
+        if launch is None:
+            by_kind[_kind(fam, [], False, rules)].append((ev.start, ev.end))
+            continue
+        stack = contexts.stack(launch.track, launch.start)
+        functional = any("functional" in n for n in stack)
+        by_kind[_kind(fam, stack, functional, rules)].append((ev.start, ev.end))
+
+    compute: list[Interval] = []
+    comm: list[Interval] = []
+    for track, ivs in compute_by_track.items():
+        compute.extend(subtract(ivs, comm_by_track.get(track, [])))
+    for ivs in comm_by_track.values():
+        comm.extend(ivs)
+    return ClassifiedTrace(
+        compute=merge(compute),
+        comm=merge(comm),
+        other_busy=merge(other_busy),
+        comm_by_kind={k: merge(v) for k, v in by_kind.items()},
+        steps=sorted(steps),
+    )
+
+
+def _outermost(events: list[TraceEvent]) -> list[TraceEvent]:
+    """Drop events nested in another of the list on the same thread (a functional op wrapping a c10d op)."""
+    out: list[TraceEvent] = []
+    last_end: dict[Any, int] = {}
+    for ev in sorted(events, key=lambda e: (e.start, -e.end)):
+        if ev.start < last_end.get(ev.track, -1) and ev.end <= last_end[ev.track]:
+            continue
+        out.append(ev)
+        last_end[ev.track] = ev.end
+    return out

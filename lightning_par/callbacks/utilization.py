@@ -1,0 +1,266 @@
+"""DeviceUtilizationMonitor: step timing, data wait, throughput, MFU, and CPU or GPU (NVML) utilization.
+
+Timing is host wall time from the batch hooks, with no device synchronization (that would change what it
+measures): on a GPU the host runs ahead only until the allocator or a ``.item()`` stalls it, so over a logging
+interval host time per step equals device time per step. For each training batch:
+
+- compute part = ``on_train_batch_start`` -> ``on_train_batch_end`` (forward, backward, optimizer step);
+- data wait = the end of this monitor's previous ``on_train_batch_end`` -> ``on_train_batch_start``: fetching the
+  next batch plus the loop's own overhead (and other callbacks' batch-end hooks that run after this one);
+- step time = compute part + data wait. This monitor's own logging is outside both.
+
+The first batch of each epoch and the first after validation have no data wait to measure and are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from lightning_par.callbacks._base import RankSummaryCallback
+from lightning_par.callbacks.nvml import NVML_FIELDS, NvmlSampler
+
+IntOrFn = int | Callable[[Any], int]
+
+#: Dense bf16 tensor-core peak FLOP/s per GPU, by a substring of ``torch.cuda.get_device_name()``.
+#: First match wins, so the more specific names come first. Pass ``peak_flops_per_device`` for anything else.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+)
+
+
+def lookup_peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a known GPU, else None."""
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in device_name and not (key == "A10" and "A100" in device_name):
+            return flops
+    return None
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, Mapping):
+        items = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        items = batch
+    else:
+        return None
+    for item in items:
+        t = _first_tensor(item)
+        if t is not None:
+            return t
+    return None
+
+
+def default_batch_size(batch: Any) -> int | None:
+    """Samples in a batch: the first dimension of its first tensor (depth-first through tuples, lists, dicts)."""
+    t = _first_tensor(batch)
+    return int(t.shape[0]) if t is not None and t.dim() > 0 else None
+
+
+def default_num_tokens(batch: Any) -> int | None:
+    """Tokens in a batch: a ``"num_tokens"`` key or ``num_tokens`` attribute if there is one; else, when the first
+    tensor holds integers (token ids, as in ``(x, y)`` language-model batches), its ``numel()``; else None.
+
+    Give ``num_tokens`` as a Python int: a CUDA tensor there costs a device synchronization per step.
+    """
+    n = batch.get("num_tokens") if isinstance(batch, Mapping) else getattr(batch, "num_tokens", None)
+    if n is not None:
+        return int(n)
+    t = _first_tensor(batch)
+    if t is not None and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
+        return int(t.numel())
+    return None
+
+
+def _check_int_or_fn(name: str, value: Any) -> None:
+    if value is None or callable(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(
+            f"`{name}` must be a non-negative number or a callable taking the batch, got {value!r}. "
+            f"Pass e.g. {name}=lambda batch: ... or a number."
+        )
+
+
+class DeviceUtilizationMonitor(RankSummaryCallback):
+    """Logs step time, data-wait fraction, samples/s, tokens/s, MFU, and CPU percent or NVML GPU metrics.
+
+    Args:
+        log_every_n_steps: logging interval in optimizer steps (default: the Trainer's ``log_every_n_steps``).
+        batch_size: samples per batch (int or ``callable(batch)``); default :func:`default_batch_size`.
+        tokens_per_batch: tokens per batch (int or ``callable(batch)``); default :func:`default_num_tokens`.
+        flops_per_batch: model FLOPs of one training batch on one device (forward + backward), int or callable;
+            MFU is logged only when it is given and the peak is known.
+        peak_flops_per_device: peak FLOP/s of one device; default: looked up by GPU name (dense bf16), none on CPU.
+        nvml_interval_s: NVML polling period of the background thread.
+        nvml: the NVML module (``pynvml``) to use; a test double may be passed. NVML is used on CUDA devices, or
+            whenever this is given.
+        nvml_device_index: NVML device to poll when ``nvml`` is given and torch has no CUDA device (tests).
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        batch_size: IntOrFn | None = None,
+        tokens_per_batch: IntOrFn | None = None,
+        flops_per_batch: IntOrFn | float | None = None,
+        peak_flops_per_device: float | None = None,
+        nvml_interval_s: float = 0.1,
+        nvml: Any | None = None,
+        nvml_device_index: int = 0,
+    ) -> None:
+        super().__init__(log_every_n_steps)
+        for name, value in (
+            ("batch_size", batch_size),
+            ("tokens_per_batch", tokens_per_batch),
+            ("flops_per_batch", flops_per_batch),
+        ):
+            _check_int_or_fn(name, value)
+        if peak_flops_per_device is not None and not (
+            isinstance(peak_flops_per_device, (int, float)) and peak_flops_per_device > 0
+        ):
+            raise ValueError(
+                f"`peak_flops_per_device` must be a positive FLOP/s number, got {peak_flops_per_device!r}. "
+                f"Pass e.g. 989e12 for an H100 SXM in bf16, or leave it None to look it up."
+            )
+        if not (isinstance(nvml_interval_s, (int, float)) and nvml_interval_s > 0):
+            raise ValueError(f"`nvml_interval_s` must be > 0 seconds, got {nvml_interval_s!r}. Pass e.g. 0.1.")
+        self.batch_size = batch_size
+        self.tokens_per_batch = tokens_per_batch
+        self.flops_per_batch = flops_per_batch
+        self.peak_flops_per_device = peak_flops_per_device
+        self.nvml_interval_s = nvml_interval_s
+        self._nvml_module = nvml
+        self.nvml_device_index = nvml_device_index
+        self._sampler: NvmlSampler | None = None
+        self._process: Any = None
+        self._names: list[str] = []
+        self._peak: float | None = None
+        self._reset_interval()
+        self._t_start: float | None = None
+        self._t_resume: float | None = None
+
+    # --- setup -------------------------------------------------------------------------------------------------
+    def _reset_interval(self) -> None:
+        self._steps = 0
+        self._step_s = 0.0
+        self._wait_s = 0.0
+        self._samples = 0.0
+        self._tokens = 0.0
+        self._flops = 0.0
+        self._has_samples = self._has_tokens = self._has_flops = True
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        device = pl_module.device
+        use_nvml = device.type == "cuda" or self._nvml_module is not None
+        if use_nvml and self._sampler is None:
+            index = device.index if device.type == "cuda" and device.index is not None else self.nvml_device_index
+            self._sampler = NvmlSampler(index, self.nvml_interval_s, self._nvml_module)
+        if self._sampler is not None:
+            self._sampler.read()  # drop anything from before training
+            self._sampler.start()
+        self._peak = self.peak_flops_per_device
+        if self._peak is None and device.type == "cuda":
+            self._peak = lookup_peak_flops(torch.cuda.get_device_name(device))
+        import psutil
+
+        self._process = psutil.Process(os.getpid())
+        self._process.cpu_percent(None)  # starts psutil's measurement interval
+        names = ["perf/step_time_s", "perf/data_wait_frac", "perf/samples_per_s", "perf/tokens_per_s"]
+        if self.flops_per_batch is not None and self._peak is not None:
+            names += ["perf/tflops_per_s", "perf/mfu"]
+        names.append("perf/cpu_percent")
+        if self._sampler is not None:
+            names += [f"gpu/{f}" for f in NVML_FIELDS if f != "energy_j"] + ["gpu/energy_j_per_step"]
+        self._names = names
+        self._reset_interval()
+        self._t_resume = None
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._sampler is not None:
+            self._sampler.stop()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._sampler is not None:
+            self._sampler.stop()
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._t_resume = None  # the gap since the last batch is not data loading
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._t_resume = None
+
+    # --- per batch ---------------------------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._t_start = time.perf_counter()
+
+    def _value(self, spec: Any, default: Callable[[Any], int | None], batch: Any) -> float | None:
+        if spec is None:
+            v = default(batch)
+        elif callable(spec):
+            v = spec(batch)
+        else:
+            v = spec
+        return None if v is None else float(v)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        t_end = time.perf_counter()
+        if self._t_start is not None and self._t_resume is not None:
+            wait = self._t_start - self._t_resume
+            self._steps += 1
+            self._step_s += (t_end - self._t_start) + wait
+            self._wait_s += wait
+            samples = self._value(self.batch_size, default_batch_size, batch)
+            tokens = self._value(self.tokens_per_batch, default_num_tokens, batch)
+            flops = None
+            if self.flops_per_batch is not None:
+                flops = self._value(self.flops_per_batch, lambda b: None, batch)
+            for attr, value in (("samples", samples), ("tokens", tokens), ("flops", flops)):
+                if value is None:
+                    setattr(self, f"_has_{attr}", False)
+                else:
+                    setattr(self, f"_{attr}", getattr(self, f"_{attr}") + value)
+        if self._is_logging_step(trainer):
+            self._publish(trainer, self._interval_values(), self._names)
+            self._reset_interval()
+        self._t_resume = time.perf_counter()
+
+    def _interval_values(self) -> dict[str, float | None]:
+        v: dict[str, float | None] = {"perf/cpu_percent": self._process.cpu_percent(None) if self._process else None}
+        if self._steps and self._step_s > 0:
+            v["perf/step_time_s"] = self._step_s / self._steps
+            v["perf/data_wait_frac"] = self._wait_s / self._step_s
+            if self._has_samples:
+                v["perf/samples_per_s"] = self._samples / self._step_s
+            if self._has_tokens:
+                v["perf/tokens_per_s"] = self._tokens / self._step_s
+            if self._has_flops and "perf/mfu" in self._names and self._peak:
+                achieved = self._flops / self._step_s
+                v["perf/tflops_per_s"] = achieved / 1e12
+                v["perf/mfu"] = achieved / self._peak
+        if self._sampler is not None:
+            gpu = self._sampler.read()
+            energy = gpu.pop("energy_j", None)
+            v.update({f"gpu/{k}": val for k, val in gpu.items()})
+            if energy is not None and self._steps:
+                v["gpu/energy_j_per_step"] = energy / self._steps
+        return {k: (None if val is None or (isinstance(val, float) and math.isinf(val)) else val) for k, val in v.items()}

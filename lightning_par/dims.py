@@ -1,0 +1,158 @@
+"""ParallelDims: the one description of a parallel layout, and the DeviceMesh built from it."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, fields
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+#: Mesh dimensions, outermost first. Pipeline stages are outermost (they talk least, point to point),
+#: tensor parallelism innermost (it talks most, so its ranks should share the fastest link).
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+#: Derived (flattened) meshes and the base dimensions each one spans.
+FLAT_MESHES = {
+    "dp": ("dp_replicate", "dp_shard"),  # shards the batch: each of its ranks reads different samples
+    "dp_shard_cp": ("dp_shard", "cp"),  # FSDP shards parameters over it (cp ranks hold the same weights)
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # the loss and the gradients are averaged over it
+}
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of the five parallel dimensions; their product is the world size.
+
+    ``-1`` on exactly one dimension means "whatever is left of the world size". Call :meth:`resolve` with the
+    world size to fill it in and validate, then :meth:`build_mesh` once the process group exists.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        fills = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"ParallelDims: `{f.name}` must be an int, got {value!r} ({type(value).__name__}). "
+                    f"Pass a positive size, or -1 to fill it from the world size."
+                )
+            if value == -1:
+                fills.append(f.name)
+            elif value < 1:
+                raise ValueError(
+                    f"ParallelDims: `{f.name}={value}` is not a valid size. "
+                    f"Pass a positive size, or -1 to fill it from the world size."
+                )
+        if len(fills) > 1:
+            raise ValueError(
+                f"ParallelDims: only one dimension may be -1 (filled from the world size), got -1 for {fills}. "
+                f"Give explicit sizes to all but one of them."
+            )
+        self._mesh: DeviceMesh | None = None
+        self._flat_meshes: dict[str, DeviceMesh] = {}
+
+    # ---- sizes ---------------------------------------------------------------------------------------------
+    def sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MESH_DIM_NAMES}
+
+    def resolve(self, world_size: int) -> ParallelDims:
+        """Return a copy with the ``-1`` dimension filled in, checking that the product equals ``world_size``."""
+        sizes = self.sizes()
+        known = math.prod(v for v in sizes.values() if v != -1)
+        fill = [name for name, v in sizes.items() if v == -1]
+        if fill:
+            if world_size % known != 0:
+                raise ValueError(
+                    f"ParallelDims: cannot fill `{fill[0]}=-1`: the other sizes {self._describe(sizes)} multiply to "
+                    f"{known}, which does not divide the world size {world_size}. "
+                    f"Choose sizes whose product divides {world_size}."
+                )
+            sizes[fill[0]] = world_size // known
+        elif known != world_size:
+            raise ValueError(
+                f"ParallelDims: the layout {self._describe(sizes)} multiplies to {known} processes, but the world "
+                f"size is {world_size}. Change the sizes so that their product is {world_size} "
+                f"(or set one of them to -1), or launch {known} processes."
+            )
+        return ParallelDims(**sizes)
+
+    @staticmethod
+    def _describe(sizes: dict[str, int]) -> str:
+        return " x ".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "all 1"
+
+    def _check_resolved(self) -> None:
+        if -1 in self.sizes().values():
+            raise RuntimeError("ParallelDims: call `resolve(world_size)` before asking for sizes or meshes.")
+
+    @property
+    def world_size(self) -> int:
+        self._check_resolved()
+        return math.prod(self.sizes().values())
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that read different samples (the batch is sharded over them)."""
+        self._check_resolved()
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Whether parameters are sharded or replicated by FSDP (any data-parallel or context-parallel degree)."""
+        self._check_resolved()
+        return self.dp_replicate * self.dp_shard * self.cp > 1
+
+    def __str__(self) -> str:
+        return self._describe(self.sizes())
+
+    # ---- mesh ----------------------------------------------------------------------------------------------
+    def build_mesh(self, device_type: str, backend: str | None = None) -> DeviceMesh:
+        """Build the world mesh over all five dims (size-1 dims included, so every name always resolves) and the
+        flattened meshes of :data:`FLAT_MESHES`. Needs an initialized default process group."""
+        self._check_resolved()
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelDims.build_mesh needs an initialized torch.distributed process group.")
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"ParallelDims: layout {self} is for {self.world_size} processes, but the process group has "
+                f"{dist.get_world_size()}."
+            )
+        shape = tuple(getattr(self, name) for name in MESH_DIM_NAMES)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
+        self._flat_meshes = {flat_name: mesh[dims]._flatten(flat_name) for flat_name, dims in FLAT_MESHES.items()}
+        self._mesh = mesh
+        return mesh
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims: the mesh is built in the strategy's setup; it is not available yet.")
+        return self._mesh
+
+    def mesh(self, name: str) -> DeviceMesh:
+        """A 1-D mesh by name: one of :data:`MESH_DIM_NAMES` or :data:`FLAT_MESHES`."""
+        if name not in MESH_DIM_NAMES and name not in FLAT_MESHES:
+            raise ValueError(f"ParallelDims: unknown mesh {name!r}; choose one of {MESH_DIM_NAMES + tuple(FLAT_MESHES)}")
+        if name in FLAT_MESHES:
+            self.world_mesh  # noqa: B018 - raises a clear error before setup
+            return self._flat_meshes[name]
+        return self.world_mesh[name]
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards over: 1-D ``dp_shard_cp``, or 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP."""
+        if self.dp_replicate > 1:
+            with warnings.catch_warnings():  # slicing a flattened dim warns of a future deprecation; it is the API
+                warnings.simplefilter("ignore", UserWarning)
+                return self.world_mesh["dp_replicate", "dp_shard_cp"]
+        return self.world_mesh["dp_shard_cp"]
+
+    def coordinates(self) -> dict[str, int]:
+        """This rank's index along every base and flattened dimension."""
+        return {name: self.mesh(name).get_local_rank() for name in MESH_DIM_NAMES + tuple(FLAT_MESHES)}

@@ -1,0 +1,1 @@
+"""Parallel techniques on plain torch.distributed, one module each, usable without Lightning."""

@@ -1,0 +1,469 @@
+"""Context parallelism: exact attention over sequences sharded across the ranks of a cp process group.
+
+Each rank holds a shard of the queries, keys and values of every sequence (layout: ``context_sharding``).
+Queries stay where they are; K/V blocks move, and every (local queries, K/V block) pair is one small attention
+that returns ``(out, lse)``. The blocks are merged with the online-softmax (log-sum-exp) rule, so the result is
+the exact attention over the whole sequence. Two ways to move K/V, same block math:
+
+- ``"ring"``: K/V hop one rank forward per step (point-to-point), the next hop in flight while the current block
+  is computed. Backward sends K/V around again (nothing cp-sized is saved) and dK/dV travel with them.
+- ``"allgather"``: one all-gather of K/V (cp x the K/V memory for a moment, one collective); backward gathers
+  again and reduce-scatters dK/dV to their owners.
+
+Plain torch.distributed (gloo and NCCL), no Lightning. On CPU each block is fp32 matmuls; on CUDA it calls the
+fused memory-efficient SDPA kernel, which returns the lse we need (that path is not exercised by the CPU tests).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_par.parallel.context_sharding import (
+    block_plan,
+    join_shards,
+    local_chunk_ids,
+    sequence_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+
+__all__ = [
+    "CommCounter",
+    "context_parallel_attention",
+    "context_parallel_sdpa",
+    "join_shards",
+    "local_chunk_ids",
+    "sequence_positions",
+    "shard_sequence",
+    "unshard_sequence",
+]
+
+Algorithm = Literal["ring", "allgather"]
+ALGORITHMS = ("ring", "allgather")
+#: Use torch's fused memory-efficient kernel per block on CUDA. Set False to force the fp32 matmul path.
+USE_FUSED_CUDA_KERNELS = True
+
+# Collectives were renamed in torch 2.13; keep working on older releases.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommCounter:
+    """Bytes this rank sent, keyed ``"<phase>/<op>"`` (``"forward/send"``, ``"backward/reduce_scatter"``, ...).
+
+    Point-to-point sends count their payload. Collectives count what a bandwidth-optimal (ring) implementation
+    sends per rank: all-gather of an n-byte shard and reduce-scatter to an n-byte shard both send ``(cp-1)*n``.
+    """
+
+    bytes: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def add(self, key: str, nbytes: int) -> None:
+        self.bytes[key] = self.bytes.get(key, 0) + nbytes
+        self.calls[key] = self.calls.get(key, 0) + 1
+
+    def total(self, phase: str | None = None) -> int:
+        return sum(n for k, n in self.bytes.items() if phase is None or k.startswith(phase + "/"))
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+@dataclass
+class _Setup:
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    is_causal: bool
+    load_balance: bool
+    scale: float
+    algorithm: str
+    counter: CommCounter | None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One block: attention that also returns its log-sum-exp, and its backward given the merged (out, lse)
+
+
+def _expand_kv(k: torch.Tensor, v: torch.Tensor, q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA: repeat each K/V head for its group of query heads (same convention as SDPA's enable_gqa)."""
+    g = q_heads // k.size(1)
+    return (k, v) if g == 1 else (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
+
+
+def _fold_kv_grad(d: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """GQA: a K/V head's gradient is the sum over the query heads that shared it."""
+    return d if d.size(1) == kv_heads else d.unflatten(1, (kv_heads, -1)).sum(2)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    s = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if causal:
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    return s
+
+
+def _fused(q: torch.Tensor) -> bool:
+    return q.is_cuda and USE_FUSED_CUDA_KERNELS
+
+
+def _block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale) v for one block, plus lse = log(sum exp(scores)) per query row (both fp32)."""
+    k, v = _expand_kv(k, v, q.size(1))
+    if _fused(q):
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale
+        )[:2]
+        return out.float(), lse[..., : q.size(2)].float()  # the kernel may pad lse's rows to a multiple of 32
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse.unsqueeze(-1)) @ v.float(), lse
+
+
+def _block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This block's share of dq, dk, dv, given the FINAL (merged) out and lse of these query rows.
+
+    With the final lse, exp(scores - lse) is this block's slice of the global softmax, so the ordinary attention
+    backward applied block by block sums exactly to the full gradient (the flash-attention recomputation).
+    """
+    kv_heads = k.size(1)
+    k, v = _expand_kv(k, v, q.size(1))
+    if _fused(q):
+        seed = torch.empty(0, dtype=torch.int64, device=q.device)  # dropout is 0: the philox state is unused
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse.contiguous(), seed, seed, 0.0, [True, True, True, False], causal, scale=scale
+        )
+        dq, dk, dv = dq.float(), dk.float(), dv.float()
+    else:
+        p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
+        do = dout.float()
+        dv = p.transpose(-2, -1) @ do
+        # d(scores) = P * (dP - rowsum(dO * O)): rowsum(P * dP) over ALL blocks equals rowsum(dO * O).
+        ds = p * (do @ v.float().transpose(-2, -1) - (do * out.float()).sum(-1, keepdim=True)) * scale
+        dq, dk = ds @ k.float(), ds.transpose(-2, -1) @ q.float()
+    return dq, _fold_kv_grad(dk, kv_heads), _fold_kv_grad(dv, kv_heads)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+    """Fold one block into the running (out, lse) of query rows ``rows``, in place (online softmax).
+
+    With Z = exp(lse), a block's out is P V / Z. Attention over the union of two key sets is
+    (Z_a out_a + Z_b out_b) / (Z_a + Z_b), i.e. lse = logaddexp(lse_a, lse_b) and each side is weighted by
+    exp(lse_side - lse). Rows that have seen no keys yet carry lse = -inf, hence weight 0; a block's own lse is
+    always finite because every planned block row sees at least one key.
+    """
+    o, m = out[:, :, rows], lse[:, :, rows]
+    new = torch.logaddexp(m, blk_lse)
+    out[:, :, rows] = o * torch.exp(m - new).unsqueeze(-1) + blk_out * torch.exp(blk_lse - new).unsqueeze(-1)
+    lse[:, :, rows] = new
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Moving K/V (and dK/dV): one class per algorithm, same three methods
+
+
+class _Exchange:
+    def __init__(self, s: _Setup, phase: str) -> None:
+        self.s, self.phase = s, phase
+
+    def _count(self, op: str, nbytes: int) -> None:
+        if self.s.counter is not None:
+            self.s.counter.add(f"{self.phase}/{op}", nbytes)
+
+
+class _Ring(_Exchange):
+    """Each step every rank sends its current block to rank+1 and receives the next from rank-1."""
+
+    def __init__(self, s: _Setup, phase: str) -> None:
+        super().__init__(s, phase)
+        if s.size > 1:
+            self.next = dist.get_global_rank(s.group, (s.rank + 1) % s.size)
+            self.prev = dist.get_global_rank(s.group, (s.rank - 1) % s.size)
+        self.pending: tuple[torch.Tensor, list] | None = None
+        self.dkv: torch.Tensor | None = None
+
+    def _shift(self, buf: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
+        recv = torch.empty_like(buf)
+        ops = [
+            dist.P2POp(dist.isend, buf, self.next, self.s.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.s.group, tag),
+        ]
+        self._count("send", buf.numel() * buf.element_size())
+        return recv, dist.batch_isend_irecv(ops)
+
+    def kv_blocks(self, kv: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield (owner rank, packed K/V) for every rank's block; the next one is in flight during the yield."""
+        for step in range(self.s.size):
+            last = step == self.s.size - 1
+            if not last:
+                nxt, reqs = self._shift(kv, tag=0)
+            yield (self.s.rank - step) % self.s.size, kv
+            if not last:
+                for r in reqs:
+                    r.wait()
+                kv = nxt
+
+    def add_grad(self, src: int, dkv: torch.Tensor) -> None:
+        """Add the partial dK/dV for ``src``'s block that arrived from rank-1, and pass it on to rank+1.
+
+        The accumulator for a block travels one step behind the block itself; after cp hops it is back at its
+        owner with every rank's contribution.
+        """
+        if self.s.size == 1:
+            self.dkv = dkv
+            return
+        if self.pending is not None:
+            incoming, reqs = self.pending
+            for r in reqs:
+                r.wait()
+            dkv += incoming
+        self.pending = self._shift(dkv, tag=1)
+
+    def grads(self) -> torch.Tensor:
+        if self.s.size == 1:
+            return self.dkv
+        incoming, reqs = self.pending
+        for r in reqs:
+            r.wait()
+        return incoming
+
+
+class _AllGather(_Exchange):
+    """All K/V blocks in one all-gather; all dK/dV blocks back to their owners in one reduce-scatter."""
+
+    dkv_all: torch.Tensor | None = None
+
+    def kv_blocks(self, kv: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        n, size = kv.numel(), self.s.size
+        if size == 1:
+            yield self.s.rank, kv
+            return
+        full = kv.new_empty(size * n)
+        _all_gather(full, kv, group=self.s.group)
+        self._count("all_gather", (size - 1) * n * kv.element_size())
+        for src in range(size):
+            yield src, full[src * n : (src + 1) * n]
+
+    def add_grad(self, src: int, dkv: torch.Tensor) -> None:
+        n = dkv.numel()
+        if self.dkv_all is None:
+            self.dkv_all = dkv.new_zeros(self.s.size * n)
+        self.dkv_all[src * n : (src + 1) * n] = dkv
+
+    def grads(self) -> torch.Tensor:
+        size = self.s.size
+        if size == 1:
+            return self.dkv_all
+        mine = self.dkv_all.new_empty(self.dkv_all.numel() // size)
+        _reduce_scatter(mine, self.dkv_all, group=self.s.group)
+        self._count("reduce_scatter", (size - 1) * mine.numel() * mine.element_size())
+        return mine
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Forward / backward drivers and the autograd Function
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.cat([k.reshape(-1), v.reshape(-1)])  # one contiguous buffer = one message per hop
+
+
+def _unpack(buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return buf[: k.numel()].view(k.shape), buf[k.numel() :].view(v.shape)
+
+
+def _exchange(s: _Setup, phase: str) -> _Ring | _AllGather:
+    return (_Ring if s.algorithm == "ring" else _AllGather)(s, phase)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: _Setup) -> tuple[torch.Tensor, torch.Tensor]:
+    b, h, n, _ = q.shape
+    out = q.new_zeros((b, h, n, v.size(-1)), dtype=torch.float32)
+    lse = q.new_full((b, h, n), float("-inf"), dtype=torch.float32)
+    for src, kv in _exchange(s, "forward").kv_blocks(_pack(k, v)):
+        blk = block_plan(s.rank, src, s.size, n, s.is_causal, s.load_balance)
+        if blk is None:
+            continue  # every key of this block lies in the future of every local query
+        kb, vb = _unpack(kv, k, v)
+        o, m = _block_forward(q[:, :, blk.q], kb[:, :, blk.kv], vb[:, :, blk.kv], s.scale, blk.causal)
+        _merge(out, lse, blk.q, o, m)
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, s: _Setup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = q.size(2)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    ex = _exchange(s, "backward")
+    for src, kv in ex.kv_blocks(_pack(k, v)):
+        dkv = kv.new_zeros(kv.numel(), dtype=torch.float32)  # accumulated and sent in fp32
+        blk = block_plan(s.rank, src, s.size, n, s.is_causal, s.load_balance)
+        if blk is not None:
+            (kb, vb), (dkb, dvb), r, c = _unpack(kv, k, v), _unpack(dkv, k, v), blk.q, blk.kv
+            gq, gk, gv = _block_backward(
+                dout[:, :, r], q[:, :, r], kb[:, :, c], vb[:, :, c], out[:, :, r], lse[:, :, r], s.scale, blk.causal
+            )
+            dq[:, :, r] += gq
+            dkb[:, :, c] += gk
+            dvb[:, :, c] += gv
+        ex.add_grad(src, dkv)
+    dk, dv = _unpack(ex.grads(), k, v)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    """Saves only local tensors (q, k, v, out, lse): activation memory per rank is 1/cp of the full attention."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, setup: _Setup):
+        out, lse = _forward(q, k, v, setup)
+        out = out.to(q.dtype)
+        ctx.setup = setup
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*_backward(dout, q, k, v, out, lse, ctx.setup), None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API
+
+
+def _check_algorithm(algorithm: str) -> None:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}.")
+
+
+def _validate(q, k, v, attn_mask, algorithm, load_balance, scale, cp_size) -> None:
+    _check_algorithm(algorithm)
+    if attn_mask is not None:
+        raise ValueError(
+            f"attn_mask is not supported by context-parallel attention (got {type(attn_mask).__name__}"
+            f"{tuple(getattr(attn_mask, 'shape', ()))}): a dense mask cannot follow K/V blocks around the cp group. "
+            "Pass attn_mask=None and is_causal=True/False; only full or causal attention is supported."
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point():
+            raise ValueError(
+                f"{name} must be a floating-point tensor of shape (batch, heads, local_seq, head_dim), got "
+                f"{getattr(t, 'shape', type(t).__name__)}."
+            )
+    if len({q.dtype, k.dtype, v.dtype}) != 1 or len({q.device, k.device, v.device}) != 1:
+        raise ValueError(
+            f"q, k, v must share dtype and device, got dtypes {(q.dtype, k.dtype, v.dtype)} and devices "
+            f"{(q.device, k.device, v.device)}. Cast them to one dtype/device."
+        )
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if k.shape[:3] != v.shape[:3] or q.size(0) != k.size(0) or q.size(-1) != k.size(-1):
+        raise ValueError(
+            f"q, k, v shapes do not match: {shapes}. Expected q (B, H, S, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv)."
+        )
+    if q.size(2) != k.size(2):
+        raise ValueError(
+            f"q and k local sequence lengths differ: {shapes}. Context parallelism shards one sequence: "
+            "q, k and v must be this rank's shards of the same tokens (self-attention)."
+        )
+    if q.size(1) % k.size(1) != 0:
+        raise ValueError(
+            f"q heads ({q.size(1)}) must be a multiple of k/v heads ({k.size(1)}) for grouped-query "
+            f"attention: {shapes}."
+        )
+    n, chunks = q.size(2), 2 * cp_size if load_balance else cp_size
+    if n == 0 or (load_balance and n % 2 != 0):
+        raise ValueError(
+            f"local sequence length {n} is inconsistent with cp = {cp_size} and load_balance={load_balance}: the "
+            f"global length {n * cp_size} must split into {chunks} equal non-empty chunks (each rank holds two with "
+            f"load balancing). Pad the global sequence to a multiple of {chunks} and shard it with shard_sequence(), "
+            "or pass load_balance=False."
+        )
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise ValueError(f"scale must be a float or None (1/sqrt(head_dim)), got {scale!r}.")
+
+
+def _resolve_group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 0, 1  # single process: cp = 1, no communication
+        group = dist.group.WORLD
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            "group: this process is not a member of the given cp process group. Pass the cp group "
+            "that contains this rank (e.g. device_mesh['cp'].get_group())."
+        )
+    return group, rank, dist.get_world_size(group)
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    is_causal: bool = False,
+    algorithm: Algorithm = "ring",
+    load_balance: bool = True,
+    scale: float | None = None,
+    comm_counter: CommCounter | None = None,
+) -> torch.Tensor:
+    """Exact attention over sequences sharded across ``group`` (the cp group); returns this rank's output shard.
+
+    ``q`` (B, H, S_local, D), ``k``/``v`` (B, Hkv, S_local, D/Dv) are this rank's shards as made by
+    :func:`shard_sequence` with the same ``load_balance`` (causal masking uses their global positions). ``Hkv``
+    may divide ``H`` (GQA). ``group=None`` means the default group, or cp = 1 if torch.distributed is not
+    initialized. ``comm_counter`` collects the bytes this rank sends (forward and backward).
+    """
+    group, rank, size = _resolve_group(group)
+    _validate(q, k, v, attn_mask, algorithm, load_balance, scale, size)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
+    setup = _Setup(group, rank, size, bool(is_causal), bool(load_balance), scale, algorithm, comm_counter)
+    return _ContextParallelAttention.apply(q, k, v, setup)
+
+
+def context_parallel_sdpa(
+    group: dist.ProcessGroup | None = None,
+    *,
+    algorithm: Algorithm = "ring",
+    load_balance: bool = True,
+    comm_counter: CommCounter | None = None,
+) -> Callable[..., torch.Tensor]:
+    """A drop-in for ``F.scaled_dot_product_attention`` bound to a cp group: route a model's attention through it.
+
+    With a cp group of size 1 it returns ``F.scaled_dot_product_attention`` itself (same layout, fastest kernel).
+    """
+    _check_algorithm(algorithm)
+    if _resolve_group(group)[2] == 1:
+        return F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if dropout_p:
+            raise ValueError(f"dropout_p={dropout_p} is not supported by context-parallel attention; pass 0.0.")
+        if query.size(-3) != key.size(-3) and not enable_gqa:
+            raise ValueError(f"q has {query.size(-3)} heads and k has {key.size(-3)}: pass enable_gqa=True for GQA.")
+        kw = dict(group=group, algorithm=algorithm, load_balance=load_balance, comm_counter=comm_counter)
+        return context_parallel_attention(query, key, value, attn_mask, is_causal=is_causal, scale=scale, **kw)
+
+    return sdpa

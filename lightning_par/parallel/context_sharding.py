@@ -1,0 +1,127 @@
+"""Sequence sharding for context parallelism: which tokens each cp rank holds, and where they sit globally.
+
+Causal attention makes late tokens expensive (they attend to everything before them). Splitting the sequence
+into ``cp`` contiguous pieces would give the last rank ``2*cp - 1`` times the work of the first. With
+``load_balance=True`` the sequence is cut into ``2*cp`` equal chunks and rank ``i`` holds chunks ``i`` and
+``2*cp - 1 - i`` (one early, one late), so every rank does the same work. All helpers here are pure except
+:func:`unshard_sequence`, which gathers over the cp group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def num_chunks(cp_size: int, load_balance: bool) -> int:
+    """How many equal chunks the global sequence is cut into."""
+    return 2 * cp_size if load_balance else cp_size
+
+
+def local_chunk_ids(cp_rank: int, cp_size: int, load_balance: bool) -> tuple[int, ...]:
+    """Global chunk indices held by ``cp_rank``, in the order they are concatenated locally."""
+    return (cp_rank, 2 * cp_size - 1 - cp_rank) if load_balance else (cp_rank,)
+
+
+def _check_layout(cp_rank: int, cp_size: int) -> None:
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}. Pass the size of the cp group.")
+    if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}. Pass this rank's index in the cp group.")
+
+
+def _check_divisible(seq_len: int, cp_size: int, load_balance: bool, what: str) -> None:
+    n = num_chunks(cp_size, load_balance)
+    if seq_len % n != 0:
+        how = f"2*cp = {n} chunks (load_balance=True)" if load_balance else f"cp = {n} chunks"
+        raise ValueError(
+            f"{what} = {seq_len} cannot be split into {how}. Pad the sequence to a multiple of {n}"
+            + (", or pass load_balance=False." if load_balance else ".")
+        )
+
+
+def shard_sequence(
+    tensor: torch.Tensor, dim: int, cp_rank: int, cp_size: int, load_balance: bool = True
+) -> torch.Tensor:
+    """This rank's part of ``tensor`` along the sequence dimension ``dim`` (differentiable)."""
+    _check_layout(cp_rank, cp_size)
+    _check_divisible(tensor.size(dim), cp_size, load_balance, f"tensor.size({dim}) (the global sequence length)")
+    chunks = tensor.chunk(num_chunks(cp_size, load_balance), dim=dim)
+    return torch.cat([chunks[i] for i in local_chunk_ids(cp_rank, cp_size, load_balance)], dim=dim)
+
+
+def join_shards(shards: Sequence[torch.Tensor], dim: int, load_balance: bool = True) -> torch.Tensor:
+    """Inverse of :func:`shard_sequence`: rebuild the global tensor from every rank's shard, rank 0 first."""
+    cp_size = len(shards)
+    per_rank = 2 if load_balance else 1
+    chunks: list[torch.Tensor | None] = [None] * num_chunks(cp_size, load_balance)
+    for rank, shard in enumerate(shards):
+        if shard.size(dim) % per_rank != 0:
+            raise ValueError(
+                f"shard of rank {rank} has odd length {shard.size(dim)} along dim {dim} with load_balance=True."
+            )
+        for cid, piece in zip(local_chunk_ids(rank, cp_size, load_balance), shard.chunk(per_rank, dim=dim)):
+            chunks[cid] = piece
+    return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
+
+
+def unshard_sequence(
+    tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None, load_balance: bool = True
+) -> torch.Tensor:
+    """Gather every rank's shard over the cp ``group`` and return the global tensor (no autograd; for tests/debug)."""
+    shards = [
+        torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))
+    ]
+    dist.all_gather(shards, tensor.contiguous(), group=group)
+    return join_shards(shards, dim, load_balance)
+
+
+def sequence_positions(
+    seq_len: int, cp_rank: int, cp_size: int, load_balance: bool = True, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Global positions (int64) of this rank's tokens for a global sequence of ``seq_len``.
+
+    Index rotary tables or learned position embeddings with these, not with ``arange(local_len)``.
+    """
+    _check_layout(cp_rank, cp_size)
+    _check_divisible(seq_len, cp_size, load_balance, "seq_len")
+    return shard_sequence(torch.arange(seq_len, device=device), 0, cp_rank, cp_size, load_balance)
+
+
+@dataclass(frozen=True)
+class Block:
+    """The part of a peer's K/V shard that this rank's queries may see under the causal mask."""
+
+    q: slice  # local query rows that see at least part of the peer's shard
+    kv: slice  # key columns of the peer's shard they see
+    causal: bool  # True on the diagonal (our own shard): the lower-triangular mask applies inside it
+
+
+_ALL = slice(None)
+
+
+def block_plan(rank: int, src: int, cp_size: int, local_len: int, is_causal: bool, load_balance: bool) -> Block | None:
+    """Which rectangle of ``src``'s K/V shard the queries of ``rank`` attend to; None when it is fully masked.
+
+    Shards are unions of whole chunks, so each (query chunk, key chunk) pair is fully visible (key chunk earlier),
+    diagonal (same chunk) or fully masked (key chunk later); the visible pairs always form one rectangle.
+    """
+    if not is_causal:
+        return Block(_ALL, _ALL, False)
+    if src == rank:
+        # Our own K/V. Global positions increase along the local sequence even with two chunks, so the plain
+        # lower-triangular mask on local indices is the causal mask on global positions.
+        return Block(_ALL, _ALL, True)
+    if not load_balance:
+        return Block(_ALL, _ALL, False) if src < rank else None  # an earlier chunk is visible, a later one masked
+    first, second = slice(0, local_len // 2), slice(local_len // 2, None)
+    if src < rank:
+        # K/V chunks (src, 2c-1-src): chunk src precedes both of our chunks (visible); chunk 2c-1-src follows
+        # both (masked). So: all our queries x the first half of the peer's shard.
+        return Block(_ALL, first, False)
+    # src > rank: our early chunk `rank` precedes both K/V chunks (masked); our late chunk 2c-1-rank follows both
+    # (src < c <= 2c-1-rank and 2c-1-src < 2c-1-rank). So: the second half of our queries x the whole shard.
+    return Block(second, _ALL, False)

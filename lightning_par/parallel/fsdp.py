@@ -1,0 +1,43 @@
+"""Fully sharded data parallelism (FSDP2, the ZeRO-3 family) on a DeviceMesh."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+
+def apply_fsdp(
+    root: nn.Module,
+    mesh: DeviceMesh,
+    units: Sequence[nn.Module],
+    *,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    cpu_offload: bool = False,
+) -> None:
+    """Shard each unit, then the root (which takes every parameter no unit holds), with ``fully_shard``.
+
+    ``mesh`` is 1-D for FSDP and 2-D ``(replicate, shard)`` for HSDP. ``reshard_after_forward=False`` keeps the
+    gathered parameters between forward and backward (ZeRO-2-like: less communication, more memory). The last unit
+    never reshards after forward: backward needs its parameters at once, so freeing them would only add an
+    all-gather (torchtitan does the same).
+    """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload_policy: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    )
+    for i, unit in enumerate(units):
+        fully_shard(
+            unit,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward and i < len(units) - 1,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+        )
+    fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                offload_policy=offload_policy)

@@ -1,0 +1,75 @@
+"""Finding the parts of a user's model that the techniques act on: the block list and shard units."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+
+from torch import nn
+
+
+def find_block_list(model: nn.Module, fqn: str | None = None) -> tuple[str, nn.ModuleList | nn.ModuleDict]:
+    """Return ``(fqn, container)`` of the model's main list of blocks.
+
+    With ``fqn`` given, that module (a ``ModuleList`` or ``ModuleDict``). Otherwise the container of repeated blocks
+    holding the most parameters: the transformer layers in every common model. Raises a ``ValueError`` that says
+    what to pass when there is none.
+    """
+    if fqn is not None:
+        try:
+            container = model.get_submodule(fqn)
+        except AttributeError:
+            raise ValueError(
+                f"block_list={fqn!r} names no submodule of {type(model).__name__}. Pass the dotted name of the "
+                f"nn.ModuleList that holds the model's blocks, e.g. {_candidates_hint(model)}."
+            ) from None
+        if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"block_list={fqn!r} is a {type(container).__name__}, not an nn.ModuleList or nn.ModuleDict. "
+                f"Pass the dotted name of the container of blocks."
+            )
+        return fqn, container
+    best: tuple[int, str, nn.Module] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 0:
+            numel = sum(p.numel() for p in module.parameters())
+            if best is None or numel > best[0]:
+                best = (numel, name, module)
+    if best is None or best[0] == 0:
+        raise ValueError(
+            f"{type(model).__name__} has no nn.ModuleList or nn.ModuleDict of blocks with parameters, so lightning_par"
+            f" cannot find its blocks. Keep the model's layers in an nn.ModuleList, or name the shard units with "
+            f"`shard_units=[...]` (class names or FQN globs)."
+        )
+    return best[1], best[2]  # type: ignore[return-value]
+
+
+def _candidates_hint(model: nn.Module) -> str:
+    names = [n for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+    return ", ".join(repr(n) for n in names[:3]) if names else "'model.layers'"
+
+
+def match_modules(model: nn.Module, patterns: Sequence[str], parameter: str) -> list[tuple[str, nn.Module]]:
+    """Modules whose class name equals a pattern or whose FQN matches it as a glob (``model.blocks.*``).
+
+    Every pattern must match at least one module: a pattern that matches nothing is almost always a typo that would
+    otherwise silently change what is sharded, so it raises a ``ValueError`` naming ``parameter``.
+    """
+    matched: dict[str, nn.Module] = {}
+    for pattern in patterns:
+        hits = [
+            (name, module)
+            for name, module in model.named_modules()
+            if name and (type(module).__name__ == pattern or fnmatch.fnmatchcase(name, pattern))
+        ]
+        if not hits:
+            classes = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(
+                f"{parameter}: {pattern!r} matches no module of {type(model).__name__}. Give a class name "
+                f"(one of {classes[:8]}{'...' if len(classes) > 8 else ''}) or an FQN glob such as "
+                f"'model.blocks.*'."
+            )
+        matched.update(hits)
+    # keep model order; a module matched by two patterns is one unit
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted(matched.items(), key=lambda item: order[item[0]])

@@ -1,0 +1,323 @@
+"""The Lightning adapter every lightning_par strategy derives from.
+
+It owns what Lightning expects of a strategy: launching (Lightning's own subprocess launcher, torchrun, SLURM
+through its cluster environments), the process group, the ParallelDims mesh, the data-parallel sampler,
+collectives for logging, meta-device materialization, and sharded checkpoints. *What* is done to the model is the
+subclass's ``parallelize`` (see :class:`~lightning_par.strategies.nd.NDParallelStrategy`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_par import checkpoint as ckpt
+from lightning_par.dims import ParallelDims
+from lightning_par.strategies.precision import to_parallel_precision
+
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+class BaseParallelStrategy(ParallelStrategy):
+    """Lightning plumbing shared by all lightning_par strategies; subclasses implement :meth:`parallelize`.
+
+    Args:
+        dims: the layout; its product must equal ``num_nodes * devices``.
+        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default.
+        timeout: seconds (or a ``timedelta``) a collective may wait before the job fails instead of hanging.
+    """
+
+    def __init__(
+        self,
+        dims: ParallelDims,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = 1800.0,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if not isinstance(dims, ParallelDims):
+            raise TypeError(f"dims must be a lightning_par.ParallelDims, got {type(dims).__name__}")
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            if timeout <= 0:
+                raise ValueError(f"timeout={timeout} must be a positive number of seconds, e.g. timeout=600.")
+            timeout = timedelta(seconds=float(timeout))
+        if not isinstance(timeout, timedelta):
+            raise TypeError(f"timeout={timeout!r} must be seconds (a number) or a datetime.timedelta.")
+        if process_group_backend is not None and process_group_backend not in ("nccl", "gloo", "mpi", "xccl"):
+            raise ValueError(
+                f"process_group_backend={process_group_backend!r} is not a torch.distributed backend. "
+                f"Use 'nccl' on CUDA, 'gloo' on CPU, or leave it None to choose by accelerator."
+            )
+        self.dims = dims
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+
+    # ---- what Lightning asks of a parallel strategy -------------------------------------------------------
+    @property
+    def is_distributed(self) -> bool:  # makes Lightning add a DistributedSampler (see distributed_sampler_kwargs)
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self.dims.world_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Only data-parallel ranks read different samples; TP/CP/PP ranks of one replica read the same ones."""
+        return {"num_replicas": self.dims.dp_size, "rank": self.dims.mesh("dp").get_local_rank()}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:  # sharded state can only be loaded into the sharded model
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:  # load_checkpoint restores the optimizers itself
+        return False
+
+    # ---- validation before anything is launched -----------------------------------------------------------
+    def _configure_launcher(self) -> None:
+        # Lightning calls this in Trainer.__init__ on every process, after accelerator, devices and precision are
+        # known and before any process group exists: the place to refuse a bad configuration on every rank.
+        self._validate_configuration()
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _validate_configuration(self) -> None:
+        world_size = self.num_nodes * self.num_processes
+        self.dims = self.dims.resolve(world_size)
+        device_type = self.root_device.type
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        if backend == "nccl" and device_type != "cuda":
+            raise ValueError(
+                f"process_group_backend='nccl' needs CUDA devices, but the accelerator is {device_type!r}. "
+                f"Use process_group_backend='gloo' (or leave it None) on CPU, or run with accelerator='cuda'."
+            )
+        self._process_group_backend = backend
+        self.precision_plugin = to_parallel_precision(self.precision_plugin, device_type)
+
+    # ---- process group and mesh ---------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        self.dims.build_mesh(self.root_device.type)
+        self.precision_plugin.pipeline_group = self.dims.mesh("pp").get_group() if self.dims.pp > 1 else None
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self.dims.world_mesh
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ---- model setup --------------------------------------------------------------------------------------
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``empty_init=True`` (``trainer.init_module(empty_init=True)``) creates parameters on the meta device;
+        they are materialized shard by shard after :meth:`parallelize`, so no rank ever holds the full model."""
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.parallelize(self.model)
+        self._materialize(self.model)
+        self._check_data_parallel_consistency(self.model)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def parallelize(self, module: pl.LightningModule) -> None:
+        """Apply the strategy's techniques to ``module`` in place. The base class applies none."""
+
+    def _materialize(self, module: nn.Module) -> None:
+        _materialize_distributed_module(module, self.root_device)
+        self.model_to_device()
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _check_data_parallel_consistency(self, module: nn.Module) -> None:
+        """Refuse a model that would train silently wrong: with several ranks holding the same weights (data or
+        context parallel), every parameter must be managed over those ranks (a DTensor whose mesh spans them),
+        else each rank trains its own copy and the replicas drift apart without any error."""
+        if self.dims.dp_replicate * self.dims.dp_shard * self.dims.cp == 1:
+            return
+        replica_ranks = set(self.dims.mesh("dp_cp").mesh.flatten().tolist())
+        for name, param in module.named_parameters():
+            mesh_ranks = set(param.device_mesh.mesh.flatten().tolist()) if isinstance(param, DTensor) else set()
+            if not replica_ranks <= mesh_ranks:
+                raise ValueError(
+                    f"Parameter {name!r} is neither sharded nor replicated over the data-parallel ranks "
+                    f"{sorted(replica_ranks)} (it is a {'DTensor on ranks ' + str(sorted(mesh_ranks)) if mesh_ranks else 'plain tensor'}): each rank would train its own copy. "
+                    f"If you parallelize by hand in `configure_model`, apply `fully_shard(..., "
+                    f"mesh=self.device_mesh['dp_shard_cp'])` to the whole model; or leave `configure_model` free of "
+                    f"parallelization and let the strategy apply it."
+                )
+
+    # ---- steps --------------------------------------------------------------------------------------------
+    def _register_step_methods(self, module: nn.Module) -> None:
+        """Lightning calls ``training_step`` etc., not ``forward``; FSDP's root hooks must run around them."""
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        for name in _STEP_METHODS:
+            if hasattr(module, name):
+                register_fsdp_forward_method(module, name)
+
+    # ---- collectives --------------------------------------------------------------------------------------
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ---- failures -----------------------------------------------------------------------------------------
+    def on_exception(self, exception: BaseException) -> None:
+        """Name the failing rank on stderr, and end the other local ranks now rather than at the timeout."""
+        print(
+            f"[lightning_par] rank {self.global_rank} failed: {type(exception).__name__}: {exception}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if isinstance(self._launcher, _SubprocessScriptLauncher) and self.local_rank == 0:
+            self._launcher.kill(9)
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # done in load_checkpoint, where the sharded model exists
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        return get_optimizer_state_dict(self.model, optimizer)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # done in load_checkpoint
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes DCP).")
+        path = Path(self.broadcast(str(filepath)))
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
+            tensors[f"optimizer_{i}"] = state
+        ckpt.save_sharded(tensors, checkpoint, path)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = ckpt.check_complete(self.broadcast(os.fspath(checkpoint_path)))
+        assert self.model is not None
+        model_sd = get_model_state_dict(self.model)
+        ckpt.check_same_model(path, {k: v.shape for k, v in model_sd.items() if isinstance(v, Tensor)})
+        tensors: dict[str, Any] = {"state_dict": model_sd}
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        for i, optimizer in enumerate(optimizers):
+            tensors[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
+        meta = ckpt.load_sharded(tensors, path)
+        set_model_state_dict(self.model, tensors["state_dict"])
+        for i, optimizer in enumerate(optimizers):
+            set_optimizer_state_dict(self.model, optimizer, tensors[f"optimizer_{i}"])
+        return meta

@@ -1,0 +1,135 @@
+"""NDParallelStrategy: the one engine. Every lightning_par strategy is this class with some sizes fixed.
+
+The recipe, in the order it is applied (each step wraps what the earlier ones produced, as in torchtitan):
+
+1. pipeline split: cut the block list into stages      (pp)   -- planned, see README "Status"
+2. tensor parallelism of each block and the head        (tp)   -- planned
+3. context parallelism of attention                     (cp)   -- planned
+4. activation checkpointing of each block: before FSDP, so FSDP's all-gather hooks run around the recompute
+5. FSDP2 ``fully_shard`` of each shard unit, then of the root (the LightningModule): last, because it shards
+   whatever parameters (plain or already DTensor) the earlier steps left
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from lightning_par.dims import ParallelDims
+from lightning_par.parallel.checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.fsdp import apply_fsdp
+from lightning_par.parallel.modules import find_block_list, match_modules
+from lightning_par.strategies.base import BaseParallelStrategy
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False.")
+    return value
+
+
+def is_parallelized(module: nn.Module) -> bool:
+    """Whether ``configure_model`` already parallelized by hand (FSDP2 modules or DTensor parameters)."""
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+
+
+class NDParallelStrategy(BaseParallelStrategy):
+    """Sharded data parallelism (FSDP2/HSDP) and, as they land, tensor, context and pipeline parallelism on one
+    DeviceMesh.
+
+    Args:
+        dp_replicate: replicas of the sharded model (HSDP when > 1 together with ``dp_shard``).
+        dp_shard: ranks each parameter is sharded over (FSDP2). ``-1``: the rest of the world size.
+        cp, tp, pp: context, tensor and pipeline parallel sizes.
+        block_list: dotted name of the model's ``nn.ModuleList`` of blocks; found automatically if omitted.
+        shard_units: FSDP units as class names or FQN globs (``"Block"``, ``"model.blocks.*"``); default: every
+            block of the block list. The LightningModule itself is always the root unit.
+        reshard_after_forward: free gathered parameters after forward (ZeRO-3) or keep them until backward
+            (ZeRO-2-like: less communication, more memory).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy).
+        activation_checkpointing: recompute each block's activations in backward.
+        process_group_backend, timeout: see :class:`BaseParallelStrategy`.
+    """
+
+    def __init__(
+        self,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        cp: int = 1,
+        tp: int = 1,
+        pp: int = 1,
+        *,
+        block_list: str | None = None,
+        shard_units: list[str] | None = None,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        activation_checkpointing: bool = False,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = 1800.0,
+        **lightning_kwargs: Any,
+    ) -> None:
+        dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
+        for name in ("cp", "tp", "pp"):
+            if getattr(dims, name) not in (1,):
+                raise ValueError(
+                    f"{name}={getattr(dims, name)}: this version of lightning_par implements data parallelism "
+                    f"(dp_replicate x dp_shard) only; {name} must be 1 for now."
+                )
+        if shard_units is not None and (
+            isinstance(shard_units, str) or not all(isinstance(u, str) for u in shard_units)
+        ):
+            raise TypeError(f"shard_units={shard_units!r} must be a list of class names or FQN globs, e.g. ['Block'].")
+        if block_list is not None and not isinstance(block_list, str):
+            raise TypeError(f"block_list={block_list!r} must be the dotted name of an nn.ModuleList, e.g. 'model.blocks'.")
+        super().__init__(dims, process_group_backend=process_group_backend, timeout=timeout, **lightning_kwargs)
+        self.block_list = block_list
+        self.shard_units = list(shard_units) if shard_units is not None else None
+        self.reshard_after_forward = _check_bool("reshard_after_forward", reshard_after_forward)
+        self.cpu_offload = _check_bool("cpu_offload", cpu_offload)
+        self.activation_checkpointing = _check_bool("activation_checkpointing", activation_checkpointing)
+
+    def parallelize(self, module: pl.LightningModule) -> None:
+        if is_parallelized(module):
+            # configure_model parallelized by hand (Lightning's ModelParallelStrategy way): respect it; setup then
+            # checks that nothing was left unsharded over the data-parallel ranks.
+            self._register_step_methods(module)
+            return
+        unit_fqns = self._shard_unit_fqns(module)
+        if self.activation_checkpointing:
+            block_fqn, container = find_block_list(module, self.block_list)
+            apply_activation_checkpointing(module, [f"{block_fqn}.{name}" for name in container._modules])
+        if self.dims.fsdp_enabled:
+            bf16_mixed = getattr(self.precision_plugin, "precision", None) == "bf16-mixed"
+            apply_fsdp(
+                module,
+                self.dims.fsdp_mesh(),
+                [module.get_submodule(fqn) for fqn in unit_fqns],
+                reshard_after_forward=self.reshard_after_forward,
+                param_dtype=torch.bfloat16 if bf16_mixed else None,
+                reduce_dtype=torch.float32 if bf16_mixed else None,
+                cpu_offload=self.cpu_offload,
+            )
+            self._register_step_methods(module)
+
+    def _shard_unit_fqns(self, module: nn.Module) -> list[str]:
+        """Resolved before any wrapping, so class names match the user's classes (not checkpoint wrappers)."""
+        if self.shard_units is not None:
+            return [fqn for fqn, _ in match_modules(module, self.shard_units, "shard_units")]
+        block_fqn, container = find_block_list(module, self.block_list)
+        return [f"{block_fqn}.{name}" for name in container._modules]
+
+    def _materialize(self, module: nn.Module) -> None:
+        if self.cpu_offload:  # offloaded shards live in CPU memory; FSDP copies them to the device per unit
+            from lightning.fabric.utilities.init import _materialize_distributed_module
+
+            _materialize_distributed_module(module, torch.device("cpu"))
+            return
+        super()._materialize(module)

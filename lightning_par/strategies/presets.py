@@ -1,0 +1,52 @@
+"""Named presets of NDParallelStrategy: fixed sizes, no logic of their own, one code path."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_par.strategies.nd import NDParallelStrategy
+
+
+class FSDP2Strategy(NDParallelStrategy):
+    """Fully sharded data parallelism (FSDP2, ZeRO-3; ZeRO-2-like with ``reshard_after_forward=False``; HSDP with
+    ``dp_replicate > 1``). Registered as ``"fsdp2"``. See :class:`NDParallelStrategy` for the arguments."""
+
+    def __init__(
+        self,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        *,
+        block_list: str | None = None,
+        shard_units: list[str] | None = None,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        activation_checkpointing: bool = False,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = 1800.0,
+        **lightning_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            dp_replicate=dp_replicate,
+            dp_shard=dp_shard,
+            block_list=block_list,
+            shard_units=shard_units,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+            activation_checkpointing=activation_checkpointing,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            **lightning_kwargs,
+        )
+
+
+def register_strategies() -> None:
+    """Make the strategies available by name: ``Trainer(strategy="fsdp2")``, ``--trainer.strategy=fsdp2``."""
+    for name, cls, description in (
+        ("fsdp2", FSDP2Strategy, "lightning_par FSDP2 (fully_shard) over all ranks"),
+        ("nd_parallel", NDParallelStrategy, "lightning_par N-D parallelism on one DeviceMesh"),
+    ):
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, cls, description=description)

@@ -1,0 +1,162 @@
+"""Worker functions for tests/test_context_attention.py (module level, so spawned ranks can import them).
+
+One launch per world size runs every configuration and returns plain numbers; the parent asserts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_par.parallel.context import (
+    CommCounter,
+    context_parallel_attention,
+    context_parallel_sdpa,
+    shard_sequence,
+    unshard_sequence,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    algorithm: str
+    is_causal: bool
+    load_balance: bool
+    seq_len: int  # global
+    heads: int
+    kv_heads: int
+    head_dim: int = 16
+    batch: int = 2
+    scale: float | None = None
+    transposed: bool = False  # q/k/v are non-contiguous views of a (B, S, H, D) tensor
+    via_sdpa: bool = False  # call through context_parallel_sdpa instead of context_parallel_attention
+
+    def __str__(self) -> str:
+        extras = "".join(
+            f" {k}={getattr(self, k)}"
+            for k in ("scale", "transposed", "via_sdpa")
+            if getattr(self, k) not in (None, False)
+        )
+        return (
+            f"{self.algorithm} causal={self.is_causal} lb={self.load_balance} S={self.seq_len} "
+            f"H={self.heads} Hkv={self.kv_heads}{extras}"
+        )
+
+
+def cases_for(cp: int) -> list[Case]:
+    """Both algorithms x causal/not x load balance on/off x a few shapes (one with GQA), plus odd corners."""
+    shapes = [(2 * cp, 2, 2), (10 * cp, 4, 4), (32 * cp // 2, 4, 2)]  # (global S, H, Hkv): local 2, 10, 16
+    cases = [
+        Case(alg, causal, lb, s, h, hkv)
+        for alg in ("ring", "allgather")
+        for causal in (False, True)
+        for lb in (True, False)
+        for s, h, hkv in shapes
+    ]
+    cases += [Case(alg, causal, False, 3 * cp, 2, 1) for alg in ("ring", "allgather") for causal in (False, True)]
+    cases += [
+        Case("ring", True, True, 8 * cp, 4, 2, scale=0.3),
+        Case("allgather", True, True, 8 * cp, 2, 2, head_dim=8, transposed=True),
+        Case("ring", True, True, 4 * cp, 4, 4, transposed=True, via_sdpa=True),
+    ]
+    return cases
+
+
+def _run_case(case: Case, seed: int, group: dist.ProcessGroup | None) -> dict:
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    g = torch.Generator().manual_seed(seed)  # same seed on every rank: every rank builds the same global tensors
+
+    def make(heads: int) -> torch.Tensor:
+        if case.transposed:
+            return torch.randn(case.batch, case.seq_len, heads, case.head_dim, generator=g).transpose(1, 2)
+        return torch.randn(case.batch, heads, case.seq_len, case.head_dim, generator=g)
+
+    q, k, v, dout = make(case.heads), make(case.kv_heads), make(case.kv_heads), make(case.heads)
+
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    gqa = case.heads != case.kv_heads
+    ref_out = F.scaled_dot_product_attention(*ref, is_causal=case.is_causal, scale=case.scale, enable_gqa=gqa)
+    ref_out.backward(dout)
+
+    def shard(t: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(t, 2, rank, cp, case.load_balance)
+
+    if case.transposed:  # shard along S of the (B, S, H, D) storage, then view as (B, H, S, D): non-contiguous
+        local = [shard_sequence(t.transpose(1, 2), 1, rank, cp, case.load_balance).transpose(1, 2) for t in (q, k, v)]
+    else:
+        local = [shard(t) for t in (q, k, v)]
+    local = [t.detach().requires_grad_() for t in local]
+    counter = CommCounter()
+    if case.via_sdpa:
+        attn = context_parallel_sdpa(
+            group, algorithm=case.algorithm, load_balance=case.load_balance, comm_counter=counter
+        )
+        out = attn(*local, is_causal=case.is_causal, scale=case.scale, enable_gqa=gqa)
+    else:
+        out = context_parallel_attention(
+            *local,
+            group=group,
+            is_causal=case.is_causal,
+            algorithm=case.algorithm,
+            load_balance=case.load_balance,
+            scale=case.scale,
+            comm_counter=counter,
+        )
+    out.backward(shard(dout))
+    diffs = {"out": (out - shard(ref_out)).abs().max().item()}
+    for name, loc, full in zip(("dq", "dk", "dv"), local, ref):
+        diffs[name] = (loc.grad - shard(full.grad)).abs().max().item()
+    return {
+        "case": case,
+        "cp": cp,
+        "diffs": diffs,
+        "bytes": dict(counter.bytes),
+        "calls": dict(counter.calls),
+        "kv_numel": local[1].numel() + local[2].numel(),
+        "itemsize": q.element_size(),
+    }
+
+
+def _bad_inputs(group: dist.ProcessGroup | None) -> dict[str, str]:
+    """Each bad call must raise ValueError on every rank BEFORE communicating (else this launch would hang)."""
+    q = torch.randn(1, 2, 3, 8)  # local length 3: odd, so the global length cannot split into 2*cp chunks
+    messages = {}
+    calls = {
+        "odd_local_len": lambda: context_parallel_attention(q, q, q, group=group, is_causal=True),
+        "attn_mask": lambda: context_parallel_attention(q, q, q, torch.ones(3, 3, dtype=torch.bool), group=group),
+        "dropout": lambda: context_parallel_sdpa(group)(q, q, q, dropout_p=0.1),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+            messages[name] = "no error"
+        except ValueError as e:
+            messages[name] = str(e)
+    return messages
+
+
+def parity_worker(cases: list[Case]) -> dict:
+    """Every case on the whole world as the cp group, then extras (unshard, bad inputs, cp sub-groups)."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        results = [_run_case(c, 1000 + i, None) for i, c in enumerate(cases)]
+
+        x = torch.arange(2 * 8 * world * 3.0).view(2, 8 * world, 3)
+        roundtrip = all(
+            torch.equal(unshard_sequence(shard_sequence(x, 1, rank, world, lb), 1, load_balance=lb), x)
+            for lb in (True, False)
+        )
+        extras = {"unshard_roundtrip": roundtrip, "bad_inputs": _bad_inputs(None)}
+
+        if world == 4:  # two cp groups of 2 (like dp=2 x cp=2): ring peers must map group ranks to global ranks
+            groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            mine = groups[rank // 2]
+            sub = [Case(alg, True, True, 16, 2, 2) for alg in ("ring", "allgather")]
+            results += [_run_case(c, 5000 + 10 * (rank // 2) + i, mine) for i, c in enumerate(sub)]
+        return {"results": results, "extras": extras}
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,101 @@
+"""The one multi-process launch helper of the test suite.
+
+``launch(world_size, fn, *args)`` runs ``fn(*args)`` in ``world_size`` fresh processes whose environment looks
+like a torchrun launch (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...), so Lightning picks its
+TorchElasticEnvironment and the processes build one gloo process group. Each rank's return value comes back
+through a file (tensors die with the process that made them). A rank that raises fails the call with that rank's
+traceback; a job that outlives ``timeout`` is killed and fails the call: no test can hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+
+class WorkerError(AssertionError):
+    """One or more ranks failed; the message holds their tracebacks."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun sets for one rank of a single-node job."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict) -> None:
+    os.environ.update(torchrun_env(rank, world_size, port))
+    os.environ.update(env)
+    out = Path(out_dir)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        result = fn(*args)
+        (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent, whatever it is
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise SystemExit(1)
+
+
+def launch(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, env: dict[str, str] | None = None
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` ranks; return the list of per-rank results, rank 0 first.
+
+    ``fn`` must be importable (a module-level function) and return picklable values (CPU tensors are fine).
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="lp_launch_") as out_dir:
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args, env or {}), daemon=False)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        failed_at = None
+        while any(p.is_alive() for p in procs):
+            if time.monotonic() > deadline:
+                break
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > 10:
+                break  # peers of a failed rank get 10 s to fail on their own, then they are killed
+            time.sleep(0.05)
+        timed_out = any(p.is_alive() for p in procs) and failed_at is None
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        out = Path(out_dir)
+        errors = {r: (out / f"rank{r}.err").read_text() for r in range(world_size) if (out / f"rank{r}.err").exists()}
+        if errors or timed_out or any(p.exitcode != 0 for p in procs):
+            parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
+            codes = {r: p.exitcode for r, p in enumerate(procs)}
+            reason = f"timed out after {timeout:.0f}s" if timed_out else "failed"
+            raise WorkerError(f"{world_size}-process job {reason}; exit codes {codes}\n" + "\n".join(parts))
+        return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world_size)]

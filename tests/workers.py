@@ -1,0 +1,108 @@
+"""What the multi-process tests run: a tiny GPT trained by Lightning under a given strategy.
+
+Shared by the parity, checkpoint and reliability tests so that every one of them compares the same thing: the
+loss at each step (averaged over data-parallel ranks) and the full final weights, against one process that sees
+the same global batch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from example_projects.gpt.lit import GPTModule
+from lightning_par import full_state_dict
+
+SEED = 1234
+GLOBAL_BATCH = 8
+TINY_GPT = dict(vocab_size=32, block_size=16, n_layer=3, n_head=4, n_embd=32, lr=1e-2, weight_decay=0.1,
+                warmup_steps=3, max_steps=10)
+
+
+def token_dataset(num_samples: int = 96, seq_len: int = 16, vocab: int = 32) -> TensorDataset:
+    """Learnable sequences: x[t+1] = (5 x[t] + 3) mod vocab, from random starts, with 10% random tokens."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.empty(num_samples, seq_len + 1, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, vocab, (num_samples,), generator=g)
+    for t in range(seq_len):
+        ids[:, t + 1] = (5 * ids[:, t] + 3) % vocab
+    noise = torch.rand(ids.shape, generator=g) < 0.1
+    ids[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=g)
+    return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+class RecordLoss(Callback):
+    """The training loss of every step, averaged over ranks (equal per-rank batches: the global-batch loss)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"].detach().float()
+        self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+
+
+def fit(
+    strategy: Any,
+    devices: int,
+    dp_size: int,
+    max_steps: int = 10,
+    precision: str = "32-true",
+    ckpt_dir: str | None = None,
+    ckpt_every: int | None = None,
+    resume_from: str | None = None,
+    empty_init: bool = False,
+    gradient_clip_val: float | None = None,
+    module_cls: type[pl.LightningModule] = GPTModule,
+    callbacks: list[Callback] | None = None,
+    **model_overrides: Any,
+) -> dict[str, Any]:
+    """Train the tiny GPT; return per-step losses and (rank 0) the full final weights."""
+    pl.seed_everything(SEED, verbose=False)
+    record = RecordLoss()
+    all_callbacks: list[Callback] = [record, *(callbacks or [])]
+    if ckpt_every:
+        all_callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=ckpt_every, save_top_k=-1,
+                                             save_last=True, filename="{step}"))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=max_steps,
+        logger=False, enable_checkpointing=bool(ckpt_every), enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=all_callbacks, default_root_dir=ckpt_dir or os.getcwd(),
+        gradient_clip_val=gradient_clip_val,
+    )
+    with trainer.init_module(empty_init=empty_init):
+        model = module_cls(**{**TINY_GPT, "max_steps": max_steps, **model_overrides})
+    loader = DataLoader(token_dataset(), batch_size=GLOBAL_BATCH // dp_size, shuffle=True)
+    trainer.fit(model, loader, ckpt_path=resume_from)
+    return {"losses": record.losses, "weights": full_state_dict(model), "global_step": trainer.global_step}
+
+
+def fit_reference(max_steps: int = 10, gradient_clip_val: float | None = None, **model_overrides: Any) -> dict:
+    """One process, the whole global batch, the same sample order as a DistributedSampler over any dp size."""
+    pl.seed_everything(SEED, verbose=False)
+    record = RecordLoss()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[record], use_distributed_sampler=False, gradient_clip_val=gradient_clip_val,
+    )
+    model = GPTModule(**{**TINY_GPT, "max_steps": max_steps, **model_overrides})
+    data = token_dataset()
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+    trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler))
+    return {"losses": record.losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), f"parameter names differ: {sorted(set(a) ^ set(b))}"
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def max_loss_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), f"step counts differ: {len(a)} vs {len(b)}"
+    return max(abs(x - y) for x, y in zip(a, b))
