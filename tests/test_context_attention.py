@@ -1,7 +1,7 @@
 """Context-parallel attention: parity with full SDPA (real gloo processes), sharding helpers, bad inputs, bytes.
 
 Multi-process tests share one launch per world size (a launch costs seconds); everything else is single process.
-Run from the repository root (``python -m pytest`` or ``PYTHONPATH=.``) so spawned ranks can import ``tests.*``.
+(pyproject puts the repo root and tests/ on sys.path, so spawned ranks can import ``context_workers``.)
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from context_workers import Case, cases_for, parity_worker
+from launch import launch
 
 from lightning_par.parallel.context import (
     context_parallel_attention,
@@ -21,8 +23,6 @@ from lightning_par.parallel.context import (
     shard_sequence,
 )
 from lightning_par.parallel.context_sharding import block_plan
-from tests.context_workers import Case, cases_for, parity_worker
-from tests.launch import launch
 
 TOL = 1e-5
 
@@ -203,7 +203,7 @@ def _err(**overrides) -> str:
             {"q": torch.randn(1, 4, 7, 16), "k": torch.randn(1, 2, 7, 16), "v": torch.randn(1, 2, 7, 16)},
             r"local sequence length 7 is inconsistent with cp = 1.*multiple of 2.*load_balance=False",
         ),
-        ({"k": torch.randn(1, 2, 6, 16)}, r"q and k local sequence lengths differ"),
+        ({"k": torch.randn(1, 2, 6, 16), "v": torch.randn(1, 2, 6, 16)}, r"q and k local sequence lengths differ"),
         ({"v": torch.randn(1, 2, 4, 16)}, r"q, k, v shapes do not match"),
         ({"k": torch.randn(1, 2, 8, 32)}, r"q, k, v shapes do not match"),
         ({"k": torch.randn(2, 2, 8, 16), "v": torch.randn(2, 2, 8, 16)}, r"q, k, v shapes do not match"),

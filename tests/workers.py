@@ -20,7 +20,7 @@ from lightning_par import full_state_dict
 
 SEED = 1234
 GLOBAL_BATCH = 8
-TINY_GPT = dict(vocab_size=32, block_size=16, n_layer=3, n_head=4, n_embd=32, lr=1e-2, weight_decay=0.1,
+TINY_GPT = dict(vocab_size=32, block_size=16, n_layer=3, n_head=4, n_embd=32, lr=3e-3, weight_decay=0.1,
                 warmup_steps=3, max_steps=10)
 
 
@@ -34,6 +34,14 @@ def token_dataset(num_samples: int = 96, seq_len: int = 16, vocab: int = 32) -> 
     noise = torch.rand(ids.shape, generator=g) < 0.1
     ids[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=g)
     return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+class SGDGPT(GPTModule):
+    """The tiny GPT with plain SGD: updates scale with the gradient, so a wrong clipping norm shows in the weights
+    (Adam would hide it: it is nearly invariant to the gradient's scale)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
 class RecordLoss(Callback):
@@ -82,7 +90,12 @@ def fit(
     return {"losses": record.losses, "weights": full_state_dict(model), "global_step": trainer.global_step}
 
 
-def fit_reference(max_steps: int = 10, gradient_clip_val: float | None = None, **model_overrides: Any) -> dict:
+def fit_reference(
+    max_steps: int = 10,
+    gradient_clip_val: float | None = None,
+    module_cls: type[pl.LightningModule] = GPTModule,
+    **model_overrides: Any,
+) -> dict:
     """One process, the whole global batch, the same sample order as a DistributedSampler over any dp size."""
     pl.seed_everything(SEED, verbose=False)
     record = RecordLoss()
@@ -91,7 +104,7 @@ def fit_reference(max_steps: int = 10, gradient_clip_val: float | None = None, *
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=[record], use_distributed_sampler=False, gradient_clip_val=gradient_clip_val,
     )
-    model = GPTModule(**{**TINY_GPT, "max_steps": max_steps, **model_overrides})
+    model = module_cls(**{**TINY_GPT, "max_steps": max_steps, **model_overrides})
     data = token_dataset()
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)
     trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler))

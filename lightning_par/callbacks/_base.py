@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
 from lightning_par.callbacks.summary import log_on_rank_zero, summarize_across_ranks
+
+_overhead_s = [0.0]  # seconds this process has spent in the monitors' own summaries, logging and trace analysis
+
+
+def monitor_overhead_s() -> float:
+    """Total time this process spent in monitor bookkeeping, so timing metrics can leave it out."""
+    return _overhead_s[0]
+
+
+@contextmanager
+def monitor_overhead() -> Iterator[None]:
+    """Count the enclosed time as monitor overhead (excluded from the step and data-wait times)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        _overhead_s[0] += time.perf_counter() - t0
 
 
 def check_positive_int(name: str, value: Any, allow_none: bool = False, minimum: int = 1) -> None:
@@ -38,7 +57,8 @@ class RankSummaryCallback(Callback):
 
     def _publish(self, trainer: Any, values: Mapping[str, float | None], names: Sequence[str]) -> dict[str, float]:
         """Collective on every rank, then rank-0 logging. Returns the summary (same on every rank)."""
-        self._last_logged_step = trainer.global_step
-        summary = summarize_across_ranks(values, names)
-        log_on_rank_zero(trainer, summary)
+        with monitor_overhead():
+            self._last_logged_step = trainer.global_step
+            summary = summarize_across_ranks(values, names)
+            log_on_rank_zero(trainer, summary)
         return summary

@@ -108,7 +108,7 @@ def exposed(compute: Sequence[Interval], comm: Sequence[Interval]) -> float:
 
 def idle_fraction(busy: Sequence[Interval], window: Interval) -> float:
     """Share of ``window`` where none of ``busy`` is active (HTA's idle time over the window)."""
-    (start, end), = _check([window], "window")
+    ((start, end),) = _check([window], "window")
     if end == start:
         return math.nan
     return 1.0 - total(clip(busy, window)) / (end - start)

@@ -71,7 +71,8 @@ class NvmlSampler:
         self.interval_s = interval_s
         self.nvml.nvmlInit()
         self.handle = nvml_handle(self.nvml, device_index)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the sums
+        self._sample_lock = threading.Lock()  # one sample at a time (the thread, or read() topping up)
         self._sums: dict[str, float] = defaultdict(float)
         self._counts: dict[str, int] = defaultdict(int)
         self._disabled: set[str] = set()
@@ -124,6 +125,10 @@ class NvmlSampler:
     # --- sampling ----------------------------------------------------------------------------------------------
     def sample(self) -> None:
         """Take one sample of every supported metric (the thread calls this; tests may call it directly)."""
+        with self._sample_lock:
+            self._sample()
+
+    def _sample(self) -> None:
         nv, h = self.nvml, self.handle
         values: dict[str, float] = {}
         util = self._try("util", nv.nvmlDeviceGetUtilizationRates, h)
@@ -156,7 +161,14 @@ class NvmlSampler:
                 self._counts[k] += 1
 
     def read(self) -> dict[str, float]:
-        """Means since the last read, and ``energy_j``: joules used since the last read (NVML's energy counter)."""
+        """Means since the last read, and ``energy_j``: joules used since the last read (NVML's energy counter).
+
+        An interval shorter than the polling period gets one sample taken here, so it is never empty.
+        """
+        with self._lock:
+            empty = not self._counts
+        if empty:
+            self.sample()
         with self._lock:
             out = {k: self._sums[k] / n for k, n in self._counts.items() if n}
             self._sums.clear()

@@ -57,6 +57,7 @@ DEFAULT_CONTEXT_RULES: tuple[tuple[str, str], ...] = (
 )
 
 _MARK = "lightning_par::step"  # the annotation the overlap monitor puts around each measured step
+MONITOR_MARK = "lightning_par::monitor"  # around the monitors' own collectives, which the analysis leaves out
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,7 @@ def classify(
 
     ``device_index`` keeps only that GPU's streams (a rank's profile can hold other devices' events);
     ``rules`` are ``(substring, kind)`` pairs for the annotations around the point a collective was issued.
+    Communication issued inside a ``lightning_par::monitor`` range (the monitors' own summaries) is left out.
     """
     for pattern, kind in rules:
         if not isinstance(pattern, str) or not pattern:
@@ -208,33 +210,25 @@ def classify(
     gloo_threads = {ev.track for ev in events if not ev.on_gpu and _gloo_op(ev.name) not in (None, "send", "recv")}
 
     compute_by_track: dict[Any, list[Interval]] = defaultdict(list)
-    comm_by_track: dict[Any, list[Interval]] = defaultdict(list)
     other_busy: list[Interval] = []
-    by_kind: dict[str, list[Interval]] = defaultdict(list)
     steps: list[Interval] = []
     enqueues: list[TraceEvent] = []
-    gloo_colls: list[TraceEvent] = []
     launches: dict[int, TraceEvent] = {}
-
+    comm_events: list[TraceEvent] = []
     for ev in events:
         if ev.on_gpu:
             if device_index is not None and ev.track[0] != device_index:
                 continue
-            if ev.activity == "kernel":
-                (comm_by_track if _is_nccl_kernel(ev) else compute_by_track)[ev.track].append((ev.start, ev.end))
+            if _is_nccl_kernel(ev):
+                comm_events.append(ev)
+            elif ev.activity == "kernel":
+                compute_by_track[ev.track].append((ev.start, ev.end))
             elif ev.activity in ("gpu_memcpy", "gpu_memset"):
                 other_busy.append((ev.start, ev.end))
-            continue
-        op = _gloo_op(ev.name)
-        if ev.name == _MARK:
+        elif ev.name == _MARK:
             steps.append((ev.start, ev.end))
-        elif op is not None:
-            comm_by_track[ev.track].append((ev.start, ev.end))
-            if op in ("send", "recv"):  # runs on the calling thread: its own context tells the kind
-                stack = contexts.stack(ev.track, ev.start)
-                by_kind[_kind("p2p", stack, False, rules)].append((ev.start, ev.end))
-            else:
-                gloo_colls.append(ev)
+        elif _gloo_op(ev.name) is not None:
+            comm_events.append(ev)
         elif ev.activity in ("cuda_runtime", "cuda_driver"):
             if ev.correlation:
                 launches[ev.correlation] = ev
@@ -244,43 +238,49 @@ def classify(
             if not gpu_trace and not _is_comm_bookkeeping(ev.name):
                 compute_by_track[ev.track].append((ev.start, ev.end))
 
-    # gloo collectives: match each to the enqueue it came from, in order, to find where it was issued
+    # where each communication was issued: (thread, instant, family, issued by a functional collective?)
+    issued: dict[int, tuple[Any, int, str, bool]] = {}
     enqueues = _outermost(enqueues)
     used = [False] * len(enqueues)
     runs_as = [_GLOO_RUNS_AS.get(_family(e.name), {_family(e.name)}) for e in enqueues]
     first_free = 0
-    for ev in sorted(gloo_colls, key=lambda e: e.start):
+    for idx, ev in sorted(enumerate(comm_events), key=lambda ie: ie[1].start):
+        if ev.on_gpu:  # NCCL kernel: the launching runtime call (same correlation id) tells where
+            launch = launches.get(ev.correlation)
+            if launch is not None:
+                stack = contexts.stack(launch.track, launch.start)
+                issued[idx] = (launch.track, launch.start, _family(ev.name), any("functional" in n for n in stack))
+            continue
         fam = _family(ev.name[5:])
-        match = None
-        for i in range(first_free, len(enqueues)):
+        if fam == "p2p":  # gloo send/recv run on the calling thread: their own context tells the kind
+            issued[idx] = (ev.track, ev.start, fam, False)
+            continue
+        for i in range(first_free, len(enqueues)):  # gloo collective: the oldest unmatched compatible enqueue
             if enqueues[i].start > ev.start:
                 break
             if not used[i] and fam in runs_as[i]:
-                match = i
+                used[i] = True
+                while first_free < len(used) and used[first_free]:
+                    first_free += 1
+                enq = enqueues[i]
+                issued[idx] = (enq.track, enq.start, _family(enq.name), "functional" in enq.name)
                 break
-        if match is None:
-            by_kind[_kind(fam, [], False, rules)].append((ev.start, ev.end))
-            continue
-        used[match] = True
-        while first_free < len(used) and used[first_free]:
-            first_free += 1
-        enq = enqueues[match]
-        stack = contexts.stack(enq.track, enq.start)
-        functional = "functional" in enq.name
-        by_kind[_kind(_family(enq.name), stack, functional, rules)].append((ev.start, ev.end))
 
-    # NCCL kernels: the launching runtime call's thread and time give the context
-    for ev in events:
-        if not _is_nccl_kernel(ev) or (device_index is not None and ev.track[0] != device_index):
-            continue
-        launch = launches.get(ev.correlation)
-        fam = _family(ev.name)
-        if launch is None:
-            by_kind[_kind(fam, [], False, rules)].append((ev.start, ev.end))
-            continue
-        stack = contexts.stack(launch.track, launch.start)
-        functional = any("functional" in n for n in stack)
-        by_kind[_kind(fam, stack, functional, rules)].append((ev.start, ev.end))
+    comm_by_track: dict[Any, list[Interval]] = defaultdict(list)
+    by_kind: dict[str, list[Interval]] = defaultdict(list)
+    for idx, ev in enumerate(comm_events):
+        span = (ev.start, ev.end)
+        if idx in issued:
+            track, t, fam, functional = issued[idx]
+            stack = contexts.stack(track, t)
+            if any(MONITOR_MARK in n for n in stack):
+                compute_by_track[ev.track] = subtract(compute_by_track.get(ev.track, []), [span])
+                continue
+            kind = _kind(fam, stack, functional, rules)
+        else:
+            kind = _kind(_family(ev.name[5:] if ev.name.startswith("gloo:") else ev.name), [], False, rules)
+        comm_by_track[ev.track].append(span)
+        by_kind[kind].append(span)
 
     compute: list[Interval] = []
     comm: list[Interval] = []

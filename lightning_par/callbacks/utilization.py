@@ -6,8 +6,11 @@ interval host time per step equals device time per step. For each training batch
 
 - compute part = ``on_train_batch_start`` -> ``on_train_batch_end`` (forward, backward, optimizer step);
 - data wait = the end of this monitor's previous ``on_train_batch_end`` -> ``on_train_batch_start``: fetching the
-  next batch plus the loop's own overhead (and other callbacks' batch-end hooks that run after this one);
-- step time = compute part + data wait. This monitor's own logging is outside both.
+  next batch plus the loop's own overhead (and other, non-monitor callbacks' batch-end hooks after this one);
+- step time = compute part + data wait.
+
+Time the monitors spend on themselves (this one's logging, the overlap monitor's trace analysis, the memory
+monitor's summaries) is left out of both, whatever the callbacks' order.
 
 The first batch of each epoch and the first after validation have no data wait to measure and are skipped.
 """
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lightning_par.callbacks._base import RankSummaryCallback
+from lightning_par.callbacks._base import RankSummaryCallback, monitor_overhead_s
 from lightning_par.callbacks.nvml import NVML_FIELDS, NvmlSampler
 
 IntOrFn = int | Callable[[Any], int]
@@ -158,6 +161,7 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
         self._reset_interval()
         self._t_start: float | None = None
         self._t_resume: float | None = None
+        self._o_start = self._o_resume = 0.0
 
     # --- setup -------------------------------------------------------------------------------------------------
     def _reset_interval(self) -> None:
@@ -212,6 +216,7 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
     # --- per batch ---------------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._t_start = time.perf_counter()
+        self._o_start = monitor_overhead_s()
 
     def _value(self, spec: Any, default: Callable[[Any], int | None], batch: Any) -> float | None:
         if spec is None:
@@ -223,11 +228,13 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
         return None if v is None else float(v)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        t_end = time.perf_counter()
+        t_end, o_end = time.perf_counter(), monitor_overhead_s()
         if self._t_start is not None and self._t_resume is not None:
-            wait = self._t_start - self._t_resume
+            # other monitors' bookkeeping (trace analysis, summaries) is not training time: leave it out
+            wait = max(0.0, (self._t_start - self._t_resume) - (self._o_start - self._o_resume))
+            compute = max(0.0, (t_end - self._t_start) - (o_end - self._o_start))
             self._steps += 1
-            self._step_s += (t_end - self._t_start) + wait
+            self._step_s += compute + wait
             self._wait_s += wait
             samples = self._value(self.batch_size, default_batch_size, batch)
             tokens = self._value(self.tokens_per_batch, default_num_tokens, batch)
@@ -242,7 +249,7 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
         if self._is_logging_step(trainer):
             self._publish(trainer, self._interval_values(), self._names)
             self._reset_interval()
-        self._t_resume = time.perf_counter()
+        self._t_resume, self._o_resume = time.perf_counter(), monitor_overhead_s()
 
     def _interval_values(self) -> dict[str, float | None]:
         v: dict[str, float | None] = {"perf/cpu_percent": self._process.cpu_percent(None) if self._process else None}
@@ -263,4 +270,4 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
             v.update({f"gpu/{k}": val for k, val in gpu.items()})
             if energy is not None and self._steps:
                 v["gpu/energy_j_per_step"] = energy / self._steps
-        return {k: (None if val is None or (isinstance(val, float) and math.isinf(val)) else val) for k, val in v.items()}
+        return {k: (None if val is None or math.isinf(val) else val) for k, val in v.items()}

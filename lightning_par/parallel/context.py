@@ -10,8 +10,9 @@ the exact attention over the whole sequence. Two ways to move K/V, same block ma
 - ``"allgather"``: one all-gather of K/V (cp x the K/V memory for a moment, one collective); backward gathers
   again and reduce-scatters dK/dV to their owners.
 
-Plain torch.distributed (gloo and NCCL), no Lightning. On CPU each block is fp32 matmuls; on CUDA it calls the
-fused memory-efficient SDPA kernel, which returns the lse we need (that path is not exercised by the CPU tests).
+Plain torch.distributed (gloo and NCCL), no Lightning. On CPU each block is plain matmuls in fp32 (fp64 for fp64
+inputs); on CUDA it calls torch's fused memory-efficient SDPA kernel, which returns the lse we need (that path is
+not exercised by the CPU tests).
 """
 
 from __future__ import annotations
@@ -105,21 +106,26 @@ def _fold_kv_grad(d: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return d if d.size(1) == kv_heads else d.unflatten(1, (kv_heads, -1)).sum(2)
 
 
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: fp32 for half/bf16/fp32 inputs, fp64 stays fp64."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    s = (q.float() @ k.float().transpose(-2, -1)) * scale
+    s = (q.to(_acc(q)) @ k.to(_acc(q)).transpose(-2, -1)) * scale
     if causal:
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
     return s
 
 
 def _fused(q: torch.Tensor) -> bool:
-    return q.is_cuda and USE_FUSED_CUDA_KERNELS
+    return q.is_cuda and USE_FUSED_CUDA_KERNELS and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T * scale) v for one block, plus lse = log(sum exp(scores)) per query row (both fp32)."""
+    """softmax(q k^T * scale) v for one block, plus lse = log(sum exp(scores)) per query row (fp32 or fp64)."""
     k, v = _expand_kv(k, v, q.size(1))
     if _fused(q):
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
@@ -128,7 +134,7 @@ def _block_forward(
         return out.float(), lse[..., : q.size(2)].float()  # the kernel may pad lse's rows to a multiple of 32
     s = _scores(q, k, scale, causal)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse.unsqueeze(-1)) @ v.float(), lse
+    return torch.exp(s - lse.unsqueeze(-1)) @ v.to(s.dtype), lse
 
 
 def _block_backward(
@@ -156,11 +162,11 @@ def _block_backward(
         dq, dk, dv = dq.float(), dk.float(), dv.float()
     else:
         p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
-        do = dout.float()
+        do = dout.to(p.dtype)
         dv = p.transpose(-2, -1) @ do
         # d(scores) = P * (dP - rowsum(dO * O)): rowsum(P * dP) over ALL blocks equals rowsum(dO * O).
-        ds = p * (do @ v.float().transpose(-2, -1) - (do * out.float()).sum(-1, keepdim=True)) * scale
-        dq, dk = ds @ k.float(), ds.transpose(-2, -1) @ q.float()
+        ds = p * (do @ v.to(p.dtype).transpose(-2, -1) - (do * out.to(p.dtype)).sum(-1, keepdim=True)) * scale
+        dq, dk = ds @ k.to(p.dtype), ds.transpose(-2, -1) @ q.to(p.dtype)
     return dq, _fold_kv_grad(dk, kv_heads), _fold_kv_grad(dv, kv_heads)
 
 
@@ -298,8 +304,8 @@ def _exchange(s: _Setup, phase: str) -> _Ring | _AllGather:
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: _Setup) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, n, _ = q.shape
-    out = q.new_zeros((b, h, n, v.size(-1)), dtype=torch.float32)
-    lse = q.new_full((b, h, n), float("-inf"), dtype=torch.float32)
+    out = q.new_zeros((b, h, n, v.size(-1)), dtype=_acc(q))
+    lse = q.new_full((b, h, n), float("-inf"), dtype=_acc(q))
     for src, kv in _exchange(s, "forward").kv_blocks(_pack(k, v)):
         blk = block_plan(s.rank, src, s.size, n, s.is_causal, s.load_balance)
         if blk is None:
@@ -312,10 +318,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: _Setup) -> tu
 
 def _backward(dout, q, k, v, out, lse, s: _Setup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = q.size(2)
-    dq = torch.zeros_like(q, dtype=torch.float32)
+    dq = torch.zeros_like(q, dtype=_acc(q))
     ex = _exchange(s, "backward")
     for src, kv in ex.kv_blocks(_pack(k, v)):
-        dkv = kv.new_zeros(kv.numel(), dtype=torch.float32)  # accumulated and sent in fp32
+        dkv = kv.new_zeros(kv.numel(), dtype=_acc(kv))  # accumulated and sent in fp32 (fp64 for fp64 inputs)
         blk = block_plan(s.rank, src, s.size, n, s.is_causal, s.load_balance)
         if blk is not None:
             (kb, vb), (dkb, dvb), r, c = _unpack(kv, k, v), _unpack(dkv, k, v), blk.q, blk.kv
@@ -344,7 +350,7 @@ class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_backward(dout, q, k, v, out, lse, ctx.setup), None)
+        return (*_backward(dout.contiguous(), q, k, v, out, lse, ctx.setup), None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -387,8 +393,8 @@ def _validate(q, k, v, attn_mask, algorithm, load_balance, scale, cp_size) -> No
         )
     if q.size(1) % k.size(1) != 0:
         raise ValueError(
-            f"q heads ({q.size(1)}) must be a multiple of k/v heads ({k.size(1)}) for grouped-query "
-            f"attention: {shapes}."
+            f"q heads ({q.size(1)}) must be a multiple of k/v heads ({k.size(1)}) for grouped-query attention: "
+            f"{shapes}. Give k and v a head count that divides the query head count."
         )
     n, chunks = q.size(2), 2 * cp_size if load_balance else cp_size
     if n == 0 or (load_balance and n % 2 != 0):
@@ -451,6 +457,13 @@ def context_parallel_sdpa(
     comm_counter: CommCounter | None = None,
 ) -> Callable[..., torch.Tensor]:
     """A drop-in for ``F.scaled_dot_product_attention`` bound to a cp group: route a model's attention through it.
+
+    The model then sees only its shard of every sequence: shard the inputs and targets with
+    ``shard_sequence(x, seq_dim, cp_rank, cp_size, load_balance)``, take position embeddings / rotary angles at
+    ``sequence_positions(...)``, and average the loss over the cp ranks too. For example::
+
+        attn = context_parallel_sdpa(mesh["cp"].get_group())
+        y = attn(q, k, v, is_causal=True)  # q, k, v: (B, H, S / cp, D), this rank's tokens
 
     With a cp group of size 1 it returns ``F.scaled_dot_product_attention`` itself (same layout, fastest kernel).
     """

@@ -20,7 +20,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
 ) -> None:
-    """Shard each unit, then the root (which takes every parameter no unit holds), with ``fully_shard``.
+    """Shard each unit (given in model order), then the root (which takes every parameter no unit holds), with ``fully_shard``.
 
     ``mesh`` is 1-D for FSDP and 2-D ``(replicate, shard)`` for HSDP. ``reshard_after_forward=False`` keeps the
     gathered parameters between forward and backward (ZeRO-2-like: less communication, more memory). The last unit
@@ -31,9 +31,10 @@ def apply_fsdp(
     offload_policy: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     )
-    for i, unit in enumerate(units):
+    # children must be sharded before their parents: units come in model (pre-)order, so go backwards
+    for i in reversed(range(len(units))):
         fully_shard(
-            unit,
+            units[i],
             mesh=mesh,
             reshard_after_forward=reshard_after_forward and i < len(units) - 1,
             mp_policy=mp_policy,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import fnmatch
+import re
 from collections.abc import Sequence
+from functools import lru_cache
 
 from torch import nn
 
@@ -49,6 +50,20 @@ def _candidates_hint(model: nn.Module) -> str:
     return ", ".join(repr(n) for n in names[:3]) if names else "'model.layers'"
 
 
+@lru_cache(maxsize=256)
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    """``*`` matches within one dotted segment (``blocks.*`` is each block, not each block's submodules);
+    ``**`` crosses segments."""
+    out = []
+    for part in re.split(r"(\*\*|\*|\?)", pattern):
+        out.append({"**": ".*", "*": "[^.]*", "?": "[^.]"}.get(part, re.escape(part)))
+    return re.compile("".join(out) + r"\Z")
+
+
+def fqn_matches(name: str, pattern: str) -> bool:
+    return _glob_regex(pattern).match(name) is not None
+
+
 def match_modules(model: nn.Module, patterns: Sequence[str], parameter: str) -> list[tuple[str, nn.Module]]:
     """Modules whose class name equals a pattern or whose FQN matches it as a glob (``model.blocks.*``).
 
@@ -60,7 +75,7 @@ def match_modules(model: nn.Module, patterns: Sequence[str], parameter: str) -> 
         hits = [
             (name, module)
             for name, module in model.named_modules()
-            if name and (type(module).__name__ == pattern or fnmatch.fnmatchcase(name, pattern))
+            if name and (type(module).__name__ == pattern or fqn_matches(name, pattern))
         ]
         if not hits:
             classes = sorted({type(m).__name__ for m in model.modules()})

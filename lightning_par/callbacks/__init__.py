@@ -1,0 +1,13 @@
+"""Monitoring callbacks: device utilization, communication overlap, memory; summarized across ranks.
+
+Each callback observes training and never changes it. Per-rank values are gathered with one small ``all_gather``
+per logging step in a hook every rank runs, and logged on rank 0 as ``<name>/min``, ``<name>/max`` and
+``<name>/max_rank`` through the Trainer's loggers. See ``METRICS.md`` in this package for every metric name.
+"""
+
+from lightning_par.callbacks.memory import MemoryMonitor
+from lightning_par.callbacks.overlap import CommOverlapMonitor
+from lightning_par.callbacks.summary import summarize_across_ranks
+from lightning_par.callbacks.utilization import DeviceUtilizationMonitor
+
+__all__ = ["CommOverlapMonitor", "DeviceUtilizationMonitor", "MemoryMonitor", "summarize_across_ranks"]
