@@ -18,11 +18,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import callbacks_workers as W
 import pytest
 import torch
-
-import callbacks_workers as W
 from launch import launch
+
 from lightning_par.callbacks import CommOverlapMonitor, DeviceUtilizationMonitor, MemoryMonitor
 from lightning_par.callbacks import intervals as iv
 from lightning_par.callbacks.nvml import NvmlSampler
@@ -388,9 +388,10 @@ def test_tensorboard_run_local_values_match_the_logged_summary(ddp_tensorboard_r
         lo, hi = sorted([r0[key][name], r1[key][name]])
         assert ddp_tensorboard_run.metrics[f"{name}/min"][9] == pytest.approx(lo, rel=1e-6)
         assert ddp_tensorboard_run.metrics[f"{name}/max"][9] == pytest.approx(hi, rel=1e-6)
-    assert r0["CommOverlapMonitor.last_figure_targets"] == ["tensorboard"] and r1[
-        "CommOverlapMonitor.last_figure_targets"
-    ] == []
+    assert (
+        r0["CommOverlapMonitor.last_figure_targets"] == ["tensorboard"]
+        and r1["CommOverlapMonitor.last_figure_targets"] == []
+    )
 
 
 def test_exported_traces_hold_gloo_collectives(ddp_tensorboard_run):
@@ -695,3 +696,21 @@ def test_real_gpu_nvml_memory_and_kernel_trace(tmp_path):
     assert all(0 <= v <= 1 for v in m["comm/idle_frac/max"].values())
     if "H100" in torch.cuda.get_device_name() or "H200" in torch.cuda.get_device_name():
         assert "gpu/sm_active_pct/max" in m  # Hopper has GPM
+
+
+def test_overlap_single_process_and_skipped_when_another_profiler_runs(tmp_path):
+    from torch.utils.data import DataLoader
+
+    data = W.SlowOnRankDataset(slow_rank=None)
+    mon = overlap_monitor()
+    cpu_trainer(str(tmp_path / "a"), [mon], max_steps=STEPS).fit(W._lightning_module(False, False), DataLoader(data))
+    m = read_csv_metrics(str(tmp_path / "a" / "csv" / "version_0" / "metrics.csv"))
+    assert sorted(m["comm/compute_s_per_step/max"]) == WINDOW_END_STEPS  # one process: compute, no communication
+    assert all(0 <= v <= 1 for v in m["comm/idle_frac/max"].values())
+    assert not any(k.startswith(("comm/overlap_ratio", "comm/time_s/")) for k in m)  # undefined / zero: not logged
+
+    mon = overlap_monitor()
+    trainer = cpu_trainer(str(tmp_path / "b"), [mon], max_steps=STEPS)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        trainer.fit(W._lightning_module(False, False), DataLoader(data))
+    assert mon.last_values == {} and mon.last_summary == {}  # windows skipped, training went on

@@ -62,7 +62,8 @@ def fit(
     max_steps: int = 10,
     precision: str = "32-true",
     ckpt_dir: str | None = None,
-    ckpt_every: int | None = None,
+    ckpt_every_n_steps: int | None = None,
+    num_samples: int = 96,
     resume_from: str | None = None,
     empty_init: bool = False,
     gradient_clip_val: float | None = None,
@@ -74,18 +75,20 @@ def fit(
     pl.seed_everything(SEED, verbose=False)
     record = RecordLoss()
     all_callbacks: list[Callback] = [record, *(callbacks or [])]
-    if ckpt_every:
-        all_callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=ckpt_every, save_top_k=-1,
+    if ckpt_every_n_steps:  # mid-epoch checkpoints, and one at the end of every epoch
+        all_callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=ckpt_every_n_steps, save_top_k=-1,
                                              save_last=True, filename="{step}"))
+        all_callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1,
+                                             filename="epoch_end-{step}", save_on_train_epoch_end=True))
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=max_steps,
-        logger=False, enable_checkpointing=bool(ckpt_every), enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=None, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=all_callbacks, default_root_dir=ckpt_dir or os.getcwd(),
         gradient_clip_val=gradient_clip_val,
     )
     with trainer.init_module(empty_init=empty_init):
         model = module_cls(**{**TINY_GPT, "max_steps": max_steps, **model_overrides})
-    loader = DataLoader(token_dataset(), batch_size=GLOBAL_BATCH // dp_size, shuffle=True)
+    loader = DataLoader(token_dataset(num_samples), batch_size=GLOBAL_BATCH // dp_size, shuffle=True)
     trainer.fit(model, loader, ckpt_path=resume_from)
     return {"losses": record.losses, "weights": full_state_dict(model), "global_step": trainer.global_step}
 
@@ -94,6 +97,7 @@ def fit_reference(
     max_steps: int = 10,
     gradient_clip_val: float | None = None,
     module_cls: type[pl.LightningModule] = GPTModule,
+    num_samples: int = 96,
     **model_overrides: Any,
 ) -> dict:
     """One process, the whole global batch, the same sample order as a DistributedSampler over any dp size."""
@@ -105,7 +109,7 @@ def fit_reference(
         callbacks=[record], use_distributed_sampler=False, gradient_clip_val=gradient_clip_val,
     )
     model = module_cls(**{**TINY_GPT, "max_steps": max_steps, **model_overrides})
-    data = token_dataset()
+    data = token_dataset(num_samples)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)
     trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler))
     return {"losses": record.losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}

@@ -61,11 +61,20 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def rss_bytes() -> int:
-    """Resident set size of this process now."""
+_process: list[Any] = []  # this process's psutil handle, made once
+
+
+def _this_process() -> Any:
     import psutil
 
-    return int(psutil.Process(os.getpid()).memory_info().rss)
+    if not _process or _process[0].pid != os.getpid():  # a forked child gets its own
+        _process[:] = [psutil.Process(os.getpid())]
+    return _process[0]
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now."""
+    return int(_this_process().memory_info().rss)
 
 
 def rss_peak_bytes() -> int:
@@ -220,9 +229,7 @@ class MemoryMonitor(RankSummaryCallback):
             torch.cuda.memory._dump_snapshot(path)
         else:
             path = os.path.join(root, f"rank{rank}_{tag}.json")
-            import psutil
-
-            info = psutil.Process(os.getpid()).memory_full_info()._asdict()
+            info = _this_process().memory_full_info()._asdict()
             report = {
                 "tag": tag,
                 "rank": rank,

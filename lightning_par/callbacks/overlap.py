@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_par.callbacks import intervals as iv
 from lightning_par.callbacks._base import RankSummaryCallback, check_positive_int, monitor_overhead
@@ -121,6 +123,7 @@ class CommOverlapMonitor(RankSummaryCallback):
         self.rules = tuple(rules) + DEFAULT_CONTEXT_RULES
         classify([], self.rules)  # validates the rules now, before any training
         self._prof: Any = None
+        self._active = False  # a window is in progress (recording, or skipped because another profiler runs)
         self._mark: Any = None
         self._warm_left = 0
         self._measured = 0
@@ -136,6 +139,7 @@ class CommOverlapMonitor(RankSummaryCallback):
 
     @property
     def profiling(self) -> bool:
+        """Whether this rank is recording a window now."""
         return self._prof is not None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -147,33 +151,40 @@ class CommOverlapMonitor(RankSummaryCallback):
         return step >= self.start_step and (step - self.start_step) % self.every_n_steps == 0
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self._prof is None:
+        if not self._active:
             step = trainer.global_step
             if step == self._last_window_start or not self._window_starts_at(step):
                 return
             self._last_window_start = step
+            self._active = True
+            self._warm_left, self._measured = self.warmup_steps, 0
             self._start_profiler()
-        if self._warm_left == 0:
+        if self._warm_left == 0 and self._prof is not None:
             self._mark = torch.profiler.record_function(_MARK)
             self._mark.__enter__()
 
     def _start_profiler(self) -> None:
+        if torch.autograd.profiler._is_profiler_enabled:
+            # another profiler (the Trainer's, the user's) is recording: this window is skipped, but it still ends
+            # with the same summary call on this rank, as on every other, so no rank waits for a gather
+            rank_zero_warn("CommOverlapMonitor: another torch profiler is running; this window is skipped.")
+            return
         with monitor_overhead():
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self._gpu:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._prof = torch.profiler.profile(activities=activities)
             self._prof.start()
-            self._warm_left, self._measured = self.warmup_steps, 0
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._prof is None:
+        if not self._active:
             return
-        if self._mark is None:
+        if self._warm_left > 0:
             self._warm_left -= 1
             return
-        self._mark.__exit__(None, None, None)
-        self._mark = None
+        if self._mark is not None:
+            self._mark.__exit__(None, None, None)
+            self._mark = None
         self._measured += 1
         if self._measured == self.window_steps:
             with monitor_overhead():
@@ -181,22 +192,31 @@ class CommOverlapMonitor(RankSummaryCallback):
 
     def _stop(self) -> Any:
         prof, self._prof = self._prof, None
+        self._active = False
         if self._mark is not None:
             self._mark.__exit__(None, None, None)
             self._mark = None
-        if self._gpu:
-            torch.cuda.synchronize(self._device_index)
-        prof.stop()
+        if prof is not None:
+            if self._gpu:
+                torch.cuda.synchronize(self._device_index)
+            prof.stop()
         return prof
 
     def _finish_window(self, trainer: Any) -> None:
         prof = self._stop()
         t0 = time.perf_counter()
-        trace = classify(events_from_profiler(prof), self.rules, self._device_index)
-        values = window_metrics(trace, gpu_tail=self._gpu)
+        trace, values = None, {}
+        if prof is not None:
+            try:
+                trace = classify(events_from_profiler(prof), self.rules, self._device_index)
+                values = window_metrics(trace, gpu_tail=self._gpu)
+            except Exception as err:  # noqa: BLE001 - this rank still joins the gather below, so none waits forever
+                rank = trainer.global_rank
+                warnings.warn(f"CommOverlapMonitor: rank {rank} could not analyse its window: {err}", stacklevel=2)
+                trace, values = None, {}
         self.last_analysis_s = time.perf_counter() - t0
         self.last_values = values
-        if self.export_trace_dir:
+        if self.export_trace_dir and prof is not None:
             os.makedirs(self.export_trace_dir, exist_ok=True)
             path = os.path.join(self.export_trace_dir, f"rank{trainer.global_rank}_step{trainer.global_step}.json")
             prof.export_chrome_trace(path)
@@ -213,15 +233,17 @@ class CommOverlapMonitor(RankSummaryCallback):
         if self.log_timeline:
             self._log_timeline(trainer, trace)
 
-    def _log_timeline(self, trainer: Any, trace: ClassifiedTrace) -> None:
+    def _log_timeline(self, trainer: Any, trace: ClassifiedTrace | None) -> None:
         import torch.distributed as dist
 
-        w0 = trace.steps[0][0]
-        mine = {
-            "compute": [((s - w0) / 1e6, (e - s) / 1e6) for s, e in trace.compute[:20000] if e > w0],
-            "comm": [((s - w0) / 1e6, (e - s) / 1e6) for s, e in trace.comm[:20000] if e > w0],
-            "end": (max(e for _, e in trace.steps) - w0) / 1e6,
-        }
+        mine: dict[str, Any] = {"compute": [], "comm": [], "end": 0.0}
+        if trace is not None:
+            w0 = trace.steps[0][0]
+            mine = {
+                "compute": [((s - w0) / 1e6, (e - s) / 1e6) for s, e in trace.compute[:20000] if e > w0],
+                "comm": [((s - w0) / 1e6, (e - s) / 1e6) for s, e in trace.comm[:20000] if e > w0],
+                "end": (max(e for _, e in trace.steps) - w0) / 1e6,
+            }
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             ranks: list[Any] = [None] * dist.get_world_size()
             with torch.profiler.record_function(MONITOR_MARK):
@@ -233,11 +255,11 @@ class CommOverlapMonitor(RankSummaryCallback):
             self.last_figure_targets = log_figure_on_rank_zero(trainer, "comm/timeline", fig)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._prof is not None:  # training ended inside a window: drop it (no collective here)
+        if self._active:  # training ended inside a window: drop it (no collective here)
             self._stop()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        if self._prof is not None:
+        if self._active:
             self._stop()
 
 

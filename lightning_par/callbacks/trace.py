@@ -7,8 +7,8 @@ Two trace shapes are understood:
 - **CPU / gloo** (see ``CPU_FACTS.md``): a collective's real duration is a ``gloo:<op>`` user annotation on a
   gloo worker thread (``gloo:send`` / ``gloo:recv`` on the calling thread). Everything on a gloo worker thread
   is communication. Compute is every ``cpu_op`` on the other threads, minus that thread's own communication
-  (a thread cannot compute while it sends) and minus collective bookkeeping ops (``c10d::*`` enqueues,
-  ``*wait*``), which run no math.
+  (a thread cannot compute while it sends) and minus collective bookkeeping (``c10d::*`` / functional enqueues,
+  ``*wait*`` ops), which runs no math, also where it is nested inside an op that does.
 
 The kind of a communication comes from the context it was *issued* in: the launching CPU call of an NCCL kernel
 (matched by correlation id), or the ``c10d::*`` enqueue op a gloo collective belongs to (matched in order). The
@@ -210,6 +210,7 @@ def classify(
     gloo_threads = {ev.track for ev in events if not ev.on_gpu and _gloo_op(ev.name) not in (None, "send", "recv")}
 
     compute_by_track: dict[Any, list[Interval]] = defaultdict(list)
+    bookkeeping_by_track: dict[Any, list[Interval]] = defaultdict(list)
     other_busy: list[Interval] = []
     steps: list[Interval] = []
     enqueues: list[TraceEvent] = []
@@ -235,7 +236,9 @@ def classify(
         elif ev.activity == "cpu_op" and ev.track not in gloo_threads:
             if _is_enqueue(ev.name):
                 enqueues.append(ev)
-            if not gpu_trace and not _is_comm_bookkeeping(ev.name):
+            if _is_comm_bookkeeping(ev.name):  # enqueues and waits: no math, even inside an op that does some
+                bookkeeping_by_track[ev.track].append((ev.start, ev.end))
+            elif not gpu_trace:
                 compute_by_track[ev.track].append((ev.start, ev.end))
 
     # where each communication was issued: (thread, instant, family, issued by a functional collective?)
@@ -284,8 +287,8 @@ def classify(
 
     compute: list[Interval] = []
     comm: list[Interval] = []
-    for track, ivs in compute_by_track.items():
-        compute.extend(subtract(ivs, comm_by_track.get(track, [])))
+    for track, ivs in compute_by_track.items():  # a thread cannot compute while it communicates
+        compute.extend(subtract(ivs, comm_by_track.get(track, []) + bookkeeping_by_track.get(track, [])))
     for ivs in comm_by_track.values():
         comm.extend(ivs)
     return ClassifiedTrace(

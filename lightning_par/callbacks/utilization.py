@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_par.callbacks._base import RankSummaryCallback, monitor_overhead_s
 from lightning_par.callbacks.nvml import NVML_FIELDS, NvmlSampler
@@ -73,10 +74,22 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
     return None
 
 
+def _size(t: torch.Tensor | None) -> int | None:
+    return int(t.shape[0]) if t is not None and t.dim() > 0 else None
+
+
+def _tokens(batch: Any, first: torch.Tensor | None) -> int | None:
+    n = batch.get("num_tokens") if isinstance(batch, Mapping) else getattr(batch, "num_tokens", None)
+    if n is not None:
+        return int(n)
+    if first is not None and not first.is_floating_point() and not first.is_complex() and first.dtype != torch.bool:
+        return int(first.numel())
+    return None
+
+
 def default_batch_size(batch: Any) -> int | None:
     """Samples in a batch: the first dimension of its first tensor (depth-first through tuples, lists, dicts)."""
-    t = _first_tensor(batch)
-    return int(t.shape[0]) if t is not None and t.dim() > 0 else None
+    return _size(_first_tensor(batch))
 
 
 def default_num_tokens(batch: Any) -> int | None:
@@ -85,13 +98,7 @@ def default_num_tokens(batch: Any) -> int | None:
 
     Give ``num_tokens`` as a Python int: a CUDA tensor there costs a device synchronization per step.
     """
-    n = batch.get("num_tokens") if isinstance(batch, Mapping) else getattr(batch, "num_tokens", None)
-    if n is not None:
-        return int(n)
-    t = _first_tensor(batch)
-    if t is not None and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
-        return int(t.numel())
-    return None
+    return _tokens(batch, _first_tensor(batch))
 
 
 def _check_int_or_fn(name: str, value: Any) -> None:
@@ -189,9 +196,15 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
 
         self._process = psutil.Process(os.getpid())
         self._process.cpu_percent(None)  # starts psutil's measurement interval
+        # the names depend only on options and the device type, so every rank sends the same vector
         names = ["perf/step_time_s", "perf/data_wait_frac", "perf/samples_per_s", "perf/tokens_per_s"]
-        if self.flops_per_batch is not None and self._peak is not None:
+        if self.flops_per_batch is not None:
             names += ["perf/tflops_per_s", "perf/mfu"]
+            if self._peak is None:
+                rank_zero_warn(
+                    "DeviceUtilizationMonitor: `flops_per_batch` is set but the device's peak FLOP/s is unknown, so "
+                    "`perf/mfu` is not logged (`perf/tflops_per_s` is). Pass `peak_flops_per_device`."
+                )
         names.append("perf/cpu_percent")
         if self._sampler is not None:
             names += [f"gpu/{f}" for f in NVML_FIELDS if f != "energy_j"] + ["gpu/energy_j_per_step"]
@@ -236,8 +249,9 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
             self._steps += 1
             self._step_s += compute + wait
             self._wait_s += wait
-            samples = self._value(self.batch_size, default_batch_size, batch)
-            tokens = self._value(self.tokens_per_batch, default_num_tokens, batch)
+            first = _first_tensor(batch) if self.batch_size is None or self.tokens_per_batch is None else None
+            samples = self._value(self.batch_size, lambda b: _size(first), batch)
+            tokens = self._value(self.tokens_per_batch, lambda b: _tokens(b, first), batch)
             flops = None
             if self.flops_per_batch is not None:
                 flops = self._value(self.flops_per_batch, lambda b: None, batch)
@@ -260,10 +274,10 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
                 v["perf/samples_per_s"] = self._samples / self._step_s
             if self._has_tokens:
                 v["perf/tokens_per_s"] = self._tokens / self._step_s
-            if self._has_flops and "perf/mfu" in self._names and self._peak:
+            if self._has_flops and self.flops_per_batch is not None:
                 achieved = self._flops / self._step_s
                 v["perf/tflops_per_s"] = achieved / 1e12
-                v["perf/mfu"] = achieved / self._peak
+                v["perf/mfu"] = achieved / self._peak if self._peak else None
         if self._sampler is not None:
             gpu = self._sampler.read()
             energy = gpu.pop("energy_j", None)

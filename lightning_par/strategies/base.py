@@ -50,6 +50,7 @@ from torch.optim import Optimizer
 from lightning_par import checkpoint as ckpt
 from lightning_par.dims import ParallelDims
 from lightning_par.strategies.precision import to_parallel_precision
+from lightning_par.strategies.resume import resumable_train_dataloader
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
@@ -234,6 +235,11 @@ class BaseParallelStrategy(ParallelStrategy):
         for name in _STEP_METHODS:
             if hasattr(module, name):
                 register_fsdp_forward_method(module, name)
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Resume mid-epoch exactly: skip the batches the restored checkpoint already trained on."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return resumable_train_dataloader(dataloader, trainer)
 
     # ---- collectives --------------------------------------------------------------------------------------
     def barrier(self, name: str | None = None) -> None:
