@@ -10,6 +10,7 @@ checkpoint resumes under any other layout (DCP reshards on load).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -36,8 +37,13 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _sibling(path: Path, kind: str) -> Path:
+    # a hashed name: Lightning's ckpt_path="last" picks any entry whose name contains "last", partial ones included
+    return path.parent / f".lightning_par-{kind}-{hashlib.sha1(path.name.encode()).hexdigest()[:12]}"
+
+
 def partial_path(path: Path) -> Path:
-    return path.parent / f".{path.name}.partial"
+    return _sibling(path, "partial")
 
 
 def save_sharded(tensors: dict[str, Any], meta: dict[str, Any], path: str | os.PathLike) -> None:
@@ -60,7 +66,7 @@ def _replace_dir(src: Path, dst: Path) -> None:
     if dst.is_file() or dst.is_symlink():
         dst.unlink()
     elif dst.exists():
-        old = dst.parent / f".{dst.name}.old"
+        old = _sibling(dst, "old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(dst, old)
         os.replace(src, dst)
