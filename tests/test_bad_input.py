@@ -1,0 +1,59 @@
+"""Bad configuration is refused in Trainer(...) itself: on every rank (each runs this code), before any process
+group exists, naming the parameter, the value and the fix. Errors that need the model are in test_reliability."""
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_par import FSDP2Strategy, NDParallelStrategy
+
+
+def _trainer(strategy, **kwargs):
+    return Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: _trainer(FSDP2Strategy(dp_shard=3)), ValueError,
+         r"layout dp_shard=3 multiplies to 3 processes, but the world size is 2"),
+        (lambda: _trainer(FSDP2Strategy(dp_replicate=4, dp_shard=-1)), ValueError,
+         r"cannot fill `dp_shard=-1`: the other sizes .*dp_replicate=4.* multiply to 4"),
+        (lambda: FSDP2Strategy(dp_replicate=-1, dp_shard=-1), ValueError, r"only one dimension may be -1"),
+        (lambda: FSDP2Strategy(dp_shard=0), ValueError, r"`dp_shard=0` is not a valid size"),
+        (lambda: FSDP2Strategy(dp_replicate=-3), ValueError, r"`dp_replicate=-3` is not a valid size"),
+        (lambda: _trainer(FSDP2Strategy(process_group_backend="nccl")), ValueError,
+         r"process_group_backend='nccl' needs CUDA devices, but the accelerator is 'cpu'"),
+        (lambda: FSDP2Strategy(process_group_backend="nccl2"), ValueError, r"'nccl2' is not a torch.distributed"),
+        (lambda: _trainer(FSDP2Strategy(), precision="16-true"), ValueError,
+         r"precision='16-true' .* not supported .* 'bf16-true' instead of '16-true'"),
+        (lambda: _trainer(FSDP2Strategy(), precision="64-true"), ValueError, r"precision='64-true'"),
+        (lambda: FSDP2Strategy(timeout=-5), ValueError, r"timeout=-5 must be a positive number of seconds"),
+        (lambda: FSDP2Strategy(reshard_after_forward="yes"), TypeError, r"reshard_after_forward='yes' must be True"),
+        (lambda: FSDP2Strategy(shard_units="Block"), TypeError, r"shard_units='Block' must be a list"),
+        (lambda: NDParallelStrategy(tp=2), ValueError, r"tp=2: this version of lightning_par implements"),
+    ],
+)
+def test_bad_configuration_is_refused_before_launch(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_16_mixed_is_refused():
+    # On CPU Lightning itself turns 16-mixed into bf16-mixed before the strategy sees it; on CUDA the plugin it
+    # builds is MixedPrecision("16-mixed"), which the strategy's conversion refuses (sharded fp16 loss scaling)
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_par.strategies.precision import to_parallel_precision
+
+    with pytest.raises(ValueError, match=r"precision='16-mixed' .* 'bf16-mixed' instead of '16-mixed'"):
+        to_parallel_precision(MixedPrecision("16-mixed", device="cpu"), "cuda")
+
+
+def test_strategies_are_registered_by_name():
+    assert {"fsdp2", "nd_parallel"} <= set(StrategyRegistry)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="fsdp2", logger=False)
+    assert type(trainer.strategy) is FSDP2Strategy
+    assert trainer.strategy.dims.dp_shard == 2
+    assert trainer.precision_plugin.precision == "32-true"
+    assert type(trainer.precision_plugin).__name__ == "ParallelPrecision"
