@@ -12,15 +12,12 @@ records every batch start; step time = time between consecutive batch starts (ev
 - "window": a run with one profiling window (1 warm-up + ``--window`` measured batches); its cost = the window's
   batches minus as many normal batches, and the in-process analysis time (part of it).
 
-Usage: ``python benchmarks/bench_callbacks.py [--steps 120] [--repeats 3] [--out benchmarks/results/callbacks.json]``
+Usage: ``python benchmarks/bench_callbacks.py [--steps 120] [--repeats 5] [--out benchmarks/results/callbacks.json]``
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -32,11 +29,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 import lightning.pytorch as L  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
+from benchmarks.common import format_table, quiet_worker, run_metadata, write_json  # noqa: E402
 from lightning_par.callbacks import CommOverlapMonitor, DeviceUtilizationMonitor, MemoryMonitor  # noqa: E402
 
 SKIP = 10  # first batches of each run left out (allocator and thread-pool warm-up)
@@ -139,7 +139,7 @@ def run_once(name: str, args: argparse.Namespace, data: TensorDataset, window_at
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=120, help="optimizer steps per run")
-    p.add_argument("--repeats", type=int, default=3, help="runs per configuration (interleaved)")
+    p.add_argument("--repeats", type=int, default=5, help="runs per configuration (interleaved)")
     p.add_argument("--width", type=int, default=768, help="MLP width (sets the step time)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--log-every", type=int, default=10, help="utilization/memory logging interval (steps)")
@@ -152,6 +152,7 @@ def main() -> None:
     if args.steps < SKIP + 2 * (args.window + 1) + 5:
         p.error(f"--steps must be at least {SKIP + 2 * (args.window + 1) + 5} (warm-up, window and normal steps)")
 
+    quiet_worker()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(
@@ -208,15 +209,20 @@ def main() -> None:
 
     print(f"\ncallback overhead, CPU, MLP width {args.width}, batch {args.batch_size}, ", end="")
     print(f"{args.steps} steps x {args.repeats} runs (first {SKIP} steps of each left out):")
-    print(
-        f"{'config':22s} {'median ms':>10s} {'mean ms':>9s} {'ratio(median)':>14s} {'ratio(mean)':>12s} "
-        f"{'hooks us/step':>14s} {'ratio(hooks)':>13s}"
-    )
-    for r in rows:
-        print(
-            f"{r['config']:22s} {r['median_step_ms']:10.3f} {r['mean_step_ms']:9.3f} "
-            f"{r['ratio_median']:14.4f} {r['ratio_mean']:12.4f} {r['hook_us_per_step']:14.1f} {r['ratio_hooks']:13.4f}"
-        )
+    headers = ["config", "median ms", "mean ms", "ratio(median)", "ratio(mean)", "hooks us/step", "ratio(hooks)"]
+    table = [
+        [
+            r["config"],
+            f"{r['median_step_ms']:.3f}",
+            f"{r['mean_step_ms']:.3f}",
+            f"{r['ratio_median']:.4f}",
+            f"{r['ratio_mean']:.4f}",
+            f"{r['hook_us_per_step']:.1f}",
+            f"{r['ratio_hooks']:.4f}",
+        ]
+        for r in rows
+    ]
+    print(format_table(headers, table))
     print(
         f"\nprofiling window ({n_win} batches: 1 warm-up + {args.window} measured): "
         f"+{window['extra_s_per_window'] * 1e3:.1f} ms per window "
@@ -230,19 +236,10 @@ def main() -> None:
         "overhead": rows,
         "window": window,
         "goal": "ratio <= 1.01 outside profiling windows",
-        "env": {
-            "torch": torch.__version__,
-            "lightning": L.__version__,
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        },
+        "meta": run_metadata(),
         "wall_s": wall,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {write_json(args.out, result)}")
 
 
 if __name__ == "__main__":

@@ -4,16 +4,19 @@ from lightning_par.checkpoint import consolidate_checkpoint, full_state_dict
 from lightning_par.dims import ParallelDims
 from lightning_par.strategies.base import BaseParallelStrategy
 from lightning_par.strategies.nd import NDParallelStrategy
-from lightning_par.strategies.presets import FSDP2Strategy, register_strategies
+from lightning_par.parallel.context_routing import context_positions
+from lightning_par.strategies.presets import ContextParallelStrategy, FSDP2Strategy, register_strategies
 
 register_strategies()
 
 __all__ = [
     "BaseParallelStrategy",
+    "ContextParallelStrategy",
     "FSDP2Strategy",
     "NDParallelStrategy",
     "ParallelDims",
     "consolidate_checkpoint",
+    "context_positions",
     "full_state_dict",
 ]
 __version__ = "0.1.0"

@@ -530,6 +530,7 @@ class FakeNvml:
         return req
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the real-NVML test covers this path")
 def test_nvml_sampler_means_energy_and_unsupported_metrics():
     fake = FakeNvml(unsupported=("nvmlDeviceGetPowerUsage",))
     s = NvmlSampler(0, interval_s=10.0, nvml=fake)
@@ -573,6 +574,7 @@ def read_csv_metrics(path: str) -> dict[str, dict[int, float]]:
     return out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the real-NVML test covers this path")
 def test_fake_nvml_gpu_metrics_through_csv_logger(tmp_path):
     from torch.utils.data import DataLoader
 
@@ -702,9 +704,11 @@ def test_overlap_single_process_and_skipped_when_another_profiler_runs(tmp_path)
     from torch.utils.data import DataLoader
 
     data = W.SlowOnRankDataset(slow_rank=None)
-    mon = overlap_monitor()
+    mon = overlap_monitor(log_timeline=True)
     cpu_trainer(str(tmp_path / "a"), [mon], max_steps=STEPS).fit(W._lightning_module(False, False), DataLoader(data))
-    m = read_csv_metrics(str(tmp_path / "a" / "csv" / "version_0" / "metrics.csv"))
+    log_dir = tmp_path / "a" / "csv" / "version_0"
+    assert sorted(p.name for p in log_dir.glob("*.png")) == ["comm_timeline_step5.png", "comm_timeline_step9.png"]
+    m = read_csv_metrics(str(log_dir / "metrics.csv"))
     assert sorted(m["comm/compute_s_per_step/max"]) == WINDOW_END_STEPS  # one process: compute, no communication
     assert all(0 <= v <= 1 for v in m["comm/idle_frac/max"].values())
     assert not any(k.startswith(("comm/overlap_ratio", "comm/time_s/")) for k in m)  # undefined / zero: not logged

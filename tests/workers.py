@@ -20,8 +20,11 @@ from lightning_par import full_state_dict
 
 SEED = 1234
 GLOBAL_BATCH = 8
+# adam_eps: Adam divides each gradient by its running RMS, so for a parameter whose gradient is ~0 (a dead GELU
+# unit) it turns summation-order rounding (~1e-9) into O(lr) updates; eps=1e-6 keeps such noise from being
+# amplified, as it is in one process, without changing well-conditioned updates
 TINY_GPT = dict(vocab_size=32, block_size=16, n_layer=3, n_head=4, n_embd=32, lr=3e-3, weight_decay=0.1,
-                warmup_steps=3, max_steps=10)
+                warmup_steps=3, max_steps=10, adam_eps=1e-6)
 
 
 def token_dataset(num_samples: int = 96, seq_len: int = 16, vocab: int = 32) -> TensorDataset:
@@ -64,6 +67,7 @@ def fit(
     ckpt_dir: str | None = None,
     ckpt_every_n_steps: int | None = None,
     num_samples: int = 96,
+    seq_len: int = 16,
     resume_from: str | None = None,
     empty_init: bool = False,
     gradient_clip_val: float | None = None,
@@ -88,7 +92,7 @@ def fit(
     )
     with trainer.init_module(empty_init=empty_init):
         model = module_cls(**{**TINY_GPT, "max_steps": max_steps, **model_overrides})
-    loader = DataLoader(token_dataset(num_samples), batch_size=GLOBAL_BATCH // dp_size, shuffle=True)
+    loader = DataLoader(token_dataset(num_samples, seq_len), batch_size=GLOBAL_BATCH // dp_size, shuffle=True)
     trainer.fit(model, loader, ckpt_path=resume_from)
     return {"losses": record.losses, "weights": full_state_dict(model), "global_step": trainer.global_step}
 

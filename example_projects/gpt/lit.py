@@ -18,7 +18,7 @@ class GPTModule(pl.LightningModule):
 
     def __init__(self, vocab_size: int = 97, block_size: int = 128, n_layer: int = 4, n_head: int = 4,
                  n_embd: int = 128, dropout: float = 0.0, lr: float = 1e-3, weight_decay: float = 0.1,
-                 warmup_steps: int = 20, max_steps: int = 1000) -> None:
+                 warmup_steps: int = 20, max_steps: int = 1000, adam_eps: float = 1e-8) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model: GPT | None = None
@@ -54,7 +54,7 @@ class GPTModule(pl.LightningModule):
         no_decay = [p for p in self.parameters() if p.ndim < 2]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr, betas=(0.9, 0.95), foreach=True,
+            lr=hp.lr, betas=(0.9, 0.95), eps=hp.adam_eps, foreach=True,
         )
 
         def warmup_cosine(step: int) -> float:

@@ -1,7 +1,8 @@
 """A small decoder-only transformer (nanoGPT-shaped): embeddings, an nn.ModuleList of blocks, a norm and a head.
 
-Nothing here knows about parallelism. The one courtesy to tensor parallelism is that attention derives its local
-head count from the width of its projections instead of trusting the config.
+Nothing here knows about parallelism, with two courtesies: attention derives its local head count from the width of
+its projections (tensor parallelism splits heads), and positions come from ``context_positions`` (context
+parallelism splits the sequence; without it that is ``arange``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lightning_par.parallel.context_routing import context_positions
 
 
 @dataclass
@@ -84,8 +87,31 @@ class GPT(nn.Module):
         """Token ids (batch, time) -> logits (batch, time, vocab)."""
         if idx.size(1) > self.cfg.block_size:
             raise ValueError(f"sequence length {idx.size(1)} exceeds block_size={self.cfg.block_size}.")
-        pos = torch.arange(idx.size(1), device=idx.device)
+        # global positions of this rank's tokens: arange(T) unless context parallelism split the sequence
+        pos = context_positions(idx.size(1), idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+#: Tensor-parallel plan for lightning_par's ``apply_tp`` (keys relative to :class:`GPT`; a LightningModule holding
+#: the GPT as ``self.model`` uses ``prefix_plan(GPT_TP_PLAN, "model")``). One plan serves both layouts: with
+#: ``sequence_parallel=True`` the embedding output, norms and ``pos_emb``'s output are split over the sequence, and
+#: ``gather_sequence`` all-gathers each attention/MLP input once; without it those entries do nothing.
+GPT_TP_PLAN: dict[str, str] = {
+    "tok_emb": "vocab_parallel_embedding",
+    "pos_emb": "replicate",
+    "blocks.*.norm1": "sequence_parallel",
+    "blocks.*.attn": "gather_sequence",
+    "blocks.*.attn.q": "colwise",
+    "blocks.*.attn.k": "colwise",
+    "blocks.*.attn.v": "colwise",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.norm2": "sequence_parallel",
+    "blocks.*.mlp": "gather_sequence",
+    "blocks.*.mlp.fc": "colwise",
+    "blocks.*.mlp.proj": "rowwise",
+    "norm": "sequence_parallel",
+    "head": "vocab_parallel_head",
+}

@@ -51,8 +51,8 @@ class RankSummaryCallback(Callback):
     def _interval(self, trainer: Any) -> int:
         return self.log_every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
 
-    def _is_logging_step(self, trainer: Any) -> bool:
-        step = trainer.global_step
+    def _is_logging_step(self, trainer: Any, step: int | None = None) -> bool:
+        step = trainer.global_step if step is None else step
         return step > 0 and step != self._last_logged_step and step % self._interval(trainer) == 0
 
     def _publish(self, trainer: Any, values: Mapping[str, float | None], names: Sequence[str]) -> dict[str, float]:

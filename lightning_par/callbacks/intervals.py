@@ -17,30 +17,49 @@ from collections.abc import Iterable, Sequence
 Interval = tuple[float, float]
 
 
-def _check(intervals: Iterable[Interval], name: str) -> list[Interval]:
-    out = []
+def _bad(intervals: Iterable[Interval], name: str) -> ValueError | None:
     for iv in intervals:
-        start, end = iv
-        if not (start <= end):  # also catches NaN
-            raise ValueError(
+        if not (iv[0] <= iv[1]):  # also catches NaN
+            start, end = iv
+            return ValueError(
                 f"`{name}` holds the interval {iv!r} whose end is before its start (or is NaN). "
                 f"Pass (start, end) pairs with start <= end, e.g. ({end!r}, {start!r})."
             )
-        out.append((start, end))
-    return out
+    return None
+
+
+def _is_merged(ivs: list[Interval]) -> bool:
+    prev = None
+    for s, e in ivs:
+        if not (s < e) or (prev is not None and not (prev < s)):
+            return False
+        prev = e
+    return True
 
 
 def merge(intervals: Iterable[Interval], name: str = "intervals") -> list[Interval]:
     """Sorted, disjoint intervals covering exactly the union of ``intervals`` (touching ones are joined)."""
-    ivs = sorted(_check(intervals, name))
-    merged: list[list[float]] = []
-    for start, end in ivs:
-        if merged and start <= merged[-1][1]:
-            if end > merged[-1][1]:
-                merged[-1][1] = end
+    if isinstance(intervals, list) and _is_merged(intervals):
+        return list(intervals)  # the common case in chained calls: one pass instead of a sort and a rebuild
+    ivs = sorted(intervals)
+    err = _bad(ivs, name)
+    if err is not None:
+        raise err
+    out: list[Interval] = []
+    if not ivs:
+        return out
+    cs, ce = ivs[0]
+    for s, e in ivs:
+        if s <= ce:
+            if e > ce:
+                ce = e
         else:
-            merged.append([start, end])
-    return [(s, e) for s, e in merged if e > s]
+            if ce > cs:
+                out.append((cs, ce))
+            cs, ce = s, e
+    if ce > cs:
+        out.append((cs, ce))
+    return out
 
 
 def total(intervals: Iterable[Interval], name: str = "intervals") -> float:
@@ -53,12 +72,15 @@ def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
     ma, mb = merge(a, "a"), merge(b, "b")
     out: list[Interval] = []
     i = j = 0
-    while i < len(ma) and j < len(mb):
-        start = max(ma[i][0], mb[j][0])
-        end = min(ma[i][1], mb[j][1])
+    na, nb = len(ma), len(mb)
+    while i < na and j < nb:
+        a0, a1 = ma[i]
+        b0, b1 = mb[j]
+        start = a0 if a0 > b0 else b0
+        end = a1 if a1 < b1 else b1
         if start < end:
             out.append((start, end))
-        if ma[i][1] < mb[j][1]:
+        if a1 < b1:
             i += 1
         else:
             j += 1
@@ -87,7 +109,11 @@ def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
 
 def clip(intervals: Iterable[Interval], window: Interval) -> list[Interval]:
     """The parts of ``intervals`` inside ``window``, merged."""
-    return intersect(intervals, [window])
+    err = _bad([window], "window")
+    if err is not None:
+        raise err
+    ws, we = window
+    return [(s if s > ws else ws, e if e < we else we) for s, e in merge(intervals) if e > ws and s < we]
 
 
 def overlap_ratio(compute: Sequence[Interval], comm: Sequence[Interval]) -> float:
@@ -108,7 +134,10 @@ def exposed(compute: Sequence[Interval], comm: Sequence[Interval]) -> float:
 
 def idle_fraction(busy: Sequence[Interval], window: Interval) -> float:
     """Share of ``window`` where none of ``busy`` is active (HTA's idle time over the window)."""
-    ((start, end),) = _check([window], "window")
+    err = _bad([window], "window")
+    if err is not None:
+        raise err
+    start, end = window
     if end == start:
         return math.nan
     return 1.0 - total(clip(busy, window)) / (end - start)

@@ -140,7 +140,9 @@ class MemoryMonitor(RankSummaryCallback):
             if self.record_history:
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
             if self.snapshot_on_oom:
-                torch._C._cuda_attach_out_of_memory_observer(self._on_cuda_oom)
+                attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+                if attach is not None:  # private API: without it, only OOMs reaching the Trainer dump
+                    attach(self._on_cuda_oom)
         else:
             _reset_peak_rss()
 
@@ -199,7 +201,7 @@ class MemoryMonitor(RankSummaryCallback):
         step = trainer.global_step
         if self.snapshot_at_step is not None and step == self.snapshot_at_step and not self._snapshot_taken(step):
             self.dump_snapshot(f"step{step}")
-        if self._is_logging_step(trainer):
+        if self._is_logging_step(trainer, step):
             self._publish(trainer, self.read(), CUDA_NAMES if self._cuda else CPU_NAMES)
 
     def _snapshot_taken(self, step: int) -> bool:

@@ -151,12 +151,16 @@ _GLOO_RUNS_AS = {"reduce_scatter": {"reduce_scatter", "all_reduce"}, "barrier": 
 
 
 class _Contexts:
-    """The enclosing events of each thread, to look up what was running at an instant."""
+    """The enclosing events of each thread, to look up what was running at an instant.
 
-    def __init__(self, events: Iterable[TraceEvent]) -> None:
+    Only events whose names can decide a kind are kept (``patterns``), so a lookup scans a handful, not the
+    tens of thousands of ops of a real window.
+    """
+
+    def __init__(self, events: Iterable[TraceEvent], patterns: Sequence[str]) -> None:
         self._by_track: dict[Any, list[TraceEvent]] = defaultdict(list)
         for ev in events:
-            if not ev.on_gpu and ev.activity in ("cpu_op", "user_annotation"):
+            if not ev.on_gpu and ev.activity in ("cpu_op", "user_annotation") and any(p in ev.name for p in patterns):
                 self._by_track[ev.track].append(ev)
         self._starts: dict[Any, list[int]] = {}
         for track, evs in self._by_track.items():
@@ -204,7 +208,8 @@ def classify(
             )
         if kind not in COMM_KINDS:
             raise ValueError(f"`rules` maps {pattern!r} to the kind {kind!r}; use one of {COMM_KINDS}.")
-    contexts = _Contexts(events)
+    patterns = [p for p, _ in rules] + [MONITOR_MARK, "AccumulateGrad", "reducer", "functional"]
+    contexts = _Contexts(events, patterns)
     # with GPU kernels in the trace, compute is what the GPU runs (HTA); CPU ops only launch it
     gpu_trace = any(ev.on_gpu and ev.activity == "kernel" for ev in events)
     gloo_threads = {ev.track for ev in events if not ev.on_gpu and _gloo_op(ev.name) not in (None, "send", "recv")}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -61,10 +62,10 @@ def lookup_peak_flops(device_name: str) -> float | None:
 def _first_tensor(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, torch.Tensor):
         return batch
-    if isinstance(batch, Mapping):
-        items = batch.values()
-    elif isinstance(batch, (list, tuple)):
+    if isinstance(batch, (list, tuple)):  # before the (slower) ABC check: the common case
         items = batch
+    elif isinstance(batch, Mapping):
+        items = batch.values()
     else:
         return None
     for item in items:
@@ -79,7 +80,12 @@ def _size(t: torch.Tensor | None) -> int | None:
 
 
 def _tokens(batch: Any, first: torch.Tensor | None) -> int | None:
-    n = batch.get("num_tokens") if isinstance(batch, Mapping) else getattr(batch, "num_tokens", None)
+    if isinstance(batch, (list, tuple, torch.Tensor)):
+        n = None
+    elif isinstance(batch, Mapping):
+        n = batch.get("num_tokens")
+    else:
+        n = getattr(batch, "num_tokens", None)
     if n is not None:
         return int(n)
     if first is not None and not first.is_floating_point() and not first.is_complex() and first.dtype != torch.bool:
@@ -185,7 +191,10 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
         use_nvml = device.type == "cuda" or self._nvml_module is not None
         if use_nvml and self._sampler is None:
             index = device.index if device.type == "cuda" and device.index is not None else self.nvml_device_index
-            self._sampler = NvmlSampler(index, self.nvml_interval_s, self._nvml_module)
+            try:
+                self._sampler = NvmlSampler(index, self.nvml_interval_s, self._nvml_module)
+            except Exception as err:  # noqa: BLE001 - no NVML (some containers): timing metrics still work
+                warnings.warn(f"DeviceUtilizationMonitor: NVML unavailable, no gpu/* metrics: {err}", stacklevel=2)
         if self._sampler is not None:
             self._sampler.read()  # drop anything from before training
             self._sampler.start()
@@ -206,7 +215,7 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
                     "`perf/mfu` is not logged (`perf/tflops_per_s` is). Pass `peak_flops_per_device`."
                 )
         names.append("perf/cpu_percent")
-        if self._sampler is not None:
+        if use_nvml:  # even where NVML failed to start: this rank then sends NaN, the vector keeps its length
             names += [f"gpu/{f}" for f in NVML_FIELDS if f != "energy_j"] + ["gpu/energy_j_per_step"]
         self._names = names
         self._reset_interval()
@@ -231,13 +240,9 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
         self._t_start = time.perf_counter()
         self._o_start = monitor_overhead_s()
 
-    def _value(self, spec: Any, default: Callable[[Any], int | None], batch: Any) -> float | None:
-        if spec is None:
-            v = default(batch)
-        elif callable(spec):
-            v = spec(batch)
-        else:
-            v = spec
+    @staticmethod
+    def _value(spec: Any, batch: Any) -> float | None:
+        v = spec(batch) if callable(spec) else spec
         return None if v is None else float(v)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -250,16 +255,24 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
             self._step_s += compute + wait
             self._wait_s += wait
             first = _first_tensor(batch) if self.batch_size is None or self.tokens_per_batch is None else None
-            samples = self._value(self.batch_size, lambda b: _size(first), batch)
-            tokens = self._value(self.tokens_per_batch, lambda b: _tokens(b, first), batch)
-            flops = None
+            samples = _size(first) if self.batch_size is None else self._value(self.batch_size, batch)
+            if samples is None:
+                self._has_samples = False
+            else:
+                self._samples += samples
+            tokens = (
+                _tokens(batch, first) if self.tokens_per_batch is None else self._value(self.tokens_per_batch, batch)
+            )
+            if tokens is None:
+                self._has_tokens = False
+            else:
+                self._tokens += tokens
             if self.flops_per_batch is not None:
-                flops = self._value(self.flops_per_batch, lambda b: None, batch)
-            for attr, value in (("samples", samples), ("tokens", tokens), ("flops", flops)):
-                if value is None:
-                    setattr(self, f"_has_{attr}", False)
+                flops = self._value(self.flops_per_batch, batch)
+                if flops is None:
+                    self._has_flops = False
                 else:
-                    setattr(self, f"_{attr}", getattr(self, f"_{attr}") + value)
+                    self._flops += flops
         if self._is_logging_step(trainer):
             self._publish(trainer, self._interval_values(), self._names)
             self._reset_interval()

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
 
-def apply_activation_checkpointing(model: nn.Module, fqns: list[str]) -> None:
+
+def apply_activation_checkpointing(model: nn.Module, fqns: list[str], context_fn: ContextFn | None = None) -> None:
     """Wrap each module named in ``fqns`` with torch's non-reentrant ``checkpoint_wrapper``, in place.
+
+    ``context_fn`` (torch.utils.checkpoint's) returns the contexts for the forward and for the recomputation: the
+    recomputation runs inside autograd's backward, where the modes active during forward (e.g. context-parallel
+    attention routing) are not, so they must be re-entered there.
 
     The wrapper inserts ``_checkpoint_wrapped_module`` into parameter names; torch's state-dict helpers (and so
     every checkpoint lightning_par writes) strip it, so checkpoints stay loadable with or without checkpointing.
@@ -15,4 +24,5 @@ def apply_activation_checkpointing(model: nn.Module, fqns: list[str]) -> None:
     for fqn in fqns:
         parent_name, _, child_name = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        parent.register_module(child_name, checkpoint_wrapper(parent.get_submodule(child_name)))
+        kwargs = {"context_fn": context_fn} if context_fn is not None else {}
+        parent.register_module(child_name, checkpoint_wrapper(parent.get_submodule(child_name), **kwargs))

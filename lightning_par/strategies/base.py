@@ -12,7 +12,7 @@ import os
 import shutil
 import sys
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -228,6 +228,31 @@ class BaseParallelStrategy(ParallelStrategy):
                 )
 
     # ---- steps --------------------------------------------------------------------------------------------
+    def step_context(self) -> AbstractContextManager:
+        """Entered around every step method and around backward (activation recomputation happens there).
+        Subclasses return their techniques' runtime contexts (context-parallel attention, loss parallel)."""
+        return nullcontext()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context():
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context():
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context():
+            return super().predict_step(*args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        with self.step_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def _register_step_methods(self, module: nn.Module) -> None:
         """Lightning calls ``training_step`` etc., not ``forward``; FSDP's root hooks must run around them."""
         from torch.distributed.fsdp import register_fsdp_forward_method

@@ -4,7 +4,9 @@ The recipe, in the order it is applied (each step wraps what the earlier ones pr
 
 1. pipeline split: cut the block list into stages      (pp)   -- planned, see README "Status"
 2. tensor parallelism of each block and the head        (tp)   -- planned
-3. context parallelism of attention                     (cp)   -- planned
+3. context parallelism: nothing to change in the module; at run time every batch's sequence dimension is sharded
+   (``batch_to_device``) and ``F.scaled_dot_product_attention`` is routed to ring/all-gather attention over the
+   cp group (``step_context``)
 4. activation checkpointing of each block: before FSDP, so FSDP's all-gather hooks run around the recompute
 5. FSDP2 ``fully_shard`` of each shard unit, then of the root (the LightningModule): last, because it shards
    whatever parameters (plain or already DTensor) the earlier steps left
@@ -12,6 +14,7 @@ The recipe, in the order it is applied (each step wraps what the earlier ones pr
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.context import ALGORITHMS as CP_ALGORITHMS
+from lightning_par.parallel.context_routing import ContextParallelScope, recompute_in_active_scope, shard_batch
 from lightning_par.parallel.fsdp import apply_fsdp
 from lightning_par.parallel.modules import find_block_list, match_modules
 from lightning_par.strategies.base import BaseParallelStrategy
@@ -49,6 +54,10 @@ class NDParallelStrategy(BaseParallelStrategy):
         dp_replicate: replicas of the sharded model (HSDP when > 1 together with ``dp_shard``).
         dp_shard: ranks each parameter is sharded over (FSDP2). ``-1``: the rest of the world size.
         cp, tp, pp: context, tensor and pipeline parallel sizes.
+        cp_algorithm: ``"ring"`` (K/V passed around the cp group point to point) or ``"allgather"``.
+        cp_load_balance: split each sequence into 2*cp chunks, rank i holding chunks i and 2*cp-1-i, so causal
+            attention costs every rank the same (the sequence length must then be divisible by 2*cp).
+        cp_seq_dim: the sequence dimension of the batch's tensors (tensors with fewer dims are not sharded).
         block_list: dotted name of the model's ``nn.ModuleList`` of blocks; found automatically if omitted.
         shard_units: FSDP units as class names or FQN globs (``"Block"``, ``"model.blocks.*"``); default: every
             block of the block list. The LightningModule itself is always the root unit.
@@ -72,16 +81,19 @@ class NDParallelStrategy(BaseParallelStrategy):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         activation_checkpointing: bool = False,
+        cp_algorithm: str = "ring",
+        cp_load_balance: bool = True,
+        cp_seq_dim: int = 1,
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         **lightning_kwargs: Any,
     ) -> None:
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
-        for name in ("cp", "tp", "pp"):
+        for name in ("tp", "pp"):
             if getattr(dims, name) not in (1,):
                 raise ValueError(
-                    f"{name}={getattr(dims, name)}: this version of lightning_par implements data parallelism "
-                    f"(dp_replicate x dp_shard) only; {name} must be 1 for now."
+                    f"{name}={getattr(dims, name)}: this version of lightning_par implements data and context "
+                    f"parallelism (dp_replicate x dp_shard x cp) only; {name} must be 1 for now."
                 )
         if shard_units is not None and (
             isinstance(shard_units, str) or not all(isinstance(u, str) for u in shard_units)
@@ -95,6 +107,14 @@ class NDParallelStrategy(BaseParallelStrategy):
         self.reshard_after_forward = _check_bool("reshard_after_forward", reshard_after_forward)
         self.cpu_offload = _check_bool("cpu_offload", cpu_offload)
         self.activation_checkpointing = _check_bool("activation_checkpointing", activation_checkpointing)
+        if cp_algorithm not in CP_ALGORITHMS:
+            raise ValueError(f"cp_algorithm={cp_algorithm!r} is not one of {CP_ALGORITHMS}.")
+        self.cp_algorithm = cp_algorithm
+        self.cp_load_balance = _check_bool("cp_load_balance", cp_load_balance)
+        if isinstance(cp_seq_dim, bool) or not isinstance(cp_seq_dim, int) or cp_seq_dim < 1:
+            raise ValueError(f"cp_seq_dim={cp_seq_dim!r} must be the batch tensors' sequence dimension (>= 1), e.g. 1.")
+        self.cp_seq_dim = cp_seq_dim
+        self._cp_scope: ContextParallelScope | None = None
 
     def parallelize(self, module: pl.LightningModule) -> None:
         if is_parallelized(module):
@@ -105,7 +125,11 @@ class NDParallelStrategy(BaseParallelStrategy):
         unit_fqns = self._shard_unit_fqns(module)
         if self.activation_checkpointing:
             block_fqn, container = find_block_list(module, self.block_list)
-            apply_activation_checkpointing(module, [f"{block_fqn}.{name}" for name in container._modules])
+            apply_activation_checkpointing(
+                module,
+                [f"{block_fqn}.{name}" for name in container._modules],
+                context_fn=recompute_in_active_scope if self.dims.cp > 1 else None,
+            )
         if self.dims.fsdp_enabled:
             bf16_mixed = getattr(self.precision_plugin, "precision", None) == "bf16-mixed"
             apply_fsdp(
@@ -118,6 +142,21 @@ class NDParallelStrategy(BaseParallelStrategy):
                 cpu_offload=self.cpu_offload,
             )
             self._register_step_methods(module)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.dims.cp > 1:
+            self._cp_scope = ContextParallelScope(self.dims.mesh("cp").get_group(), self.cp_algorithm,
+                                                  self.cp_load_balance)
+
+    def step_context(self) -> AbstractContextManager:
+        return self._cp_scope if self._cp_scope is not None else nullcontext()
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self._cp_scope is not None:
+            batch = shard_batch(batch, self._cp_scope, self.cp_seq_dim)
+        return batch
 
     def _shard_unit_fqns(self, module: nn.Module) -> list[str]:
         """Resolved before any wrapping, so class names match the user's classes (not checkpoint wrappers)."""

@@ -42,10 +42,53 @@ class FSDP2Strategy(NDParallelStrategy):
         )
 
 
+class ContextParallelStrategy(NDParallelStrategy):
+    """Context parallelism: every sequence split over ``cp`` ranks, attention computed exactly by ring or
+    all-gather attention; composes with FSDP2 (``dp_shard``) and HSDP (``dp_replicate``). Registered as
+    ``"context_parallel"``. Parameters are sharded by FSDP2 over ``dp_shard x cp`` (cp ranks hold the same
+    weights). See :class:`NDParallelStrategy` for the arguments."""
+
+    def __init__(
+        self,
+        cp: int = -1,
+        dp_shard: int = 1,
+        dp_replicate: int = 1,
+        *,
+        cp_algorithm: str = "ring",
+        cp_load_balance: bool = True,
+        cp_seq_dim: int = 1,
+        block_list: str | None = None,
+        shard_units: list[str] | None = None,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        activation_checkpointing: bool = False,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = 1800.0,
+        **lightning_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            dp_replicate=dp_replicate,
+            dp_shard=dp_shard,
+            cp=cp,
+            cp_algorithm=cp_algorithm,
+            cp_load_balance=cp_load_balance,
+            cp_seq_dim=cp_seq_dim,
+            block_list=block_list,
+            shard_units=shard_units,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+            activation_checkpointing=activation_checkpointing,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            **lightning_kwargs,
+        )
+
+
 def register_strategies() -> None:
     """Make the strategies available by name: ``Trainer(strategy="fsdp2")``, ``--trainer.strategy=fsdp2``."""
     for name, cls, description in (
         ("fsdp2", FSDP2Strategy, "lightning_par FSDP2 (fully_shard) over all ranks"),
+        ("context_parallel", ContextParallelStrategy, "lightning_par context parallelism (ring attention)"),
         ("nd_parallel", NDParallelStrategy, "lightning_par N-D parallelism on one DeviceMesh"),
     ):
         if name not in StrategyRegistry:

@@ -1,0 +1,211 @@
+"""Tensor parallelism (Megatron-style, on DTensor) from a plan: FQN globs -> style names.
+
+``apply_tp(model, tp_mesh, plan)`` validates the whole plan on every rank first (no communication), then turns each
+style name into a torch ``ParallelStyle`` and calls ``parallelize_module`` once. The layouts between modules follow
+torchtitan's ``apply_tp``: activations are plain local tensors of shape (batch, seq, ...), the full sequence without
+sequence parallelism, this rank's sequence chunk with it (norms then run on chunks, rowwise layers reduce-scatter
+instead of all-reducing, colwise layers all-gather their input). Plans and their validation: ``tensor_plan.py``.
+
+Two things the caller owns: every rank must hold the same weights before ``apply_tp`` (sharded layers are scattered
+from rank 0, but ``sequence_parallel`` norms keep each rank's own copy, as torch's ``SequenceParallel`` does), and
+with ``loss_parallel=True`` both the loss and its ``backward()`` run inside ``torch.distributed.tensor.parallel.
+loss_parallel()`` (the logits are a vocab-sharded DTensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lightning_par.parallel.tensor_plan import (
+    HF_ALIASES,
+    STYLES,
+    Plan,
+    check_tp_size,
+    prefix_plan,
+    resolve_tp_plan,
+    validate_tp_plan,
+)
+
+__all__ = [
+    "HF_ALIASES",
+    "STYLES",
+    "apply_tp",
+    "build_style",
+    "check_tp_size",
+    "prefix_plan",
+    "resolve_tp_plan",
+    "validate_tp_plan",
+]
+
+SEQ_DIM = 1  # activations are (batch, seq, hidden)
+
+
+def apply_tp(
+    module: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: Plan,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> None:
+    """Shard ``module`` in place over the 1-D ``tp_mesh`` following ``plan`` (keys relative to ``module``).
+
+    ``sequence_parallel``: norms/dropout on the residual stream run on sequence chunks (activation memory / tp).
+    ``loss_parallel``: the 'vocab_parallel_head' output stays a vocab-sharded DTensor, so cross-entropy inside
+    ``loss_parallel()`` never materializes the full logits; otherwise the logits are gathered to a plain tensor.
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(
+            f"apply_tp needs a 1-D tensor-parallel mesh, got {tp_mesh.ndim}-D dims {tp_mesh.mesh_dim_names}. "
+            f"Pass the tp sub-mesh, e.g. world_mesh['tp']."
+        )
+    if dist.is_initialized():
+        check_tp_size(tp_mesh.size(), dist.get_world_size())
+    resolved = validate_tp_plan(
+        module, plan, tp_mesh.size(), sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
+    )
+    already = [name for name, p in module.named_parameters() if isinstance(p, DTensor)]
+    if already:
+        raise ValueError(
+            f"apply_tp: {type(module).__name__} already has DTensor parameters ({already[:3]}...): tensor "
+            f"parallelism was applied before (or configure_model parallelized by hand). Apply it once."
+        )
+    styles = {
+        name: built
+        for name, style in resolved.items()
+        if (built := build_style(style, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)) is not None
+    }
+    if styles:
+        parallelize_module(module, tp_mesh, styles)
+
+
+def build_style(
+    style: str | ParallelStyle, *, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> ParallelStyle | None:
+    """The torch ``ParallelStyle`` for a style name (see ``STYLES``); ``None`` where there is nothing to do."""
+    if isinstance(style, ParallelStyle):
+        return style
+    style = HF_ALIASES.get(style, style)
+    sp = sequence_parallel
+    seq = Shard(SEQ_DIM)
+    rep = Replicate()
+    if style is None:
+        return None
+    if style == "colwise":
+        return ColwiseParallel(input_layouts=seq if sp else rep)
+    if style == "rowwise":
+        return RowwiseParallel(output_layouts=seq if sp else rep)
+    if style == "colwise_rep":
+        return ColwiseParallel(input_layouts=seq if sp else rep, output_layouts=rep)
+    if style == "rowwise_rep":
+        return RowwiseParallel(input_layouts=rep, output_layouts=rep)
+    if style == "vocab_parallel_embedding":
+        return _SequenceChecked(RowwiseParallel(input_layouts=rep, output_layouts=seq if sp else rep), sp)
+    if style == "embedding_rowwise":
+        return RowwiseParallel(input_layouts=rep, output_layouts=rep)
+    if style == "embedding_colwise":
+        return ColwiseParallel(input_layouts=rep, output_layouts=rep)
+    if style == "vocab_parallel_head":
+        return ColwiseParallel(
+            input_layouts=seq if sp else rep,
+            output_layouts=Shard(-1) if loss_parallel else rep,
+            use_local_output=not loss_parallel,
+        )
+    if style == "sequence_parallel":
+        # local output: the next module may slice or reshape it as a plain tensor (HF's lm_head input does)
+        return SequenceParallel(sequence_dim=SEQ_DIM, use_local_output=True) if sp else None
+    if style == "replicate":
+        return _ShardOutputSequence() if sp else None
+    if style == "split_sequence":
+        return _FirstInput(_split_sequence) if sp else None
+    if style == "gather_sequence":
+        return _FirstInput(_gather_sequence) if sp else None
+    raise ValueError(f"unknown tensor-parallel style {style!r}; valid: {sorted(STYLES)}")  # validate_tp_plan caught it
+
+
+# ---- the few styles torch does not have ----------------------------------------------------------------------
+def _check_seq_len(tensor: torch.Tensor, dim: int, mesh: DeviceMesh, where: str) -> None:
+    """Uneven sequence chunks would silently mislabel DTensor shapes: fail on every rank, before the collective."""
+    if tensor.size(dim) % mesh.size():
+        raise ValueError(
+            f"sequence parallelism: {where} sees a sequence of length {tensor.size(dim)} (dim {dim} of shape "
+            f"{tuple(tensor.shape)}), not divisible by tp={mesh.size()}. Pad or crop sequences to a multiple of "
+            f"{mesh.size()}, or turn sequence_parallel off."
+        )
+
+
+def _split_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = SEQ_DIM) -> torch.Tensor:
+    """Full tensor -> this rank's sequence chunk (no communication; backward all-gathers the gradient)."""
+    _check_seq_len(x, dim, mesh, "split_sequence")
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(dim)]).to_local()
+
+
+def _gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Sequence chunk -> replicated DTensor, once for all colwise children (their grads sum, one reduce-scatter)."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Shard(SEQ_DIM)], run_check=False)
+    return x.redistribute(mesh, [Replicate()])
+
+
+class _FirstInput(ParallelStyle):
+    """Apply ``fn`` to the module's first tensor argument, or to ``hidden_states=`` (how HF layers are called)."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, DeviceMesh], torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(_mod: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+            if args and isinstance(args[0], torch.Tensor):
+                return (self.fn(args[0], device_mesh), *args[1:]), kwargs
+            if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                return args, {**kwargs, "hidden_states": self.fn(kwargs["hidden_states"], device_mesh)}
+            raise TypeError(
+                f"{type(module).__name__}: 'split_sequence'/'gather_sequence' act on the first positional tensor "
+                f"argument or `hidden_states=`; this call passed neither."
+            )
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class _ShardOutputSequence(ParallelStyle):
+    """'replicate' under SP: a replicated module's output (e.g. a position embedding, (seq, hidden)) is cut to this
+    rank's sequence chunk (dim -2) so it adds to the sharded residual stream; backward all-gathers its gradient, so
+    the replicated weights get the full, identical gradient on every rank."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(lambda _m, _args, out: _split_sequence(out, device_mesh, out.ndim - 2))
+        return module
+
+
+class _SequenceChecked(ParallelStyle):
+    """A style whose module receives (batch, seq) inputs: checks seq % tp under SP before its first collective."""
+
+    def __init__(self, inner: ParallelStyle, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.inner, self.sequence_parallel = inner, sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = self.inner._apply(module, device_mesh)
+        if self.sequence_parallel:
+            name = type(module).__name__
+            module.register_forward_pre_hook(
+                lambda _m, args: _check_seq_len(args[0], SEQ_DIM, device_mesh, name), prepend=True
+            )
+        return module
+

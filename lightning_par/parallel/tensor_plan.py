@@ -1,0 +1,332 @@
+"""Tensor-parallel plans as data: the style names, where a plan comes from, and its validation.
+
+A plan maps FQN globs (relative to the module it is applied to; ``*`` is one dotted segment, ``**`` crosses
+segments) to a style name of :data:`STYLES` or a torch ``ParallelStyle``. Nothing here communicates: validation
+runs on every rank before the first collective, so a bad plan fails the same way everywhere instead of hanging.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from lightning_par.parallel.modules import fqn_matches
+
+#: Style names and what they do. Activations between modules are plain local tensors of shape (batch, seq, ...):
+#: with ``sequence_parallel=True`` the residual stream holds this rank's sequence chunk, otherwise the full sequence.
+STYLES: dict[str, str] = {
+    "colwise": "nn.Linear sharded on out_features; output stays sharded (feeds a 'rowwise'). SP: input is a "
+    "sequence shard, all-gathered first",
+    "rowwise": "nn.Linear sharded on in_features; output all-reduced. SP: reduce-scattered to sequence shards",
+    "colwise_rep": "nn.Linear sharded on out_features; output all-gathered (replicated)",
+    "rowwise_rep": "nn.Linear sharded on in_features with a replicated input (each rank slices it); output "
+    "all-reduced",
+    "vocab_parallel_embedding": "nn.Embedding sharded on the vocabulary; output all-reduced. SP: reduce-scattered "
+    "to sequence shards (the sequence is split right after the embedding)",
+    "embedding_rowwise": "Hugging Face's vocab-parallel embedding: like 'vocab_parallel_embedding' but the output "
+    "always stays replicated (HF models derive positions from its length; 'split_sequence' splits later)",
+    "embedding_colwise": "nn.Embedding sharded on embedding_dim; output all-gathered",
+    "vocab_parallel_head": "output nn.Linear sharded on the vocabulary; with loss_parallel its output stays a "
+    "vocab-sharded DTensor for torch's loss_parallel(), else it is all-gathered",
+    "sequence_parallel": "norm/dropout on the residual stream: runs on sequence shards (SP only; else untouched)",
+    "replicate": "replicated module added to the residual stream (e.g. a position embedding): SP slices its "
+    "output's sequence dim (dim -2) to this rank's chunk; else untouched",
+    "split_sequence": "SP only: the first tensor input (or `hidden_states=`) is full; keep this rank's sequence chunk",
+    "gather_sequence": "SP only: all-gather the first tensor input (or `hidden_states=`) once for the module's "
+    "colwise children (one all-gather instead of one per child)",
+}
+#: Hugging Face style names with the same meaning as one of ours (None: nothing to do, our 'rowwise' already reduces).
+HF_ALIASES: dict[str, str | None] = {
+    "colwise_gather_output": "colwise_rep",
+    "rowwise_split_input": "rowwise_rep",
+    "local_colwise": "colwise",
+    "local_rowwise": "rowwise",
+    "gather": None,
+    "local": None,
+}
+#: Hugging Face styles that need HF's own forward hooks or packed weights.
+HF_UNSUPPORTED = (
+    "packed_colwise", "packed_rowwise", "local_packed_rowwise", "mla_kv_a_proj", "moe_tp_experts",
+    "moe_identity_expert", "replicated_with_grad_allreduce", "all_reduce", "local_params", "grouped_gemm",
+    "ep_router", "isolated",
+)
+_HF_NOOP_IN_HF_PLANS = ("replicate", "local", "gather")  # HF "replicate" = keep the full parameter: the default
+
+_ON_LINEAR = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "vocab_parallel_head")
+_ON_EMBEDDING = ("vocab_parallel_embedding", "embedding_rowwise", "embedding_colwise")
+# style -> (attribute that must divide by tp, what it is)
+_SHARDED_SIZE = {
+    "colwise": ("out_features", "output features"),
+    "colwise_rep": ("out_features", "output features"),
+    "vocab_parallel_head": ("out_features", "vocabulary size"),
+    "rowwise": ("in_features", "input features"),
+    "rowwise_rep": ("in_features", "input features"),
+    "vocab_parallel_embedding": ("num_embeddings", "vocabulary size"),
+    "embedding_rowwise": ("num_embeddings", "vocabulary size"),
+    "embedding_colwise": ("embedding_dim", "embedding width"),
+}
+
+Plan = Mapping[str, "str | ParallelStyle"]
+
+
+def prefix_plan(plan: Plan, prefix: str) -> dict[str, str | ParallelStyle]:
+    """Re-root a plan: ``prefix_plan(GPT_TP_PLAN, "model")`` for a LightningModule holding the GPT as ``self.model``."""
+    prefix = prefix.strip(".")
+    return {f"{prefix}.{key}" if prefix else key: style for key, style in plan.items()}
+
+
+def check_tp_size(tp: int, world_size: int) -> None:
+    """``tp`` must be a positive int that divides the world size (the rest of the ranks are other dimensions)."""
+    if isinstance(tp, bool) or not isinstance(tp, int):
+        raise TypeError(f"tp={tp!r} ({type(tp).__name__}) must be an int: the number of ranks a layer is split over.")
+    if tp < 1 or tp > world_size or world_size % tp != 0:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"tp={tp} does not fit a world of {world_size} processes: the tensor-parallel size must divide the world "
+            f"size. Choose one of {divisors}, or launch a multiple of {tp} processes."
+        )
+
+
+# ---- where a plan comes from ----------------------------------------------------------------------------------
+def resolve_tp_plan(module: nn.Module, plan: Plan | None) -> dict[str, str | ParallelStyle]:
+    """The plan to apply to ``module``: ``plan`` if given; else ``module.tp_plan`` (a LightningModule's attribute,
+    relative to the LightningModule: ``"model.blocks.*.attn.q"``); else the Hugging Face plans of the HF models
+    inside ``module``, re-rooted at ``module``. Raises a ``ValueError`` saying what to pass when there is none."""
+    if plan is not None:
+        return _check_plan_types(plan, "tp_plan")
+    own = getattr(module, "tp_plan", None)
+    if own is not None and not _is_hf_model(module):
+        return _check_plan_types(own, f"{type(module).__name__}.tp_plan")
+    found = _hf_plan(module)
+    if found:
+        return found
+    raise ValueError(
+        f"No tensor-parallel plan for {type(module).__name__}: pass `tp_plan={{fqn_glob: style}}` (styles: "
+        f"{sorted(STYLES)}), or set a `tp_plan` attribute on the LightningModule with keys relative to it (e.g. "
+        f"`self.tp_plan = prefix_plan(GPT_TP_PLAN, 'model')`). Hugging Face models bring their own "
+        f"(`config.base_model_tp_plan`); none was found here."
+    )
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    return hasattr(getattr(module, "config", None), "base_model_tp_plan") and hasattr(module, "base_model_prefix")
+
+
+def _hf_plan(root: nn.Module) -> dict[str, str]:
+    """The plans of the outermost HF models in ``root`` (their inner modules carry the same config), translated:
+    HF no-op styles dropped, sequence-parallel entries added (they do nothing unless ``sequence_parallel=True``)."""
+    plan: dict[str, str] = {}
+    owners: list[str] = []
+    for fqn, sub in root.named_modules():
+        if not _is_hf_model(sub) or any(fqn == o or fqn.startswith(f"{o}.") or o == "" for o in owners):
+            continue
+        owners.append(fqn)
+        own = getattr(sub, "tp_plan", None)  # transformers >= 5: the model's and its base model's plans merged
+        if not isinstance(own, Mapping) or not own:
+            own = dict(getattr(type(sub), "_tp_plan", None) or {})
+            base_fqn = sub.base_model_prefix if isinstance(getattr(sub, sub.base_model_prefix, None), nn.Module) else ""
+            own.update(prefix_plan(sub.config.base_model_tp_plan or {}, base_fqn))
+        own = {k: v for k, v in own.items() if v not in _HF_NOOP_IN_HF_PLANS}
+        if own:
+            plan.update(prefix_plan({**own, **_hf_sequence_parallel_entries(sub, own)}, fqn))
+    return plan
+
+
+def _hf_sequence_parallel_entries(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """For a decoder with ``base.layers``: split the sequence entering layer 0 (after HF computed positions and the
+    mask from the full length), run the layers' norms and the final norm on shards, gather once per sublayer."""
+    base = getattr(model, "base_model", model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        return {}
+    base_fqn = next(name for name, m in model.named_modules() if m is base)
+    lp = f"{base_fqn}.layers" if base_fqn else "layers"
+    entries = {f"{lp}.0": "split_sequence"}
+    for name, child in layers[0].named_children():
+        if "norm" in type(child).__name__.lower():
+            entries[f"{lp}.*.{name}"] = "sequence_parallel"
+        elif any(
+            fqn_matches(f"{lp}.0.{name}.{leaf}", key)
+            for leaf, _ in child.named_children()
+            for key, style in plan.items()
+            if style in ("colwise", "local_colwise")
+        ):
+            entries[f"{lp}.*.{name}"] = "gather_sequence"
+    after_layers = False
+    for name, child in base.named_children():  # final norms only: a norm before the layers sees the full sequence
+        if child is layers:
+            after_layers = True
+        elif after_layers and "norm" in type(child).__name__.lower():
+            entries[f"{base_fqn}.{name}" if base_fqn else name] = "sequence_parallel"
+    return entries
+
+
+def _check_plan_types(plan: object, what: str) -> dict[str, str | ParallelStyle]:
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"{what} must be a dict of FQN glob -> style, got {type(plan).__name__}.")
+    for key, style in plan.items():
+        if not isinstance(key, str) or not isinstance(style, (str, ParallelStyle)):
+            raise TypeError(
+                f"{what}: entry {key!r}: {style!r} must map a str FQN glob to a style name ({sorted(STYLES)}) or a "
+                f"torch ParallelStyle, got {type(key).__name__} -> {type(style).__name__}."
+            )
+    return dict(plan)
+
+
+# ---- validation (no communication) ----------------------------------------------------------------------------
+def canonical_style(style: str | ParallelStyle, key: str) -> str | ParallelStyle | None:
+    """Our name for a style (HF aliases translated); ``None`` for HF's no-op styles. Unknown names raise."""
+    if isinstance(style, ParallelStyle):
+        return style
+    if style in STYLES:
+        return style
+    if style in HF_ALIASES:
+        return HF_ALIASES[style]
+    if style in HF_UNSUPPORTED:
+        raise ValueError(
+            f"tp_plan[{key!r}] = {style!r} is a Hugging Face style that lightning_par does not implement (it needs "
+            f"HF's own hooks or packed weights). Override this entry with one of {sorted(STYLES)} or a torch "
+            f"ParallelStyle, or leave the module replicated by dropping the entry."
+        )
+    raise ValueError(
+        f"tp_plan[{key!r}] = {style!r} is not a tensor-parallel style. Valid names: {sorted(STYLES)} "
+        f"(also the Hugging Face names {sorted(HF_ALIASES)}), or pass a torch ParallelStyle object."
+    )
+
+
+def validate_tp_plan(
+    module: nn.Module, plan: Plan, tp_size: int, *, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> dict[str, str | ParallelStyle]:
+    """Match every plan entry to modules and check that each can be split ``tp_size`` ways.
+
+    Returns ``{module fqn: style}`` in model order (HF no-op entries dropped). Raises ``ValueError``/``TypeError``
+    naming the entry, the module, the sizes and the fix. Needs no process group: call it anywhere.
+    """
+    plan = _check_plan_types(plan, "tp_plan")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size={tp_size!r} must be a positive int.")
+    for flag, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag}={value!r} must be True or False.")
+    names = [name for name, _ in module.named_modules() if name]
+    resolved: dict[str, str | ParallelStyle] = {}
+    source: dict[str, str] = {}
+    for key, style in plan.items():
+        hits = [name for name in names if fqn_matches(name, key)]
+        if not hits:
+            raise ValueError(_no_match_message(module, key, names))
+        style = canonical_style(style, key)
+        if style is None:
+            continue
+        for name in hits:
+            if name in resolved and resolved[name] != style:
+                raise ValueError(
+                    f"tp_plan: module {name!r} is matched by {source[name]!r} -> {resolved[name]!r} and by {key!r} "
+                    f"-> {style!r}. Give each module one style (narrow one of the globs)."
+                )
+            resolved[name], source[name] = style, key
+    for name, style in resolved.items():
+        _check_module(name, module.get_submodule(name), style, tp_size, module)
+    _check_tied(module, resolved, sequence_parallel)
+    styles = set(resolved.values())
+    if loss_parallel and "vocab_parallel_head" not in styles:
+        raise ValueError(
+            "loss_parallel=True needs an output layer whose logits stay sharded over the vocabulary: mark it "
+            "'vocab_parallel_head' in the plan (e.g. {'head': 'vocab_parallel_head'}; for Hugging Face models "
+            "'...lm_head'), or pass loss_parallel=False."
+        )
+    if sequence_parallel and not any(isinstance(s, ParallelStyle) for s in styles):
+        if "sequence_parallel" not in styles or not styles & {"vocab_parallel_embedding", "split_sequence"}:
+            raise ValueError(
+                "sequence_parallel=True needs a plan that says where the sequence is split and which modules run on "
+                "sequence shards: mark the embedding 'vocab_parallel_embedding' (or the first block "
+                "'split_sequence') and every norm/dropout on the residual stream 'sequence_parallel'. Found styles "
+                f"{sorted(str(s) for s in styles)}; or pass sequence_parallel=False."
+            )
+    return resolved
+
+
+def _check_module(name: str, mod: nn.Module, style: str | ParallelStyle, tp: int, root: nn.Module) -> None:
+    kind = style
+    if isinstance(style, ParallelStyle):  # check torch's own Colwise/Rowwise objects on linears too
+        kind = {ColwiseParallel: "colwise", RowwiseParallel: "rowwise"}.get(type(style), "")
+        if kind and not isinstance(mod, nn.Linear):
+            return
+    if kind in _ON_LINEAR and not isinstance(mod, nn.Linear):
+        raise TypeError(f"tp_plan: '{kind}' shards an nn.Linear, but {name!r} is a {type(mod).__name__}.")
+    if kind in _ON_EMBEDDING and not isinstance(mod, nn.Embedding):
+        raise TypeError(f"tp_plan: '{kind}' shards an nn.Embedding, but {name!r} is a {type(mod).__name__}.")
+    if kind == "sequence_parallel" and isinstance(mod, (nn.Linear, nn.Embedding)):
+        raise TypeError(
+            f"tp_plan: 'sequence_parallel' is for norms and dropout, but {name!r} is a {type(mod).__name__}."
+        )
+    if kind in _SHARDED_SIZE:
+        attr, what = _SHARDED_SIZE[kind]
+        size = getattr(mod, attr)
+        if size % tp:
+            raise ValueError(
+                f"tp_plan: {name!r} ({type(mod).__name__}, {attr}={size}) is '{kind}', which splits its {what} "
+                f"{tp} ways, but {size} is not divisible by tp={tp}. Choose a tp that divides {size}, or a model "
+                f"size divisible by {tp}."
+            )
+    if kind == "colwise":
+        _check_heads(name, mod, tp, root)
+
+
+def _check_tied(root: nn.Module, resolved: Mapping[str, str | ParallelStyle], sequence_parallel: bool) -> None:
+    """A parallelized module's parameters are replaced by DTensors: a weight it shares (tied embeddings) would
+    silently become two independent copies."""
+    owners: dict[int, list[str]] = {}
+    for name, mod in root.named_modules(remove_duplicate=False):
+        for p_name, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append(f"{name}.{p_name}" if name else p_name)
+    for name, style in resolved.items():
+        replaces = isinstance(style, ParallelStyle) or style in _SHARDED_SIZE or (
+            style == "sequence_parallel" and sequence_parallel
+        )
+        for p in root.get_submodule(name)._parameters.values() if replaces else ():
+            if p is not None and len(owners[id(p)]) > 1:
+                raise ValueError(
+                    f"tp_plan: {name!r} ('{style}') shares a parameter with other modules ({owners[id(p)]}): tied "
+                    f"weights cannot be tensor-parallelized (they would become independent copies). Untie them "
+                    f"(Hugging Face: tie_word_embeddings=False) or drop the plan entries of the tied modules."
+                )
+
+
+def _check_heads(name: str, linear: nn.Module, tp: int, root: nn.Module) -> None:
+    """A colwise q/k/v projection must split whole heads: its parent's ``head_dim`` (and HF config) tell heads."""
+    parent_name = name.rpartition(".")[0]
+    parent = root.get_submodule(parent_name) if parent_name else root
+    head_dim = getattr(parent, "head_dim", None)
+    if isinstance(head_dim, int) and head_dim > 0 and linear.out_features % head_dim == 0:
+        heads = linear.out_features // head_dim
+        if heads % tp:
+            raise ValueError(
+                f"tp_plan: {name!r} projects to {heads} heads (out_features={linear.out_features} / head_dim="
+                f"{head_dim} of {parent_name!r}), which tp={tp} cannot split into whole heads. Choose a tp that "
+                f"divides {heads}, or a model with a multiple of {tp} heads."
+            )
+    config = getattr(parent, "config", None)
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, attr, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ValueError(
+                f"tp_plan: attention {parent_name!r} has {attr}={heads} (config of {type(parent).__name__}), which "
+                f"tp={tp} cannot split into whole heads. Choose a tp that divides {heads}."
+            )
+
+
+def _no_match_message(module: nn.Module, key: str, names: list[str]) -> str:
+    generic = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", n) for n in names})
+    close = difflib.get_close_matches(key, generic, n=3, cutoff=0.5)
+    hint = f" Did you mean {close}?" if close else f" Some of its modules: {generic[:6]}."
+    return (
+        f"tp_plan: {key!r} matches no module of {type(module).__name__}.{hint} Plan keys are FQN globs relative to "
+        f"the module TP is applied to (`*` = one dotted segment, `**` = any number); a LightningModule's plan starts "
+        f"at the LightningModule (e.g. 'model.blocks.*.attn.q': use prefix_plan(plan, 'model'))."
+    )

@@ -1,0 +1,203 @@
+"""Worker functions for tests/test_tensor_parallel_core.py (module level, so spawned ranks can import them).
+
+Plain torch.distributed, no Lightning: each rank builds the model, keeps an untouched copy as the one-process
+reference (it sees the same batches and trains alone, no communication), applies ``apply_tp`` to the other and
+trains both for a few steps. Ranks return plain numbers and error messages; the parent asserts.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel
+
+from example_projects.gpt.model import GPT, GPT_TP_PLAN, GPTConfig
+from lightning_par.parallel.tensor import apply_tp, prefix_plan, resolve_tp_plan
+
+BATCH, SEQ = 4, 16
+
+
+def tiny_gpt(**overrides) -> GPT:
+    cfg = dict(vocab_size=32, block_size=16, n_layer=3, n_head=4, n_embd=32, dropout=0.0)
+    return GPT(GPTConfig(**{**cfg, **overrides}))
+
+
+def tiny_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+class Wrapper(nn.Module):
+    """Stands in for a LightningModule: holds the model as ``self.model`` and a plan relative to itself."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.tp_plan = prefix_plan(GPT_TP_PLAN, "model")
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str = "gpt"  # gpt | wrapped | llama | gpt_style_objects
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    optimizer: str = "adamw"
+    steps: int = 3
+    overrides: dict = field(default_factory=dict, hash=False)
+
+
+def gpt_cases() -> list[Case]:
+    return [
+        Case(f"gpt sp={sp} lp={lp} {opt}", sequence_parallel=sp, loss_parallel=lp, optimizer=opt)
+        for sp in (False, True)
+        for lp in (False, True)
+        for opt in ("sgd", "adamw")
+    ]
+
+
+def extra_cases() -> list[Case]:
+    return [
+        Case("wrapped tp_plan attribute sp", model="wrapped", sequence_parallel=True),
+        Case("gpt ParallelStyle objects in plan", model="gpt_style_objects"),
+        Case("llama hf plan", model="llama"),
+        Case("llama hf plan sp", model="llama", sequence_parallel=True),
+        Case("llama hf plan sp lp (lm_head overridden)", model="llama", sequence_parallel=True, loss_parallel=True),
+    ]
+
+
+def _build(case: Case) -> tuple[nn.Module, dict, int]:
+    """(model, plan, vocab). The plan comes through resolve_tp_plan as the strategy will call it."""
+    if case.model == "llama":
+        model = tiny_llama()
+        plan = resolve_tp_plan(model, None)
+        if case.loss_parallel:
+            plan = {**plan, "lm_head": "vocab_parallel_head"}
+        return model, plan, 64
+    if case.model == "wrapped":
+        model = Wrapper(tiny_gpt(**case.overrides))
+        return model, resolve_tp_plan(model, None), 32
+    model = tiny_gpt(**case.overrides)
+    plan = dict(GPT_TP_PLAN)
+    if case.model == "gpt_style_objects":
+        plan["blocks.*.mlp.fc"] = ColwiseParallel()
+    return model, resolve_tp_plan(model, plan), 32
+
+
+def _logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _train(model: nn.Module, batches: list, optimizer: str, use_loss_parallel: bool) -> list[float]:
+    opt = (torch.optim.SGD(model.parameters(), lr=0.5) if optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1))
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        logits = _logits(model, x)
+        if use_loss_parallel:
+            assert isinstance(logits, DTensor), f"loss_parallel: logits are {type(logits).__name__}, not a DTensor"
+            with loss_parallel():
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                loss.backward()
+            loss = loss.full_tensor()
+        else:
+            assert not isinstance(logits, DTensor)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    state = model.state_dict()
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
+
+
+def run_case(case: Case, mesh) -> dict:
+    torch.manual_seed(0)
+    model, plan, vocab = _build(case)
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randint(0, vocab, (BATCH, SEQ), generator=g), torch.randint(0, vocab, (BATCH, SEQ), generator=g))
+        for _ in range(case.steps)
+    ]
+    apply_tp(model, mesh, plan, sequence_parallel=case.sequence_parallel, loss_parallel=case.loss_parallel)
+    sharded = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor) and p.to_local().numel()
+                     < p.numel())
+    # the residual stream leaving the first block: this rank's sequence chunk under SP, the full sequence without
+    first_block = next(m for n, m in model.named_modules() if n.endswith(("blocks.0", "layers.0")))
+    seen: list[tuple] = []
+    first_block.register_forward_hook(lambda _m, _a, out: seen.append(tuple((out[0] if isinstance(out, tuple)
+                                                                              else out).shape)))
+    losses = _train(model, batches, case.optimizer, case.loss_parallel)
+    ref_losses = _train(reference, batches, case.optimizer, False)
+    got, want = _full_weights(model), _full_weights(reference)
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        "weight_diff": max(float((got[k] - want[k]).abs().max()) for k in got),
+        "num_sharded": len(sharded),
+        "block_output_shape": seen[0],
+        "loss_decreased": ref_losses[-1] < ref_losses[0],
+    }
+
+
+def _error(fn) -> str:
+    """The message of the ValueError/TypeError ``fn`` raises ('' if none): collected on every rank."""
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def distributed_errors(mesh) -> dict[str, str]:
+    """Bad inputs that need a mesh or a forward; each must raise on every rank alike, before any collective (the
+    job would hang otherwise). Runs before the parity cases, which then prove the process group is still in step."""
+    errors = {}
+    errors["bad plan"] = _error(lambda: apply_tp(tiny_gpt(), mesh, {"blocks.*.atn.q": "colwise"}))
+    model = tiny_gpt()
+    apply_tp(model, mesh, GPT_TP_PLAN)
+    errors["applied twice"] = _error(lambda: apply_tp(model, mesh, GPT_TP_PLAN))
+    sp_model = tiny_gpt()
+    apply_tp(sp_model, mesh, GPT_TP_PLAN, sequence_parallel=True)
+    errors["sp uneven sequence"] = _error(lambda: sp_model(torch.zeros(2, SEQ - 1, dtype=torch.long)))  # 15
+    tied = tiny_llama()
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    errors["tied weights"] = _error(lambda: apply_tp(tied, mesh, resolve_tp_plan(tied, None)))
+    if dist.get_world_size() == 4:
+        mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        errors["2-D mesh"] = _error(lambda: apply_tp(tiny_gpt(), mesh2d, GPT_TP_PLAN))
+    return errors
+
+
+def run_all(tp: int, cases: list[Case]) -> dict:
+    """One launch: the error checks, then every parity case on a 1-D mesh of the whole world."""
+    dist.init_process_group("gloo")
+    try:
+        mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+        out = {"errors": distributed_errors(mesh)}
+        for case in cases:
+            out[case.name] = run_case(case, mesh)
+        return out
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,123 @@
+"""ContextParallelStrategy: training parity with one process (the attention alone is tested in
+test_context_attention.py), and the inputs it must refuse.
+
+The GPT example is unchanged but for taking positions from ``context_positions``: its
+``F.scaled_dot_product_attention`` is routed to the distributed attention by the strategy.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from launch import launch
+from lightning.pytorch import Trainer
+from workers import GPTModule, fit, fit_reference, max_loss_diff, max_weight_diff
+
+from lightning_par import ContextParallelStrategy
+
+TOL = 1e-5
+WORLD2 = {
+    "cp2_ring": dict(),
+    "cp2_allgather": dict(cp_algorithm="allgather"),
+    "cp2_ring_no_load_balance": dict(cp_load_balance=False),
+    "cp2_ring_activation_checkpointing": dict(activation_checkpointing=True),
+}
+WORLD4 = {
+    "cp4_ring": (dict(), 1),
+    "cp4_allgather": (dict(cp_algorithm="allgather"), 1),
+    "dp_shard2_x_cp2": (dict(cp=2, dp_shard=2), 2),
+}
+
+
+class ExplicitMaskGPT(GPTModule):
+    """Attention with an explicit mask, which context-parallel attention cannot honour."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        h = self.model.tok_emb(x).unsqueeze(1)
+        mask = torch.ones(x.size(1), x.size(1), dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(h, h, h, attn_mask=mask).sum()
+
+
+def _errors(cases: dict) -> dict:
+    errors = {}
+    for name, kwargs in cases.items():
+        try:
+            fit(ContextParallelStrategy(), devices=2, dp_size=1, max_steps=2, **kwargs)
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001 - the test inspects type and message
+            errors[name] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+def _world2() -> dict:
+    out = {name: fit(ContextParallelStrategy(**kw), devices=2, dp_size=1) for name, kw in WORLD2.items()}
+    out["errors"] = _errors({
+        "seq_not_divisible": dict(seq_len=14),
+        "explicit_mask": dict(module_cls=ExplicitMaskGPT),
+    })
+    return out
+
+
+def _world4() -> dict:
+    return {name: fit(ContextParallelStrategy(**kw), devices=4, dp_size=dp) for name, (kw, dp) in WORLD4.items()}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return fit_reference()
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return launch(2, _world2)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return launch(4, _world4)
+
+
+def _check(result: dict, ref: dict) -> None:
+    assert len(result["losses"]) == 10
+    assert max_loss_diff(result["losses"], ref["losses"]) <= TOL, (result["losses"], ref["losses"])
+    assert max_weight_diff(result["weights"], ref["weights"]) <= TOL
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_parity_world2(world2, reference, name):
+    _check(world2[0][name], reference)
+    assert world2[1][name]["losses"] == world2[0][name]["losses"]
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_parity_world4(world4, reference, name):
+    _check(world4[0][name], reference)
+
+
+@pytest.mark.parametrize(
+    "case, error",
+    [
+        ("seq_not_divisible", r"ValueError: tensor.size\(1\) \(the global sequence length\) = 14 cannot be split"),
+        ("explicit_mask", r"ValueError: .*attn_mask"),
+    ],
+)
+def test_bad_inputs_are_refused_on_every_rank(world2, case, error):
+    import re
+
+    for rank in (0, 1):
+        message = world2[rank]["errors"][case]
+        assert message is not None and re.search(error, message), message
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: Trainer(accelerator="cpu", devices=4, strategy=ContextParallelStrategy(cp=3), logger=False),
+         r"multiplies to 3 processes, but the world size is 4"),
+        (lambda: ContextParallelStrategy(cp_algorithm="tree"), r"cp_algorithm='tree' is not one of"),
+        (lambda: ContextParallelStrategy(cp_seq_dim=0), r"cp_seq_dim=0 must be"),
+    ],
+)
+def test_bad_configuration_is_refused(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
