@@ -2,9 +2,9 @@
 
 from lightning_par.checkpoint import consolidate_checkpoint, full_state_dict
 from lightning_par.dims import ParallelDims
+from lightning_par.parallel.context_routing import context_positions
 from lightning_par.strategies.base import BaseParallelStrategy
 from lightning_par.strategies.nd import NDParallelStrategy
-from lightning_par.parallel.context_routing import context_positions
 from lightning_par.strategies.presets import ContextParallelStrategy, FSDP2Strategy, register_strategies
 
 register_strategies()

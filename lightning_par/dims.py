@@ -139,7 +139,9 @@ class ParallelDims:
     def mesh(self, name: str) -> DeviceMesh:
         """A 1-D mesh by name: one of :data:`MESH_DIM_NAMES` or :data:`FLAT_MESHES`."""
         if name not in MESH_DIM_NAMES and name not in FLAT_MESHES:
-            raise ValueError(f"ParallelDims: unknown mesh {name!r}; choose one of {MESH_DIM_NAMES + tuple(FLAT_MESHES)}")
+            raise ValueError(
+                f"ParallelDims: unknown mesh {name!r}; choose one of {MESH_DIM_NAMES + tuple(FLAT_MESHES)}"
+            )
         if name in FLAT_MESHES:
             self.world_mesh  # noqa: B018 - raises a clear error before setup
             return self._flat_meshes[name]

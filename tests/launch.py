@@ -16,8 +16,9 @@ import socket
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 class WorkerError(AssertionError):
@@ -57,7 +58,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent, whatever it is
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 def launch(

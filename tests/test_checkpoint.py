@@ -96,7 +96,8 @@ def test_consolidated_checkpoint_equals_single_process_model(runs, tmp_path):
     "case, error",
     [
         ("missing", r"FileNotFoundError: ckpt_path='.*nope.ckpt' does not exist"),
-        ("incomplete", r"ValueError: ckpt_path='.*broken.ckpt' holds no complete checkpoint \(missing \['COMPLETE'\]\)"),
+        ("incomplete",
+         r"ValueError: ckpt_path='.*broken.ckpt' holds no complete checkpoint \(missing \['COMPLETE'\]\)"),
         ("other_depth", r"ValueError: .* was saved from a different model: missing \[\], unexpected \['model.blocks.2"),
         ("other_width", r"shape mismatch \['model.head.weight: checkpoint \(32, 32\) vs model \(40, 32\)'"),
     ],

@@ -34,9 +34,9 @@ def test_non_int_size_is_refused():
 
 def test_mesh_needs_resolve_and_setup():
     with pytest.raises(RuntimeError, match="resolve"):
-        ParallelDims().dp_size
+        _ = ParallelDims().dp_size
     with pytest.raises(RuntimeError, match="not available yet"):
-        ParallelDims(dp_shard=1).resolve(1).world_mesh
+        _ = ParallelDims(dp_shard=1).resolve(1).world_mesh
 
 
 def _mesh_worker():

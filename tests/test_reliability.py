@@ -31,7 +31,8 @@ def test_a_failing_rank_ends_the_whole_job_naming_rank_and_error(fail_rank):
     proc, elapsed = _run_job("--fail-rank", str(fail_rank), "--fail-step", "3", "--timeout", "30")
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert f"[lightning_par] rank {fail_rank} failed: RuntimeError: injected failure at step 3" in output, output[-3000:]
+    expected = f"[lightning_par] rank {fail_rank} failed: RuntimeError: injected failure at step 3"
+    assert expected in output, output[-3000:]
     assert elapsed < 60, f"the job took {elapsed:.0f}s to end: the surviving rank waited for its peer"
 
 

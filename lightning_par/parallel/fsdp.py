@@ -20,7 +20,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
 ) -> None:
-    """Shard each unit (given in model order), then the root (which takes every parameter no unit holds), with ``fully_shard``.
+    """``fully_shard`` each unit (given in model order), then the root, which takes every parameter no unit holds.
 
     ``mesh`` is 1-D for FSDP and 2-D ``(replicate, shard)`` for HSDP. ``reshard_after_forward=False`` keeps the
     gathered parameters between forward and backward (ZeRO-2-like: less communication, more memory). The last unit

@@ -219,9 +219,10 @@ class BaseParallelStrategy(ParallelStrategy):
         for name, param in module.named_parameters():
             mesh_ranks = set(param.device_mesh.mesh.flatten().tolist()) if isinstance(param, DTensor) else set()
             if not replica_ranks <= mesh_ranks:
+                held = f"DTensor on ranks {sorted(mesh_ranks)}" if mesh_ranks else "plain tensor"
                 raise ValueError(
                     f"Parameter {name!r} is neither sharded nor replicated over the data-parallel ranks "
-                    f"{sorted(replica_ranks)} (it is a {'DTensor on ranks ' + str(sorted(mesh_ranks)) if mesh_ranks else 'plain tensor'}): each rank would train its own copy. "
+                    f"{sorted(replica_ranks)} (it is a {held}): each rank would train its own copy. "
                     f"If you parallelize by hand in `configure_model`, apply `fully_shard(..., "
                     f"mesh=self.device_mesh['dp_shard_cp'])` to the whole model; or leave `configure_model` free of "
                     f"parallelization and let the strategy apply it."

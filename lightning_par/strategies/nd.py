@@ -100,7 +100,9 @@ class NDParallelStrategy(BaseParallelStrategy):
         ):
             raise TypeError(f"shard_units={shard_units!r} must be a list of class names or FQN globs, e.g. ['Block'].")
         if block_list is not None and not isinstance(block_list, str):
-            raise TypeError(f"block_list={block_list!r} must be the dotted name of an nn.ModuleList, e.g. 'model.blocks'.")
+            raise TypeError(
+                f"block_list={block_list!r} must be the dotted name of an nn.ModuleList, e.g. 'model.blocks'."
+            )
         super().__init__(dims, process_group_backend=process_group_backend, timeout=timeout, **lightning_kwargs)
         self.block_list = block_list
         self.shard_units = list(shard_units) if shard_units is not None else None
