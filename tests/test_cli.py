@@ -45,3 +45,17 @@ def test_gpt_example_trains_through_lightning_cli(tmp_path, strategy_args):
     # the sharded checkpoint Lightning's ModelCheckpoint wrote at the end is complete
     (ckpt,) = (log_dir / "checkpoints").iterdir()
     assert (ckpt / "COMPLETE").is_file()
+
+
+def test_torchrun_launch(tmp_path):
+    """The same job under a real torchrun: Lightning picks its TorchElasticEnvironment and launches nothing."""
+    out = tmp_path / "result.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "tests/scripts/tiny_job.py", "--max-steps", "3", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import torch
+
+    result = torch.load(out)
+    assert result["global_step"] == 3 and len(result["losses"]) == 3

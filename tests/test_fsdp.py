@@ -8,12 +8,22 @@ steps: the sharded reduce-scatter sums in a different order than one process).
 import pytest
 import torch
 from launch import launch
-from workers import SGDGPT, fit, fit_reference, max_loss_diff, max_weight_diff
+from lightning.pytorch.callbacks import Callback
+from workers import SGDGPT, GPTModule, fit, fit_reference, max_loss_diff, max_weight_diff
 
-from lightning_par import FSDP2Strategy
+from lightning_par import FSDP2Strategy, full_state_dict
+
+
+class _KeepModule(Callback):
+    def __init__(self, sink: list) -> None:
+        self.sink = sink
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self.sink.append(pl_module)
 
 TOL = 1e-5
 CLIP = 0.5
+PRECISIONS = {"bf16-mixed": torch.float32, "bf16-true": torch.bfloat16}  # -> dtype of the stored weights
 WORLD2_CONFIGS = {
     "zero3": dict(),
     "zero2": dict(reshard_after_forward=False),
@@ -30,8 +40,22 @@ WORLD4_CONFIGS = {
 }
 
 
+class InitProbe(GPTModule):
+    """Records the full weights right after the strategy materialized them (collective: every rank calls it)."""
+
+    def on_fit_start(self) -> None:
+        self.initial_weights = full_state_dict(self)
+
+
 def _run_configs(world_size: int, configs: dict) -> dict:
     out = {name: fit(FSDP2Strategy(**kw), devices=world_size, dp_size=world_size) for name, kw in configs.items()}
+    if world_size == 2:
+        for precision in PRECISIONS:
+            out[precision] = fit(FSDP2Strategy(), devices=2, dp_size=2, precision=precision)
+        probe = []
+        out["meta_init"] = fit(FSDP2Strategy(), devices=2, dp_size=2, empty_init=True, module_cls=InitProbe,
+                               callbacks=[_KeepModule(probe)])
+        out["meta_init"]["initial"] = probe[0].initial_weights
     out["clipped"] = fit(FSDP2Strategy(), devices=world_size, dp_size=world_size, gradient_clip_val=CLIP,
                          module_cls=SGDGPT)
     return out
@@ -91,3 +115,26 @@ def test_gradient_clipping_by_global_norm(world, world2, world4, reference_clipp
 def test_training_reduces_the_loss(reference):
     assert reference["losses"][-1] < reference["losses"][0] - 0.3
     assert all(torch.isfinite(torch.tensor(reference["losses"])))
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_bf16_precisions(world2, reference, precision):
+    """bf16 keeps ~3 significant digits: the loss follows fp32 within 0.05; mixed keeps fp32 master weights."""
+    result = world2[0][precision]
+    assert max_loss_diff(result["losses"], reference["losses"]) <= 0.05
+    assert {w.dtype for w in result["weights"].values()} == {PRECISIONS[precision]}
+    assert result["losses"][-1] < result["losses"][0] - 0.3
+
+
+def test_meta_device_init_materializes_each_shard(world2):
+    """Built on the meta device, sharded, then each rank initialized only its own shards with reset_parameters."""
+    run = world2[0]["meta_init"]
+    initial = run["initial"]
+    assert torch.equal(initial["model.blocks.0.norm1.weight"], torch.ones(32))  # LayerNorm.reset_parameters
+    assert torch.equal(initial["model.blocks.0.mlp.fc.bias"].abs() <= 32**-0.5, torch.ones(128, dtype=torch.bool))
+    fc = initial["model.blocks.0.mlp.fc.weight"]  # Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), sharded on dim 0
+    assert fc.abs().max() <= 32**-0.5 and fc.std() > 0.1 * 32**-0.5
+    assert not torch.equal(fc[:64], fc[64:]), "both ranks initialized their shard identically"
+    emb = initial["model.tok_emb.weight"]  # Embedding: N(0, 1)
+    assert 0.8 < float(emb.std()) < 1.2
+    assert run["losses"][-1] < run["losses"][0] - 0.3

@@ -33,7 +33,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
@@ -53,6 +53,28 @@ from lightning_par.strategies.precision import to_parallel_precision
 from lightning_par.strategies.resume import resumable_train_dataloader
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def _materialize_metric_defaults(module: nn.Module, device: torch.device) -> None:
+    """torchmetrics metrics built under ``init_module(empty_init=True)`` keep their reset values on the meta device
+    (``Metric._defaults``, not a buffer, so ``to_empty`` misses them). Every built-in sum/count/mean state starts
+    at zero: materialize them as zeros and warn, since a custom metric might start elsewhere."""
+    from torchmetrics import Metric
+
+    for name, metric in module.named_modules():
+        if not isinstance(metric, Metric):
+            continue
+        meta = [k for k, v in metric._defaults.items() if isinstance(v, Tensor) and v.is_meta]
+        if not meta and metric.device.type != "meta":
+            continue
+        for key in meta:
+            metric._defaults[key] = torch.zeros_like(metric._defaults[key], device=device)
+            setattr(metric, key, metric._defaults[key].clone())
+        metric._device = device
+        rank_zero_warn(
+            f"Metric {name!r} was created on the meta device; its states {meta} were reset to zeros. Create metrics "
+            f"outside `trainer.init_module(empty_init=True)` if they must start from other values."
+        )
 
 
 class BaseParallelStrategy(ParallelStrategy):
@@ -203,6 +225,7 @@ class BaseParallelStrategy(ParallelStrategy):
 
     def _materialize(self, module: nn.Module) -> None:
         _materialize_distributed_module(module, self.root_device)
+        _materialize_metric_defaults(module, self.root_device)
         self.model_to_device()
 
     def model_to_device(self) -> None:
