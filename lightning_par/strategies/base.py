@@ -33,7 +33,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
@@ -51,6 +51,7 @@ from lightning_par import checkpoint as ckpt
 from lightning_par.dims import ParallelDims
 from lightning_par.strategies.precision import to_parallel_precision
 from lightning_par.strategies.resume import resumable_train_dataloader
+from lightning_par.strategies.summary import layout_summary
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
@@ -212,7 +213,9 @@ class BaseParallelStrategy(ParallelStrategy):
         self.parallelize(self.model)
         self._materialize(self.model)
         self._check_data_parallel_consistency(self.model)
-        self.barrier()
+        summary = layout_summary(self.dims, self.model, str(self._process_group_backend), self.describe())
+        if summary is not None:
+            rank_zero_info(summary)
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
@@ -222,6 +225,10 @@ class BaseParallelStrategy(ParallelStrategy):
 
     def parallelize(self, module: pl.LightningModule) -> None:
         """Apply the strategy's techniques to ``module`` in place. The base class applies none."""
+
+    def describe(self) -> str:
+        """One line on what :meth:`parallelize` applied, for the start-up summary."""
+        return type(self).__name__
 
     def _materialize(self, module: nn.Module) -> None:
         _materialize_distributed_module(module, self.root_device)

@@ -145,6 +145,18 @@ class NDParallelStrategy(BaseParallelStrategy):
             )
             self._register_step_methods(module)
 
+    def describe(self) -> str:
+        parts = []
+        if self.dims.fsdp_enabled:
+            zero = "ZeRO-3" if self.reshard_after_forward else "ZeRO-2-like"
+            parts.append(f"FSDP2 ({zero}{', HSDP' if self.dims.dp_replicate > 1 else ''}"
+                         f"{', CPU offload' if self.cpu_offload else ''})")
+        if self.dims.cp > 1:
+            parts.append(f"context parallel ({self.cp_algorithm}, load balance {self.cp_load_balance})")
+        if self.activation_checkpointing:
+            parts.append("activation checkpointing")
+        return ", ".join(parts) or "no parallelism (one process)"
+
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.dims.cp > 1:
