@@ -39,6 +39,9 @@ def test_gpt_example_trains_through_lightning_cli(tmp_path, strategy_args):
     assert log_dir.is_dir() and str(log_dir).startswith(str(tmp_path))
     scalars = _scalars(log_dir)
     assert {"train/loss", "val/loss", "val/perplexity"} <= set(scalars), sorted(scalars)
+    # the config's monitoring callbacks log per-rank summaries
+    assert {"perf/step_time_s/max", "perf/step_time_s/max_rank", "mem/rss_bytes/max"} <= set(scalars)
+    assert all(e.value in (0.0, 1.0) for e in scalars["perf/step_time_s/max_rank"])
     losses = [e.value for e in scalars["train/loss"]]
     assert len(losses) == 6 and all(0 < v < 10 for v in losses)
     assert losses[-1] < losses[0]
