@@ -5,7 +5,12 @@ from lightning_par.dims import ParallelDims
 from lightning_par.parallel.context_routing import context_positions
 from lightning_par.strategies.base import BaseParallelStrategy
 from lightning_par.strategies.nd import NDParallelStrategy
-from lightning_par.strategies.presets import ContextParallelStrategy, FSDP2Strategy, register_strategies
+from lightning_par.strategies.presets import (
+    ContextParallelStrategy,
+    FSDP2Strategy,
+    TensorParallelStrategy,
+    register_strategies,
+)
 
 register_strategies()
 
@@ -15,6 +20,7 @@ __all__ = [
     "FSDP2Strategy",
     "NDParallelStrategy",
     "ParallelDims",
+    "TensorParallelStrategy",
     "consolidate_checkpoint",
     "context_positions",
     "full_state_dict",

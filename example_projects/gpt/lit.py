@@ -9,12 +9,16 @@ import torch
 import torch.nn.functional as F
 from torchmetrics.text import Perplexity
 
-from example_projects.gpt.model import GPT, GPTConfig
+from example_projects.gpt.model import GPT, GPT_TP_PLAN, GPTConfig
+from lightning_par.parallel.tensor_plan import prefix_plan
 
 
 class GPTModule(pl.LightningModule):
     """Character-level GPT. The model is built in ``configure_model`` so that strategies can create it on the meta
     device and materialize only each rank's shards."""
+
+    #: the tensor-parallel plan lightning_par strategies use when none is given (keys relative to this module)
+    tp_plan = prefix_plan(GPT_TP_PLAN, "model")
 
     def __init__(self, vocab_size: int = 97, block_size: int = 128, n_layer: int = 4, n_head: int = 4,
                  n_embd: int = 128, dropout: float = 0.0, lr: float = 1e-3, weight_decay: float = 0.1,
@@ -54,7 +58,7 @@ class GPTModule(pl.LightningModule):
         no_decay = [p for p in self.parameters() if p.ndim < 2]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr, betas=(0.9, 0.95), eps=hp.adam_eps, foreach=True,
+            lr=hp.lr, betas=(0.9, 0.95), eps=hp.adam_eps,
         )
 
         def warmup_cosine(step: int) -> float:

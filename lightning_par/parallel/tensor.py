@@ -209,3 +209,19 @@ class _SequenceChecked(ParallelStyle):
             )
         return module
 
+
+
+@torch.no_grad()
+def broadcast_replicated_parameters(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Before :func:`apply_tp`: make every plain parameter and buffer equal on all ranks of the tp group.
+
+    TP scatters sharded weights from one rank, but replicated ones (norms, position embeddings, and
+    ``SequenceParallel`` norms, which torch builds from each rank's local copy) keep each rank's own
+    initialization; ranks not seeded alike would train different replicas. One broadcast per tensor at setup;
+    meta tensors (materialized later, by the DTensor RNG) are skipped.
+    """
+    group = tp_mesh.get_group()
+    src = dist.get_global_rank(group, 0)
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if not isinstance(tensor, DTensor) and not tensor.is_meta:
+            dist.broadcast(tensor.data, src=src, group=group)

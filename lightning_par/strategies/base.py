@@ -314,6 +314,8 @@ class BaseParallelStrategy(ParallelStrategy):
         return box[0]
 
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        if isinstance(tensor, DTensor):  # e.g. a loss computed under loss parallelism: replicated, make it plain
+            tensor = tensor.full_tensor()
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor

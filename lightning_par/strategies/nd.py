@@ -3,7 +3,8 @@
 The recipe, in the order it is applied (each step wraps what the earlier ones produced, as in torchtitan):
 
 1. pipeline split: cut the block list into stages      (pp)   -- planned, see README "Status"
-2. tensor parallelism of each block and the head        (tp)   -- planned
+2. tensor parallelism: ``parallelize_module`` with the plan (FQN globs -> styles) over the tp mesh, after the
+   weights are broadcast within the tp group so every rank starts from the same values
 3. context parallelism: nothing to change in the module; at run time every batch's sequence dimension is sharded
    (``batch_to_device``) and ``F.scaled_dot_product_attention`` is routed to ring/all-gather attention over the
    cp group (``step_context``)
@@ -14,7 +15,8 @@ The recipe, in the order it is applied (each step wraps what the earlier ones pr
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.checkpointing import apply_activation_checkpointing
@@ -30,6 +33,8 @@ from lightning_par.parallel.context import ALGORITHMS as CP_ALGORITHMS
 from lightning_par.parallel.context_routing import ContextParallelScope, recompute_in_active_scope, shard_batch
 from lightning_par.parallel.fsdp import apply_fsdp
 from lightning_par.parallel.modules import find_block_list, match_modules
+from lightning_par.parallel.tensor import apply_tp, broadcast_replicated_parameters
+from lightning_par.parallel.tensor_plan import resolve_tp_plan, validate_tp_plan
 from lightning_par.strategies.base import BaseParallelStrategy
 
 
@@ -58,6 +63,11 @@ class NDParallelStrategy(BaseParallelStrategy):
         cp_load_balance: split each sequence into 2*cp chunks, rank i holding chunks i and 2*cp-1-i, so causal
             attention costs every rank the same (the sequence length must then be divisible by 2*cp).
         cp_seq_dim: the sequence dimension of the batch's tensors (tensors with fewer dims are not sharded).
+        tp_plan: FQN globs (relative to the LightningModule) -> style names or torch ``ParallelStyle`` objects.
+            Default: the LightningModule's ``tp_plan`` attribute, else the plan a Hugging Face model carries.
+        sequence_parallel: run norms and dropout on sequence shards between tensor-parallel regions.
+        loss_parallel: keep the head's output sharded over the vocabulary; the loss (``F.cross_entropy`` inside
+            the step) is computed without gathering the logits.
         block_list: dotted name of the model's ``nn.ModuleList`` of blocks; found automatically if omitted.
         shard_units: FSDP units as class names or FQN globs (``"Block"``, ``"model.blocks.*"``); default: every
             block of the block list. The LightningModule itself is always the root unit.
@@ -84,17 +94,19 @@ class NDParallelStrategy(BaseParallelStrategy):
         cp_algorithm: str = "ring",
         cp_load_balance: bool = True,
         cp_seq_dim: int = 1,
+        tp_plan: Mapping[str, Any] | None = None,
+        sequence_parallel: bool = False,
+        loss_parallel: bool = False,
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         **lightning_kwargs: Any,
     ) -> None:
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
-        for name in ("tp", "pp"):
-            if getattr(dims, name) not in (1,):
-                raise ValueError(
-                    f"{name}={getattr(dims, name)}: this version of lightning_par implements data and context "
-                    f"parallelism (dp_replicate x dp_shard x cp) only; {name} must be 1 for now."
-                )
+        if dims.pp != 1:
+            raise ValueError(
+                f"pp={dims.pp}: this version of lightning_par has no pipeline parallelism yet; pp must be 1 "
+                f"(data, tensor and context parallelism: dp_replicate x dp_shard x cp x tp)."
+            )
         if shard_units is not None and (
             isinstance(shard_units, str) or not all(isinstance(u, str) for u in shard_units)
         ):
@@ -117,6 +129,12 @@ class NDParallelStrategy(BaseParallelStrategy):
             raise ValueError(f"cp_seq_dim={cp_seq_dim!r} must be the batch tensors' sequence dimension (>= 1), e.g. 1.")
         self.cp_seq_dim = cp_seq_dim
         self._cp_scope: ContextParallelScope | None = None
+        if tp_plan is not None and not isinstance(tp_plan, Mapping):
+            raise TypeError(f"tp_plan must map FQN globs to style names, e.g. {{'model.blocks.*.attn.q': 'colwise'}}; "
+                            f"got {type(tp_plan).__name__}.")
+        self.tp_plan = dict(tp_plan) if tp_plan is not None else None
+        self.sequence_parallel = _check_bool("sequence_parallel", sequence_parallel)
+        self.loss_parallel = _check_bool("loss_parallel", loss_parallel)
 
     def parallelize(self, module: pl.LightningModule) -> None:
         if is_parallelized(module):
@@ -125,6 +143,13 @@ class NDParallelStrategy(BaseParallelStrategy):
             self._register_step_methods(module)
             return
         unit_fqns = self._shard_unit_fqns(module)
+        if self.dims.tp > 1:
+            plan = resolve_tp_plan(module, self.tp_plan)
+            validate_tp_plan(module, plan, self.dims.tp, sequence_parallel=self.sequence_parallel,
+                             loss_parallel=self.loss_parallel)  # before the first collective below
+            broadcast_replicated_parameters(module, self.dims.mesh("tp"))
+            apply_tp(module, self.dims.mesh("tp"), plan, sequence_parallel=self.sequence_parallel,
+                     loss_parallel=self.loss_parallel)
         if self.activation_checkpointing:
             block_fqn, container = find_block_list(module, self.block_list)
             apply_activation_checkpointing(
@@ -151,6 +176,9 @@ class NDParallelStrategy(BaseParallelStrategy):
             zero = "ZeRO-3" if self.reshard_after_forward else "ZeRO-2-like"
             parts.append(f"FSDP2 ({zero}{', HSDP' if self.dims.dp_replicate > 1 else ''}"
                          f"{', CPU offload' if self.cpu_offload else ''})")
+        if self.dims.tp > 1:
+            parts.append(f"tensor parallel (sequence parallel {self.sequence_parallel}, loss parallel "
+                         f"{self.loss_parallel})")
         if self.dims.cp > 1:
             parts.append(f"context parallel ({self.cp_algorithm}, load balance {self.cp_load_balance})")
         if self.activation_checkpointing:
@@ -164,7 +192,12 @@ class NDParallelStrategy(BaseParallelStrategy):
                                                   self.cp_load_balance)
 
     def step_context(self) -> AbstractContextManager:
-        return self._cp_scope if self._cp_scope is not None else nullcontext()
+        stack = ExitStack()
+        if self._cp_scope is not None:
+            stack.enter_context(self._cp_scope)
+        if self.loss_parallel and self.dims.tp > 1:
+            stack.enter_context(loss_parallel())  # around backward too: its custom ops must see the DTensor grads
+        return stack
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
