@@ -87,7 +87,8 @@ def fit(
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=max_steps,
         logger=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in all_callbacks), enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in all_callbacks),
+        enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=all_callbacks, default_root_dir=ckpt_dir or os.getcwd(),
         gradient_clip_val=gradient_clip_val,
     )
