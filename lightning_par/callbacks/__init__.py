@@ -2,7 +2,7 @@
 
 Each callback observes training and never changes it. Per-rank values are gathered with one small ``all_gather``
 per logging step in a hook every rank runs, and logged on rank 0 as ``<name>/min``, ``<name>/max`` and
-``<name>/max_rank`` through the Trainer's loggers. See ``METRICS.md`` in this package for every metric name.
+``<name>/max_rank`` through the Trainer's loggers. The README's "Monitoring callbacks" section lists every metric.
 """
 
 from lightning_par.callbacks.memory import MemoryMonitor
