@@ -31,6 +31,7 @@ def _trainer(strategy, **kwargs):
         (lambda: FSDP2Strategy(timeout=-5), ValueError, r"timeout=-5 must be a positive number of seconds"),
         (lambda: FSDP2Strategy(reshard_after_forward="yes"), TypeError, r"reshard_after_forward='yes' must be True"),
         (lambda: FSDP2Strategy(shard_units="Block"), TypeError, r"shard_units='Block' must be a list"),
+        (lambda: FSDP2Strategy(tp=2), ValueError, r"FSDP2Strategy does not take tp=2: it sets only \(\)"),
         (lambda: NDParallelStrategy(pp=2), ValueError, r"pp=2: this version of lightning_par has no pipeline"),
     ],
 )
