@@ -2,15 +2,13 @@
 its own plan), FSDP2 x TP, sharded clipping, checkpoints under TP resumed under TP and under FSDP2, bad input.
 The technique alone (without Lightning) is tested in test_tensor_parallel_core.py."""
 
-import re
-
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from launch import launch
 from lightning.pytorch import Trainer
-from workers import SGDGPT, fit, fit_reference, max_loss_diff, max_weight_diff
+from workers import SGDGPT, assert_raised_on_every_rank, error_of, fit, fit_reference, max_loss_diff, max_weight_diff
 
 from lightning_par import FSDP2Strategy, TensorParallelStrategy
 
@@ -55,14 +53,11 @@ def _errors() -> dict:
         "plan_entry_matches_nothing": (dict(tp_plan={"model.blocks.*.attn.q": "colwise", "model.nope": "rowwise"}), {}),
         "unknown_style": (dict(tp_plan={"model.blocks.*.attn.q": "diagonal"}), {}),
     }
-    errors = {}
-    for name, (strategy_kwargs, model_kwargs) in cases.items():
-        try:
-            fit(TensorParallelStrategy(**strategy_kwargs), devices=2, dp_size=1, max_steps=1, **model_kwargs)
-            errors[name] = None
-        except Exception as e:  # noqa: BLE001 - the test inspects type and message
-            errors[name] = f"{type(e).__name__}: {e}"
-    return errors
+    return {
+        name: error_of(lambda s=strategy_kwargs, m=model_kwargs: fit(
+            TensorParallelStrategy(**s), devices=2, dp_size=1, max_steps=1, **m))
+        for name, (strategy_kwargs, model_kwargs) in cases.items()
+    }
 
 
 def _world2(ckpt_dir: str) -> dict:
@@ -142,9 +137,7 @@ def test_checkpoint_saved_under_tp_resumes_under_tp_and_fsdp2(world2, reference,
     ],
 )
 def test_bad_plans_are_refused_on_every_rank(world2, case, error):
-    for rank in (0, 1):
-        message = world2[rank]["errors"][case]
-        assert message is not None and re.search(error, message), message
+    assert_raised_on_every_rank([r["errors"] for r in world2], case, error)
 
 
 def test_tp_not_dividing_the_world_is_refused():

@@ -8,6 +8,8 @@ the same global batch.
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -119,6 +121,23 @@ def fit_reference(
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)
     trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler))
     return {"losses": record.losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def error_of(run: Callable[[], Any]) -> str | None:
+    """``"Type: message"`` of what ``run()`` raised, or None. Bad-input cases run first in a job whose later runs
+    must still succeed: that shows the error was raised on every rank before any collective could hang."""
+    try:
+        run()
+    except Exception as e:  # noqa: BLE001 - the caller inspects type and message
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def assert_raised_on_every_rank(per_rank_errors: list[dict[str, str | None]], case: str, pattern: str) -> None:
+    for rank, errors in enumerate(per_rank_errors):
+        message = errors[case]
+        assert message is not None, f"rank {rank}: {case} raised nothing"
+        assert re.search(pattern, message), f"rank {rank}: {message}"
 
 
 def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

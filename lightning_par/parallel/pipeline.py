@@ -100,9 +100,6 @@ def validate_pipeline(schedule: str, pp: int, n_microbatches: int, num_blocks: i
                 f"n_microbatches={n_microbatches}: schedule {schedule!r} runs micro-batches in rounds of pp={pp} "
                 f"({rounds} rounds here) and needs n_microbatches divisible by the number of rounds. Use "
                 f"n_microbatches <= {pp} or a multiple of {pp}.")
-    if schedule == "zbv" and n_microbatches < num_stages:
-        raise ValueError(f"n_microbatches={n_microbatches}: schedule 'zbv' needs at least as many micro-batches as "
-                         f"stages ({num_stages} = 2 x pp). Use n_microbatches >= {num_stages}.")
     if batch_size is not None and batch_size % n_microbatches != 0:
         raise ValueError(f"batch size {batch_size} is not divisible by n_microbatches={n_microbatches}. Use a batch "
                          f"size that is a multiple of {n_microbatches}, or a micro-batch count that divides "
@@ -118,12 +115,22 @@ def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, style: str = "loop") 
     return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
+def block_fqns(model: nn.Module, block_list: str | None = None) -> tuple[str, list[str]]:
+    """The block list's FQN and its blocks' FQNs: the only places the pipeline may cut."""
+    try:
+        block_fqn, container = find_block_list(model, block_list)
+    except ValueError as e:
+        raise ValueError(f"pipeline parallelism cuts {type(model).__name__} between the blocks of its block list, "
+                         f"and none was found: {e} For the pipeline, pass `block_list='<dotted name of the "
+                         f"nn.ModuleList of blocks>'` (e.g. 'model.layers').") from None
+    return block_fqn, [f"{block_fqn}.{name}" for name in container._modules]
+
+
 def plan_split(model: nn.Module, num_stages: int, split_points: Sequence[str] | None = None,
                block_list: str | None = None) -> list[str]:
     """FQNs of the blocks that begin stages 1..S-1: an even cut of the block list (the first stages take the
     remainder), or the given ``split_points`` checked against it."""
-    block_fqn, container = find_block_list(model, block_list)
-    blocks = [f"{block_fqn}.{name}" for name in container._modules]
+    block_fqn, blocks = block_fqns(model, block_list)
     if num_stages > len(blocks):
         raise ValueError(f"num_stages={num_stages} is more than the {len(blocks)} blocks of {block_fqn!r}; "
                          f"use at most {len(blocks)} stages.")
@@ -325,7 +332,7 @@ class PipelineRunner:
                  split_points: Sequence[str] | None = None, block_list: str | None = None, seed: int = 0,
                  pipe: Pipe | None = None) -> None:
         batch = example_batch_args[0].shape[0]
-        _, blocks = find_block_list(model, block_list)
+        _, blocks = block_fqns(model, block_list)
         self.stages_per_rank = validate_pipeline(schedule, pp, n_microbatches, len(blocks), stages_per_rank, batch)
         self.name, self.pp, self.pp_rank, self.n_microbatches = schedule, pp, pp_rank, n_microbatches
         self.group, self.style = group, SCHEDULES[schedule].style
