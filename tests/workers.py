@@ -75,6 +75,7 @@ def fit(
     gradient_clip_val: float | None = None,
     module_cls: type[pl.LightningModule] = GPTModule,
     callbacks: list[Callback] | None = None,
+    num_nodes: int = 1,
     **model_overrides: Any,
 ) -> dict[str, Any]:
     """Train the tiny GPT; return per-step losses and (rank 0) the full final weights."""
@@ -87,8 +88,8 @@ def fit(
         all_callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1,
                                              filename="epoch_end-{step}", save_on_train_epoch_end=True))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=max_steps,
-        logger=False,
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, precision=precision,
+        max_steps=max_steps, logger=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in all_callbacks),
         enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=all_callbacks, default_root_dir=ckpt_dir or os.getcwd(),

@@ -195,10 +195,18 @@ def _check_stage_dataflow(pipe: Pipe) -> None:
             produced[node] = max(srcs) if srcs else -1
 
 
-def stage_fqns(pipe: Pipe) -> list[list[str]]:
-    """Original parameter FQNs per stage; refuses parameters shared by two stages (they would need a gradient
-    all-reduce between stages, which torch's schedules do not do)."""
+def stage_fqns(pipe: Pipe, model: nn.Module) -> list[list[str]]:
+    """Original parameter FQNs per stage. The tracer keeps each parameter's name, so a stage module's names *are*
+    the original FQNs; checked here (every name of ``model`` in exactly one stage) rather than assumed, and
+    parameters shared by two stages are refused (they would need a gradient all-reduce between stages, which
+    torch's schedules do not do)."""
     per_stage = [[n for n, _ in pipe.get_stage_module(i).named_parameters()] for i in range(pipe.num_stages)]
+    original = {n for n, _ in model.named_parameters()}
+    renamed = [n for names in per_stage for n in names if n not in original]
+    if renamed or original != {n for names in per_stage for n in names}:
+        raise RuntimeError(f"the traced stages do not hold the model's parameters under their own names (e.g. "
+                           f"{renamed[:3]}); this torch version's tracer renames them, so checkpoints would not "
+                           f"map back to the unsplit model.")
     seen: dict[str, int] = {}
     for i, names in enumerate(per_stage):
         for n in names:
@@ -246,6 +254,10 @@ class PipelineStages:
         """Original-FQN state dict of the local stages: the torch.distributed.checkpoint unit for this rank."""
         return {k: v for m in self.modules for k, v in m.state_dict().items()}
 
+    def fqn_map(self) -> dict[int, dict[str, str]]:
+        """Per local stage: stage-module parameter name -> original FQN (the identity, checked by stage_fqns)."""
+        return {sid: {n: n for n, _ in s.submod.named_parameters()} for sid, s in zip(self.stage_ids, self.stages)}
+
     def stage_of(self, fqn: str) -> int:
         return next(i for i, names in enumerate(self.fqns) if fqn in names)
 
@@ -259,12 +271,14 @@ def build_stages(model: nn.Module, example_args: tuple[Any, ...], pp_rank: int, 
 
     ``model`` may live on the meta device (then each local module is initialized by ``init_fn(original_model,
     local_fqns)``, default :func:`init_weights`) or hold real weights (then they are copied by FQN).
+    Buffers of a meta model get whatever ``init_fn`` leaves in them (``reset_parameters`` of a norm resets its
+    running stats; tables built in ``__init__``, such as RoPE's, need an ``init_fn`` that rebuilds them).
     ``example_args`` are one micro-batch of the model's inputs. ``pipe`` reuses an earlier trace.
     """
     num_stages = pp * stages_per_rank
     points = plan_split(model, num_stages, split_points, block_list)
     pipe = pipe if pipe is not None else trace_pipeline(model, example_args, points)
-    fqns = stage_fqns(pipe)
+    fqns = stage_fqns(pipe, model)
     device = torch.device(device)
     real = not any(p.is_meta for p in model.parameters())
     stages = []
@@ -278,22 +292,24 @@ def build_stages(model: nn.Module, example_args: tuple[Any, ...], pp_rank: int, 
                 for name, t in list(submod.named_parameters()) + list(submod.named_buffers()):
                     t.copy_(source[name])
             else:
-                _init_local(model, submod, set(fqns[sid]), init_fn or (lambda m, f: init_weights(m, seed, f)))
+                _init_local(model, submod, set(fqns[sid]), init_fn or (lambda m, f: init_weights(m, seed, f)),
+                            device)
         stages.append(PipelineStage(submod, sid, num_stages, device, group=group))
     return PipelineStages(stages, [s.stage_index for s in stages], num_stages, list(points), fqns)
 
 
-def _init_local(meta_model: nn.Module, submod: nn.Module, local: set[str], init_fn: Callable) -> None:
-    """Materialize the owners of ``local`` in a meta clone, initialize them, copy into ``submod``: memory for
-    this stage's parameters only, and the same values whatever the split."""
+def _init_local(meta_model: nn.Module, submod: nn.Module, local: set[str], init_fn: Callable,
+                device: torch.device) -> None:
+    """Materialize the owners of this stage's parameters and buffers in a meta clone, initialize them there, copy
+    into ``submod``: memory for this stage only, and the same values whatever the split."""
     clone = meta_clone(meta_model)
-    owners = {n.rpartition(".")[0] for n in local}
-    for name in owners:
-        clone.get_submodule(name).to_empty(device=next(submod.parameters()).device, recurse=False)
+    tensors = [n for n, _ in submod.named_parameters()] + [n for n, _ in submod.named_buffers()]
+    for name in {n.rpartition(".")[0] for n in tensors}:
+        clone.get_submodule(name).to_empty(device=device, recurse=False)
     init_fn(clone, local)
-    values = dict(clone.named_parameters())
-    for name, p in submod.named_parameters():
-        p.copy_(values[name])
+    values = dict(clone.named_parameters()) | dict(clone.named_buffers())
+    for name, t in list(submod.named_parameters()) + list(submod.named_buffers()):
+        t.copy_(values[name])
 
 
 def build_schedule(name: str, stages: Sequence[PipelineStage], n_microbatches: int,

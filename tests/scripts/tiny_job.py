@@ -5,6 +5,7 @@ checkpoint, resume, and write rank 0's final weights to a file.
 """
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from workers import fit  # noqa: E402
 
-from lightning_par import FSDP2Strategy  # noqa: E402
+from lightning_par import FSDP2Strategy, NDParallelStrategy  # noqa: E402
 
 
 class Misbehave(Callback):
@@ -40,9 +41,17 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--layout", default=None, help="NDParallelStrategy sizes as JSON; default FSDP2 over 2")
+    parser.add_argument("--num-nodes", type=int, default=1)
     args = parser.parse_args()
+    if args.layout:
+        sizes = json.loads(args.layout)
+        strategy = NDParallelStrategy(**sizes, timeout=args.timeout)
+        dp_size = sizes.get("dp_replicate", 1) * sizes.get("dp_shard", 1)
+    else:
+        strategy, dp_size = FSDP2Strategy(timeout=args.timeout), 2
     result = fit(
-        FSDP2Strategy(timeout=args.timeout), devices=2, dp_size=2, max_steps=args.max_steps, num_samples=40,
+        strategy, devices=2, num_nodes=args.num_nodes, dp_size=dp_size, max_steps=args.max_steps, num_samples=40,
         ckpt_dir=args.ckpt_dir, ckpt_every_n_steps=args.ckpt_every, resume_from=args.resume,
         callbacks=[Misbehave(args.fail_rank, args.fail_step, args.step_sleep)],
     )

@@ -1,0 +1,76 @@
+"""N-D combinations through the one NDParallelStrategy path: parity with one process, presets equal to the engine,
+and a two-node launch simulated with two torchrun invocations meeting at a rendezvous on 127.0.0.1."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from launch import free_port, launch
+from workers import fit, fit_reference, max_loss_diff, max_weight_diff
+
+from lightning_par import FSDP2Strategy, NDParallelStrategy, TensorParallelStrategy
+
+TOL = 1e-5
+SCRIPT = Path(__file__).parent / "scripts" / "tiny_job.py"
+WORLD4 = {
+    "tp2_x_cp2": (dict(tp=2, cp=2, dp_shard=1), 1),
+    "tp2_x_cp2_sp_lp": (dict(tp=2, cp=2, dp_shard=1, sequence_parallel=True, loss_parallel=True), 1),
+    "dp_replicate2_x_dp_shard2": (dict(dp_replicate=2, dp_shard=2), 4),
+}
+
+
+def _world4() -> dict:
+    out = {name: fit(NDParallelStrategy(**kw), devices=4, dp_size=dp) for name, (kw, dp) in WORLD4.items()}
+    out["preset_fsdp2"] = fit(FSDP2Strategy(dp_replicate=2, dp_shard=2), devices=4, dp_size=4)
+    out["preset_tp"] = fit(TensorParallelStrategy(tp=2, dp_shard=2), devices=4, dp_size=2)
+    out["nd_tp"] = fit(NDParallelStrategy(tp=2, dp_shard=2), devices=4, dp_size=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return fit_reference()
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return launch(4, _world4)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_parity_world4(world4, reference, name):
+    result = world4[0][name]
+    assert max_loss_diff(result["losses"], reference["losses"]) <= TOL
+    assert max_weight_diff(result["weights"], reference["weights"]) <= TOL
+
+
+@pytest.mark.parametrize("preset, engine", [("preset_fsdp2", "dp_replicate2_x_dp_shard2"), ("preset_tp", "nd_tp")])
+def test_presets_are_the_engine(world4, preset, engine):
+    """Same code path: bit-identical losses and weights."""
+    assert world4[0][preset]["losses"] == world4[0][engine]["losses"]
+    assert max_weight_diff(world4[0][preset]["weights"], world4[0][engine]["weights"]) == 0.0
+
+
+def test_two_nodes_simulated_with_torchrun(tmp_path, reference):
+    """2 "nodes" x 2 processes: data parallel across the nodes, tensor parallel within each; Lightning's
+    TorchElasticEnvironment with num_nodes=2."""
+    port, out = free_port(), tmp_path / "result.pt"
+    jobs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+             "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}", str(SCRIPT),
+             "--layout", '{"dp_replicate": 2, "tp": 2, "dp_shard": 1}', "--num-nodes", "2", "--out", str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
+        )
+        for node in (0, 1)
+    ]
+    outputs = [job.communicate(timeout=300)[0] for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    result = torch.load(out)
+    reference_10 = fit_reference(max_steps=10, num_samples=40)
+    assert max_loss_diff(result["losses"], reference_10["losses"]) <= TOL
+    assert max_weight_diff(result["weights"], reference_10["weights"]) <= TOL
