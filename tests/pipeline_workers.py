@@ -95,7 +95,11 @@ def train_layouts(n_layer: int, layouts: list[tuple[str, int]], steps: int, save
             "timeline": {"events": rec.timeline(), "window": rec.window,
                          "idle": idle_fraction(rec.events, *rec.window), "all": gather_timelines(rec)},
         }
-        if save_dir is not None and len(results) == 1:
+        if len(results) == 1:  # the unsplit model as this rank's parameter holder: same objects, original names
+            holder = GPT(gpt_config(n_layer)).to("meta")
+            runner.parts.bind_to(holder)
+            results["bind_to"] = {n: p is runner.parts.named_parameters()[n] for n, p in holder.named_parameters()}
+        if save_dir is not None and len(results) == 2:
             dcp.save(runner.parts.state_dict(), checkpoint_id=save_dir)
     if load_dir is not None:
         runner = PipelineRunner(meta, (torch.zeros(MB * pp, SEQ, dtype=torch.long),), schedule="gpipe",

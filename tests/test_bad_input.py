@@ -32,6 +32,7 @@ def _trainer(strategy, **kwargs):
         (lambda: FSDP2Strategy(reshard_after_forward="yes"), TypeError, r"reshard_after_forward='yes' must be True"),
         (lambda: FSDP2Strategy(shard_units="Block"), TypeError, r"shard_units='Block' must be a list"),
         (lambda: FSDP2Strategy(tp=2), ValueError, r"FSDP2Strategy does not take tp=2: it sets only \(\)"),
+        (lambda: NDParallelStrategy(cp=2, compile=True), ValueError, r"compile=True with cp=2: .* not supported yet"),
         (lambda: NDParallelStrategy(pp=2), ValueError, r"pp=2: this version of lightning_par has no pipeline"),
     ],
 )

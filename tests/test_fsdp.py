@@ -138,3 +138,13 @@ def test_meta_device_init_materializes_each_shard(world2):
     emb = initial["model.tok_emb.weight"]  # Embedding: N(0, 1)
     assert 0.8 < float(emb.std()) < 1.2
     assert run["losses"][-1] < run["losses"][0] - 0.3
+
+
+def _compiled_run() -> dict:
+    return fit(FSDP2Strategy(compile=True), devices=2, dp_size=2)
+
+
+def test_torch_compile_of_blocks(reference):
+    """torch.compile per block under FSDP2 (inductor on CPU: the first step compiles for ~30 s)."""
+    result = launch(2, _compiled_run)[0]
+    _check(result, reference)

@@ -85,6 +85,12 @@ def test_parity_pp2_every_schedule(pp2_results: list[dict]) -> None:
     check_layouts(pp2_results, 2)
 
 
+def test_bind_to_makes_the_model_hold_this_ranks_parameters(pp2_results: list[dict]) -> None:
+    first = f"{LAYOUTS[2][0][0]}/m{LAYOUTS[2][0][1]}"
+    for res in pp2_results:
+        assert sorted(res["bind_to"]) == sorted(res[first]["params"]) and all(res["bind_to"].values())
+
+
 def test_checkpoint_pp2_loads_under_pp1_and_pp4(pp2_results: list[dict], ckpt_dir: str) -> None:
     """Saved by two ranks under the original FQNs; loads into the unsplit model and into four stages."""
     first = f"{LAYOUTS[2][0][0]}/m{LAYOUTS[2][0][1]}"

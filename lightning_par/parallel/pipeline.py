@@ -258,6 +258,24 @@ class PipelineStages:
         """Per local stage: stage-module parameter name -> original FQN (the identity, checked by stage_fqns)."""
         return {sid: {n: n for n, _ in s.submod.named_parameters()} for sid, s in zip(self.stage_ids, self.stages)}
 
+    def bind_to(self, model: nn.Module) -> None:
+        """Make ``model`` (the unsplit, usually meta, model) hold exactly this rank's parameters and buffers: the
+        stage modules' own objects under their original FQNs; all others are removed. Its ``parameters()`` and
+        ``state_dict()`` are then this rank's share of the pipeline, so optimizers, LR schedulers and DCP
+        checkpoints written for the unsplit model work unchanged (its ``forward`` is never called: the schedule
+        runs the stage modules)."""
+        local = {n: p for m in self.modules for n, p in m.named_parameters()}
+        local_buffers = {n: b for m in self.modules for n, b in m.named_buffers()}
+        for table, values in (("_parameters", local), ("_buffers", local_buffers)):
+            named = model.named_parameters if table == "_parameters" else model.named_buffers
+            for fqn, _ in list(named(remove_duplicate=False)):
+                owner, _, leaf = fqn.rpartition(".")
+                store = getattr(model.get_submodule(owner), table)
+                if fqn in values:
+                    store[leaf] = values[fqn]
+                else:
+                    del store[leaf]
+
     def stage_of(self, fqn: str) -> int:
         return next(i for i, names in enumerate(self.fqns) if fqn in names)
 

@@ -9,7 +9,9 @@ The recipe, in the order it is applied (each step wraps what the earlier ones pr
    (``batch_to_device``) and ``F.scaled_dot_product_attention`` is routed to ring/all-gather attention over the
    cp group (``step_context``)
 4. activation checkpointing of each block: before FSDP, so FSDP's all-gather hooks run around the recompute
-5. FSDP2 ``fully_shard`` of each shard unit, then of the root (the LightningModule): last, because it shards
+5. ``torch.compile`` of each block (``compile=True``): per block, so every block reuses one compiled graph, and
+   before FSDP, whose hooks stay outside the compiled region
+6. FSDP2 ``fully_shard`` of each shard unit, then of the root (the LightningModule): last, because it shards
    whatever parameters (plain or already DTensor) the earlier steps left
 """
 
@@ -75,6 +77,8 @@ class NDParallelStrategy(BaseParallelStrategy):
             (ZeRO-2-like: less communication, more memory).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy).
         activation_checkpointing: recompute each block's activations in backward.
+        compile: ``torch.compile`` each block (not with context parallelism yet: its attention routing is a
+            TorchFunctionMode that compiled graphs have not been validated with).
         process_group_backend, timeout: see :class:`BaseParallelStrategy`.
     """
 
@@ -91,6 +95,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         activation_checkpointing: bool = False,
+        compile: bool = False,
         cp_algorithm: str = "ring",
         cp_load_balance: bool = True,
         cp_seq_dim: int = 1,
@@ -121,6 +126,12 @@ class NDParallelStrategy(BaseParallelStrategy):
         self.reshard_after_forward = _check_bool("reshard_after_forward", reshard_after_forward)
         self.cpu_offload = _check_bool("cpu_offload", cpu_offload)
         self.activation_checkpointing = _check_bool("activation_checkpointing", activation_checkpointing)
+        self.compile = _check_bool("compile", compile)
+        if self.compile and dims.cp not in (1,):
+            raise ValueError(
+                f"compile=True with cp={dims.cp}: compiling blocks together with context-parallel attention is not "
+                f"supported yet. Use compile=False with context parallelism."
+            )
         if cp_algorithm not in CP_ALGORITHMS:
             raise ValueError(f"cp_algorithm={cp_algorithm!r} is not one of {CP_ALGORITHMS}.")
         self.cp_algorithm = cp_algorithm
@@ -157,6 +168,10 @@ class NDParallelStrategy(BaseParallelStrategy):
                 [f"{block_fqn}.{name}" for name in container._modules],
                 context_fn=recompute_in_active_scope if self.dims.cp > 1 else None,
             )
+        if self.compile:
+            block_fqn, container = find_block_list(module, self.block_list)
+            for name in list(container._modules):
+                container.get_submodule(name).compile()
         if self.dims.fsdp_enabled:
             bf16_mixed = getattr(self.precision_plugin, "precision", None) == "bf16-mixed"
             apply_fsdp(
@@ -183,6 +198,8 @@ class NDParallelStrategy(BaseParallelStrategy):
             parts.append(f"context parallel ({self.cp_algorithm}, load balance {self.cp_load_balance})")
         if self.activation_checkpointing:
             parts.append("activation checkpointing")
+        if self.compile:
+            parts.append("torch.compile per block")
         return ", ".join(parts) or "no parallelism (one process)"
 
     def setup_environment(self) -> None:
