@@ -84,7 +84,7 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
                 ours_traces[n_stages] = trace_pipeline(meta, (x0,), points)
                 real = GPT(gcfg)
                 init_weights(real, 0)
-                theirs_traces[n_stages] = pipeline(real, (x0,), {f: SplitPoint.BEGINNING for f in points})
+                theirs_traces[n_stages] = pipeline(real, (x0,), split_spec={f: SplitPoint.BEGINNING for f in points})
             runner = PipelineRunner(meta, (torch.zeros(mb * m, seq, dtype=torch.long),), schedule=schedule,
                                     pp_rank=rank, pp=p, n_microbatches=m, loss_fn=loss_fn,
                                     pipe=ours_traces[n_stages])

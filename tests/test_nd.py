@@ -74,3 +74,24 @@ def test_two_nodes_simulated_with_torchrun(tmp_path, reference):
     reference_10 = fit_reference(max_steps=10, num_samples=40)
     assert max_loss_diff(result["losses"], reference_10["losses"]) <= TOL
     assert max_weight_diff(result["weights"], reference_10["weights"]) <= TOL
+
+
+def _reshard_chain(ckpt_dir: str) -> dict:
+    """Save under FSDP2 dp_shard=4, resume under tp=2 x dp_shard=2, save, resume under dp_shard=2 x cp=2."""
+    fit(NDParallelStrategy(dp_shard=4), devices=4, dp_size=4, max_steps=4, ckpt_dir=f"{ckpt_dir}/a",
+        ckpt_every_n_steps=3)
+    fit(NDParallelStrategy(tp=2, dp_shard=2), devices=4, dp_size=2, max_steps=7, ckpt_dir=f"{ckpt_dir}/b",
+        ckpt_every_n_steps=6, resume_from=f"{ckpt_dir}/a/step=3.ckpt")
+    return fit(NDParallelStrategy(cp=2, dp_shard=2), devices=4, dp_size=2, resume_from=f"{ckpt_dir}/b/step=6.ckpt")
+
+
+def test_checkpoints_reshard_across_layouts(tmp_path, reference):
+    from lightning_par import consolidate_checkpoint
+
+    result = launch(4, _reshard_chain, str(tmp_path))[0]
+    assert result["global_step"] == 10 and len(result["losses"]) == 4
+    assert max_loss_diff(result["losses"], reference["losses"][6:]) <= TOL
+    assert max_weight_diff(result["weights"], reference["weights"]) <= TOL
+    # the tp x dp checkpoint consolidates to the single-process model at step 6
+    at_step6 = consolidate_checkpoint(tmp_path / "b" / "step=6.ckpt")["state_dict"]
+    assert max_weight_diff(at_step6, fit_reference(max_steps=6)["weights"]) <= TOL

@@ -25,6 +25,8 @@ GLOBAL_BATCH = 8
 # adam_eps: Adam divides each gradient by its running RMS, so for a parameter whose gradient is ~0 (a dead GELU
 # unit) it turns summation-order rounding (~1e-9) into O(lr) updates; eps=1e-6 keeps such noise from being
 # amplified, as it is in one process, without changing well-conditioned updates
+# max_steps is the LR schedule's length, fixed at 10 whatever a run's Trainer(max_steps): a run resumed or cut
+# short follows the same schedule as the uninterrupted one
 TINY_GPT = dict(vocab_size=32, block_size=16, n_layer=3, n_head=4, n_embd=32, lr=3e-3, weight_decay=0.1,
                 warmup_steps=3, max_steps=10, adam_eps=1e-6)
 
@@ -96,7 +98,7 @@ def fit(
         gradient_clip_val=gradient_clip_val,
     )
     with trainer.init_module(empty_init=empty_init):
-        model = module_cls(**{**TINY_GPT, "max_steps": max_steps, **model_overrides})
+        model = module_cls(**{**TINY_GPT, **model_overrides})
     loader = DataLoader(token_dataset(num_samples, seq_len), batch_size=GLOBAL_BATCH // dp_size, shuffle=True)
     trainer.fit(model, loader, ckpt_path=resume_from)
     return {"losses": record.losses, "weights": full_state_dict(model), "global_step": trainer.global_step}
@@ -117,7 +119,7 @@ def fit_reference(
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=[record], use_distributed_sampler=False, gradient_clip_val=gradient_clip_val,
     )
-    model = module_cls(**{**TINY_GPT, "max_steps": max_steps, **model_overrides})
+    model = module_cls(**{**TINY_GPT, **model_overrides})
     data = token_dataset(num_samples)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)
     trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler))
