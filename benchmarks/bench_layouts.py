@@ -28,7 +28,10 @@ one Trainer.fit of ``warmup + steps + 1 + 1 + window`` optimizer steps:
    communication time per step by kind, total, exposed (not overlapped with compute) and the overlap ratio. The
    values are read from what the monitor logs (max over ranks, ``comm/.../max``) through an in-memory Logger
    attached to the Trainer; each rank's own values are kept in the JSON too. The window's steps are not timed
-   (the profiler slows them).
+   (the profiler slows them). Kinds: FSDP all-gather, FSDP reduce-scatter (with HSDP's all-reduce across
+   replicas), TP (DTensor collectives), CP (ring send/recv); the rest is Lightning's own per-step communication
+   (the ``sync_dist`` all-reduce of the logged loss with its gloo barrier, the per-step SIGTERM broadcast), which
+   is also where one rank waits for a slower one.
 
 Memory: "peak estimate" = model state + saved activations, per rank, the largest rank. Not in it: transient buffers
 (FSDP's all-gathered parameters of the one or two blocks being computed, TP/CP communication buffers, autograd's
@@ -91,7 +94,8 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {
     "tp2_cp2": ("tp=2 x cp=2", dict(tp=2, cp=2, dp_shard=1)),
 }
 
-#: CommOverlapMonitor kinds shown in the table (others, if any, are summed into "other")
+#: CommOverlapMonitor kinds shown in their own columns; the rest is Lightning's own per-step communication (the
+#: ``sync_dist`` all-reduce of the logged loss and its gloo barrier, the per-step SIGTERM broadcast), summed
 KIND_COLUMNS = {"fsdp_all_gather": "FSDP AG", "fsdp_reduce_scatter": "FSDP RS", "tp": "TP", "cp": "CP"}
 
 
@@ -109,7 +113,6 @@ def saved_activations() -> Any:
     from torch.distributed.tensor import DTensor
 
     saved: dict[int, int] = {}
-    param_ptrs: set[int] = set()
 
     def storage(t: torch.Tensor) -> tuple[int, int]:
         t = t._local_tensor if isinstance(t, DTensor) else t  # not to_local(): no autograd op inside a pack hook
@@ -121,15 +124,15 @@ def saved_activations() -> Any:
         return (t.is_leaf and t.requires_grad) or (base.is_leaf and base.requires_grad)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr, nbytes = storage(t)
-        if is_param(t):
-            param_ptrs.add(ptr)
-        else:
-            saved[ptr] = nbytes
+        # decided per tensor, never by remembered parameter addresses: FSDP frees each block's all-gathered
+        # parameters after its forward and a later activation may be allocated at the same address
+        if not is_param(t):
+            ptr, nbytes = storage(t)
+            saved[ptr] = nbytes  # saved tensors stay alive until backward: one address, one storage
         return t
 
     def total() -> int:
-        return sum(n for p, n in saved.items() if p not in param_ptrs)
+        return sum(saved.values())
 
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), total
 
@@ -358,7 +361,7 @@ def time_table(res: dict[str, Any]) -> str:
                      ms(c.get("comm/time_s_per_step")), ms(c.get("comm/exposed_s_per_step")),
                      f"{c['comm/overlap_ratio']:.2f}" if "comm/overlap_ratio" in c else "-",
                      ms(c.get("comm/step_time_s"))])
-    headers = ["layout", "step ms", "p25-p75", *(f"{v} ms" for v in KIND_COLUMNS.values()), "other ms",
+    headers = ["layout", "step ms", "p25-p75", *(f"{v} ms" for v in KIND_COLUMNS.values()), "Lightning ms",
                "comm ms", "exposed ms", "overlap", "prof. step ms"]
     return format_table(headers, rows)
 
@@ -405,7 +408,8 @@ def main(argv: list[str] | None = None) -> None:
     meta = run_metadata()
     start = time.perf_counter()
     print(f"launching {WORLD} processes: {len(cfg['layouts'])} layouts x {args.rounds} rounds ...", flush=True)
-    per_rank = launch(WORLD, worker, cfg, timeout=args.timeout)
+    # KINETO_LOG_LEVEL=6: no "USDT ... profiler_start/stop" lines from every rank's profiler window
+    per_rank = launch(WORLD, worker, cfg, timeout=args.timeout, env={"KINETO_LOG_LEVEL": "6"})
     launch_s = time.perf_counter() - start
     ref = reference(cfg)
     res = combine(cfg, per_rank)
@@ -422,7 +426,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nTime per step: median of the slowest rank, {args.rounds} rounds x {args.steps} steps "
           f"({args.warmup} warm-up steps per fit left out). Communication per step by kind: CommOverlapMonitor over "
           f"a profiled window of {args.window} steps, max over ranks (read from the logger), mean over rounds; "
-          "comm = all kinds together, exposed = not overlapped by compute; prof. step = step time in that window.")
+          "FSDP RS includes HSDP's all-reduce across replicas; Lightning = its own per-step collectives (loss "
+          "sync_dist all-reduce + barrier, SIGTERM broadcast), where rank skew shows up as waiting; comm = all kinds "
+          "together, exposed = not overlapped by compute; prof. step = step time in that (profiled) window.")
     print(time_table(res))
     print(f"\nNote: {NOISE_NOTE} Here 4 ranks share {meta['cpu_count']} cores: a step time is the total work + "
           "communication of all ranks, not parallel scaling, and gloo comm times include waiting for peers that "

@@ -53,7 +53,7 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.pipelining import SplitPoint, pipeline
+    from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 
     from example_projects.gpt.model import GPT, GPTConfig
     from lightning_par.parallel.pipeline import SCHEDULES as SPECS
@@ -91,7 +91,11 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
             ours_opt = torch.optim.SGD(runner.parameters(), lr=0.01)
             # the hand-written loop, as in torch's docs
             pipe = theirs_traces[n_stages]
-            stages = [pipe.build_stage(i, torch.device("cpu")) for i in stage_ids(rank, p, spr, spec.style)]
+            # pipe.build_stage (torch's traced-stage class) fails in the p2p warm-up of multi-stage schedules here
+            # (torch 2.13, gloo); the manual PipelineStage around the same traced module is the documented other way
+            stages = [pipe.build_stage(i, torch.device("cpu")) if spr == 1 else
+                      PipelineStage(pipe.get_stage_module(i), i, n_stages, torch.device("cpu"))
+                      for i in stage_ids(rank, p, spr, spec.style)]
             sched = spec.cls(stages[0] if spr == 1 else stages, m, loss_fn=loss_fn)
             their_opt = torch.optim.SGD([q for s in stages for q in s.submod.parameters()], lr=0.01)
             first, last = 0 in runner.parts.stage_ids, runner.has_last_stage
@@ -136,6 +140,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/pipeline.json")
     args = ap.parse_args()
 
+    import matplotlib.pyplot as plt
+
     from lightning_par.parallel.pipeline_timeline import draw_timeline, theory_idle
 
     cfg = {"microbatches": [int(v) for v in args.microbatches.split(",")], "schedules": args.schedules.split(","),
@@ -155,16 +161,15 @@ def main() -> None:
             idle = [round(e["idle"], 3) for e in entries]
             theory = theory_idle(res0["schedule"], p, res0["m"], res0["stages_per_rank"])
             png = png_dir / f"{res0['schedule']}_p{p}_m{res0['m']}.png"
-            draw_timeline(res0["timelines"], f"{res0['schedule']} p={p} m={res0['m']}", res0["m"]).savefig(png)
+            fig = draw_timeline(res0["timelines"], f"{res0['schedule']} p={p} m={res0['m']}", res0["m"])
+            fig.savefig(png)
+            plt.close(fig)
             rows.append([res0["schedule"], p, res0["m"], " ".join(f"{v:.2f}" for v in idle),
                          f"{statistics.mean(idle):.2f}", f"{theory:.2f}", f"{ours['median_s'] * 1e3:.1f}",
                          f"{theirs['median_s'] * 1e3:.1f}", f"{ours['median_s'] / theirs['median_s']:.2f}x"])
             records.append({"schedule": res0["schedule"], "p": p, "m": res0["m"], "idle_per_rank": idle,
                             "idle_theory": theory, "ours": ours, "hand_written": theirs,
                             "ratio": ours["median_s"] / theirs["median_s"], "timeline_png": str(png)})
-    import matplotlib.pyplot as plt
-
-    plt.close("all")
     print(format_table(["schedule", "p", "m", "idle per rank", "idle mean", "theory", "ours ms",
                         "hand ms", "ratio"], rows))
     path = write_json(args.out, {"config": cfg, "meta": run_metadata(), "results": records})
