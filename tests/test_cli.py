@@ -62,3 +62,36 @@ def test_torchrun_launch(tmp_path):
 
     result = torch.load(out)
     assert result["global_step"] == 3 and len(result["losses"]) == 3
+
+
+def _slurm_job() -> dict:
+    """One rank of an srun-launched job: srun sets SLURM_PROCID / SLURM_LOCALID per task (here from the launcher's
+    RANK / LOCAL_RANK)."""
+    import os as _os
+
+    from lightning.pytorch.callbacks import Callback
+    from workers import fit
+
+    from lightning_par import FSDP2Strategy
+
+    _os.environ["SLURM_PROCID"] = _os.environ["RANK"]
+    _os.environ["SLURM_LOCALID"] = _os.environ["LOCAL_RANK"]
+    seen = {}
+
+    class Probe(Callback):
+        def on_fit_start(self, trainer, pl_module) -> None:
+            seen["environment"] = type(trainer.strategy.cluster_environment).__name__
+
+    result = fit(FSDP2Strategy(), devices=2, dp_size=2, max_steps=3, callbacks=[Probe()])
+    return {**seen, "losses": result["losses"]}
+
+
+def test_slurm_environment_is_used_when_slurm_launched_the_processes():
+    """What srun sets for a 2-task job on one node: Lightning's SLURMEnvironment takes over (no launcher)."""
+    from launch import launch
+
+    env = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
+           "SLURM_JOB_NAME": "lightning_par_test", "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "127.0.0.1"}
+    results = launch(2, _slurm_job, env=env)
+    assert [r["environment"] for r in results] == ["SLURMEnvironment"] * 2
+    assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == 3
