@@ -56,6 +56,11 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         torch.set_num_threads(1)
         result = fn(*args)
         (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # exiting with a live gloo group can abort the process in thread destructors;
+            dist.barrier()  # and no rank may take rank 0's TCPStore away while a peer still talks to it
+            dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - every failure must reach the parent, whatever it is
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
         raise SystemExit(1) from None

@@ -8,6 +8,7 @@ subclass's ``parallelize`` (see :class:`~lightning_par.strategies.nd.NDParallelS
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import sys
@@ -76,6 +77,11 @@ def _materialize_metric_defaults(module: nn.Module, device: torch.device) -> Non
             f"Metric {name!r} was created on the meta device; its states {meta} were reset to zeros. Create metrics "
             f"outside `trainer.init_module(empty_init=True)` if they must start from other values."
         )
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class BaseParallelStrategy(ParallelStrategy):
@@ -186,7 +192,11 @@ class BaseParallelStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        if not dist.is_initialized():
+            _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+            # a process that exits with its gloo/NCCL group alive can abort in the group's thread destructors
+            # ("terminate called without an active exception", exit code -6) after training succeeded
+            atexit.register(_destroy_process_group)
         self.dims.build_mesh(self.root_device.type)
         self.precision_plugin.pipeline_group = self.dims.mesh("pp").get_group() if self.dims.pp > 1 else None
         assert self.lightning_module is not None
