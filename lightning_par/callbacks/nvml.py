@@ -93,7 +93,7 @@ class NvmlSampler:
             return None
 
     def _gpm_supported(self) -> bool:
-        support = self._try("gpm", getattr(self.nvml, "nvmlGpmQueryDeviceSupport", None) or _raise, self.handle)
+        support = self._try("gpm", getattr(self.nvml, "nvmlGpmQueryDeviceSupport", None) or _unsupported, self.handle)
         return bool(support is not None and getattr(support, "isSupportedDevice", 0))
 
     def _energy_mj(self) -> float | None:
@@ -145,7 +145,7 @@ class NvmlSampler:
         if mem is not None:
             values["mem_clock_mhz"] = float(mem)
         reasons_fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
-            nv, "nvmlDeviceGetCurrentClocksThrottleReasons", _raise
+            nv, "nvmlDeviceGetCurrentClocksThrottleReasons", _unsupported
         )
         reasons = self._try("throttle", reasons_fn, h)
         if reasons is not None:
@@ -198,5 +198,6 @@ class NvmlSampler:
             self._thread = None
 
 
-def _raise(*_: Any) -> Any:
-    raise NotImplementedError
+def _unsupported(*_: Any) -> Any:
+    """Stands in for an NVML function this nvidia-ml-py does not have: the metric is then reported unsupported."""
+    raise AttributeError("not provided by this nvidia-ml-py version")
