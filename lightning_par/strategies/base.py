@@ -241,9 +241,13 @@ class BaseParallelStrategy(ParallelStrategy):
         return type(self).__name__
 
     def _materialize(self, module: nn.Module) -> None:
-        _materialize_distributed_module(module, self.root_device)
-        _materialize_metric_defaults(module, self.root_device)
+        _materialize_distributed_module(module, self._materialization_device())
+        _materialize_metric_defaults(module, self._materialization_device())
         self.model_to_device()
+
+    def _materialization_device(self) -> torch.device:
+        """Where parameters created on the meta device are materialized."""
+        return self.root_device
 
     def model_to_device(self) -> None:
         assert self.model is not None

@@ -17,8 +17,8 @@ The recipe, in the order it is applied (each step wraps what the earlier ones pr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import AbstractContextManager, ExitStack
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -54,8 +54,8 @@ def is_parallelized(module: nn.Module) -> bool:
 
 
 class NDParallelStrategy(BaseParallelStrategy):
-    """Sharded data parallelism (FSDP2/HSDP) and, as they land, tensor, context and pipeline parallelism on one
-    DeviceMesh.
+    """Sharded data parallelism (FSDP2/HSDP), tensor parallelism and context parallelism, in any combination, on
+    one DeviceMesh (pipeline parallelism is next: ``pp`` must be 1 for now).
 
     Args:
         dp_replicate: replicas of the sharded model (HSDP when > 1 together with ``dp_shard``).
@@ -208,13 +208,14 @@ class NDParallelStrategy(BaseParallelStrategy):
             self._cp_scope = ContextParallelScope(self.dims.mesh("cp").get_group(), self.cp_algorithm,
                                                   self.cp_load_balance)
 
-    def step_context(self) -> AbstractContextManager:
-        stack = ExitStack()
-        if self._cp_scope is not None:
-            stack.enter_context(self._cp_scope)
-        if self.loss_parallel and self.dims.tp > 1:
-            stack.enter_context(loss_parallel())  # around backward too: its custom ops must see the DTensor grads
-        return stack
+    @contextmanager
+    def step_context(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            if self._cp_scope is not None:
+                stack.enter_context(self._cp_scope)
+            if self.loss_parallel and self.dims.tp > 1:
+                stack.enter_context(loss_parallel())  # around backward too: its ops must see the DTensor grads
+            yield
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
@@ -229,10 +230,9 @@ class NDParallelStrategy(BaseParallelStrategy):
         block_fqn, container = find_block_list(module, self.block_list)
         return [f"{block_fqn}.{name}" for name in container._modules]
 
-    def _materialize(self, module: nn.Module) -> None:
-        if self.cpu_offload:  # offloaded shards live in CPU memory; FSDP copies them to the device per unit
-            from lightning.fabric.utilities.init import _materialize_distributed_module
+    def model_to_device(self) -> None:
+        if not self.cpu_offload:  # offloaded shards live in CPU memory; FSDP copies them to the device per unit
+            super().model_to_device()
 
-            _materialize_distributed_module(module, torch.device("cpu"))
-            return
-        super()._materialize(module)
+    def _materialization_device(self) -> torch.device:
+        return torch.device("cpu") if self.cpu_offload else self.root_device
