@@ -12,17 +12,15 @@ from launch import launch
 from lightning.pytorch import Trainer
 from workers import (
     GPTModule,
+    assert_parity,
     assert_raised_on_every_rank,
     error_of,
     fit,
     fit_reference,
-    max_loss_diff,
-    max_weight_diff,
 )
 
 from lightning_par import ContextParallelStrategy
 
-TOL = 1e-5
 WORLD2 = {
     "cp2_ring": dict(),
     "cp2_allgather": dict(cp_algorithm="allgather"),
@@ -81,21 +79,15 @@ def world4():
     return launch(4, _world4)
 
 
-def _check(result: dict, ref: dict) -> None:
-    assert len(result["losses"]) == 10
-    assert max_loss_diff(result["losses"], ref["losses"]) <= TOL, (result["losses"], ref["losses"])
-    assert max_weight_diff(result["weights"], ref["weights"]) <= TOL
-
-
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_parity_world2(world2, reference, name):
-    _check(world2[0][name], reference)
+    assert_parity(world2[0][name], reference)
     assert world2[1][name]["losses"] == world2[0][name]["losses"]
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_parity_world4(world4, reference, name):
-    _check(world4[0][name], reference)
+    assert_parity(world4[0][name], reference)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 import torch
 from launch import launch
 from lightning.pytorch.callbacks import Callback
-from workers import SGDGPT, GPTModule, fit, fit_reference, max_loss_diff, max_weight_diff
+from workers import SGDGPT, GPTModule, assert_parity, fit, fit_reference, max_loss_diff, max_weight_diff
 
 from lightning_par import FSDP2Strategy, full_state_dict
 
@@ -21,7 +21,6 @@ class _KeepModule(Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         self.sink.append(pl_module)
 
-TOL = 1e-5
 CLIP = 0.5
 PRECISIONS = {"bf16-mixed": torch.float32, "bf16-true": torch.bfloat16}  # -> dtype of the stored weights
 WORLD2_CONFIGS = {
@@ -86,29 +85,23 @@ def world4():
     return launch(4, _run_configs, 4, WORLD4_CONFIGS)
 
 
-def _check(result: dict, ref: dict) -> None:
-    assert len(result["losses"]) == 10
-    assert max_loss_diff(result["losses"], ref["losses"]) <= TOL, (result["losses"], ref["losses"])
-    assert max_weight_diff(result["weights"], ref["weights"]) <= TOL
-
-
 @pytest.mark.parametrize("name", list(WORLD2_CONFIGS))
 def test_parity_world2(world2, reference, name):
-    _check(world2[0][name], reference)
+    assert_parity(world2[0][name], reference)
     # every rank logged the same global-batch loss
     assert world2[1][name]["losses"] == world2[0][name]["losses"]
 
 
 @pytest.mark.parametrize("name", list(WORLD4_CONFIGS))
 def test_parity_world4(world4, reference, name):
-    _check(world4[0][name], reference)
+    assert_parity(world4[0][name], reference)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gradient_clipping_by_global_norm(world, world2, world4, reference_clipped, reference_sgd):
     """SGD, so that a per-shard (wrong) norm would change the update; the clip must be active to mean anything."""
     result = (world2 if world == 2 else world4)[0]["clipped"]
-    _check(result, reference_clipped)
+    assert_parity(result, reference_clipped)
     assert max_weight_diff(reference_clipped["weights"], reference_sgd["weights"]) > 1e-2
 
 
@@ -147,4 +140,4 @@ def _compiled_run() -> dict:
 def test_torch_compile_of_blocks(reference):
     """torch.compile per block under FSDP2 (inductor on CPU: the first step compiles for ~30 s)."""
     result = launch(2, _compiled_run)[0]
-    _check(result, reference)
+    assert_parity(result, reference)

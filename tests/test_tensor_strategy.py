@@ -8,11 +8,17 @@ import torch
 import torch.nn.functional as F
 from launch import launch
 from lightning.pytorch import Trainer
-from workers import SGDGPT, assert_raised_on_every_rank, error_of, fit, fit_reference, max_loss_diff, max_weight_diff
+from workers import (
+    SGDGPT,
+    assert_parity,
+    assert_raised_on_every_rank,
+    error_of,
+    fit,
+    fit_reference,
+)
 
 from lightning_par import FSDP2Strategy, TensorParallelStrategy
 
-TOL = 1e-5
 WORLD2 = {
     "tp2": dict(),
     "tp2_sequence_parallel": dict(sequence_parallel=True),
@@ -94,36 +100,30 @@ def world4():
     return launch(4, _world4)
 
 
-def _check(result: dict, ref: dict, steps: int = 10) -> None:
-    assert len(result["losses"]) == steps
-    assert max_loss_diff(result["losses"], ref["losses"][-steps:]) <= TOL, (result["losses"], ref["losses"])
-    assert max_weight_diff(result["weights"], ref["weights"]) <= TOL
-
-
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_parity_world2(world2, reference, name):
-    _check(world2[0][name], reference)
+    assert_parity(world2[0][name], reference)
     assert world2[1][name]["losses"] == world2[0][name]["losses"]
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_parity_world4(world4, reference, name):
-    _check(world4[0][name], reference)
+    assert_parity(world4[0][name], reference)
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_sp"])
 def test_hugging_face_model_with_its_own_plan(world2, name):
-    _check(world2[0][name], fit_reference(module_cls=TinyLlama))
+    assert_parity(world2[0][name], fit_reference(module_cls=TinyLlama))
 
 
 def test_gradient_clipping_under_tp(world2):
     """Sequence-parallel norm gradients are Partial DTensors, position embeddings plain: one global norm."""
-    _check(world2[0]["clipped"], fit_reference(module_cls=SGDGPT, gradient_clip_val=0.5))
+    assert_parity(world2[0]["clipped"], fit_reference(module_cls=SGDGPT, gradient_clip_val=0.5))
 
 
 @pytest.mark.parametrize("name", ["resumed_tp", "resumed_fsdp2"])
 def test_checkpoint_saved_under_tp_resumes_under_tp_and_fsdp2(world2, reference, name):
-    _check(world2[0][name], reference, steps=7)
+    assert_parity(world2[0][name], reference, steps=7)
 
 
 @pytest.mark.parametrize(

@@ -143,6 +143,13 @@ def assert_raised_on_every_rank(per_rank_errors: list[dict[str, str | None]], ca
         assert re.search(pattern, message), f"rank {rank}: {message}"
 
 
+def assert_parity(result: dict, reference: dict, steps: int = 10, tol: float = 1e-5) -> None:
+    """The run's last ``steps`` losses and its final weights equal the one-process reference within ``tol``."""
+    assert len(result["losses"]) == steps
+    assert max_loss_diff(result["losses"], reference["losses"][-steps:]) <= tol, (result["losses"], reference["losses"])
+    assert max_weight_diff(result["weights"], reference["weights"]) <= tol
+
+
 def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), f"parameter names differ: {sorted(set(a) ^ set(b))}"
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
