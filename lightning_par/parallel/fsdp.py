@@ -11,9 +11,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 
 def apply_fsdp(
-    root: nn.Module,
+    root: nn.Module | None,
     mesh: DeviceMesh,
-    units: Sequence[nn.Module],
+    units: Sequence[nn.Module | list[nn.Module]],
     *,
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
@@ -21,6 +21,8 @@ def apply_fsdp(
     cpu_offload: bool = False,
 ) -> None:
     """``fully_shard`` each unit (given in model order), then the root, which takes every parameter no unit holds.
+    A unit may be a list of modules sharded as one group; ``root=None`` shards the units only (pipeline stages,
+    whose root module is never called).
 
     ``mesh`` is 1-D for FSDP and 2-D ``(replicate, shard)`` for HSDP. ``reshard_after_forward=False`` keeps the
     gathered parameters between forward and backward (ZeRO-2-like: less communication, more memory). The last unit
@@ -40,5 +42,7 @@ def apply_fsdp(
             mp_policy=mp_policy,
             offload_policy=offload_policy,
         )
+    if root is None:
+        return
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                 offload_policy=offload_policy)

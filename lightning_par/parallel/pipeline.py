@@ -154,10 +154,11 @@ def plan_split(model: nn.Module, num_stages: int, split_points: Sequence[str] | 
     return split_points
 
 
-def meta_clone(model: nn.Module) -> nn.Module:
+def meta_clone(model: nn.Module, share: Sequence[Any] = ()) -> nn.Module:
     """A copy of ``model`` with every parameter and buffer on the meta device: free to trace and to mutate
-    (``pipeline()`` patches the forward of the split modules in place)."""
-    memo: dict[int, Any] = {}
+    (``pipeline()`` patches the forward of the split modules in place). Objects in ``share`` are referenced, not
+    copied (e.g. the Trainer a LightningModule points to)."""
+    memo: dict[int, Any] = {id(obj): obj for obj in share if obj is not None}
     for t in list(model.parameters()) + list(model.buffers()):
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta

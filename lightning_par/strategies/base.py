@@ -389,7 +389,12 @@ class BaseParallelStrategy(ParallelStrategy):
         path = ckpt.check_complete(self.broadcast(os.fspath(checkpoint_path)))
         assert self.model is not None
         model_sd = get_model_state_dict(self.model)
-        ckpt.check_same_model(path, {k: v.shape for k, v in model_sd.items() if isinstance(v, Tensor)})
+        shapes = {k: v.shape for k, v in model_sd.items() if isinstance(v, Tensor)}
+        if self.dims.pp > 1:  # each rank holds its stages: compare the whole model (the union) on every rank
+            parts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, shapes)
+            shapes = {k: v for part in parts for k, v in part.items()}
+        ckpt.check_same_model(path, shapes)
         tensors: dict[str, Any] = {"state_dict": model_sd}
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         for i, optimizer in enumerate(optimizers):

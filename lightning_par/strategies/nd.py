@@ -2,7 +2,9 @@
 
 The recipe, in the order it is applied (each step wraps what the earlier ones produced, as in torchtitan):
 
-1. pipeline split: cut the block list into stages      (pp)   -- planned, see README "Status"
+1. pipeline split (pp): cut the block list into stages; this rank keeps only its stages' modules and tensors, and
+   its LightningModule's ``forward``/loss method are routed through the schedule (``strategies/pipeline_adapter``).
+   First, because every later step wraps only the modules this rank keeps
 2. tensor parallelism: ``parallelize_module`` with the plan (FQN globs -> styles) over the tp mesh, after the
    weights are broadcast within the tp group so every rank starts from the same values
 3. context parallelism: nothing to change in the module; at run time every batch's sequence dimension is sharded
@@ -35,9 +37,12 @@ from lightning_par.parallel.context import ALGORITHMS as CP_ALGORITHMS
 from lightning_par.parallel.context_routing import ContextParallelScope, recompute_in_active_scope, shard_batch
 from lightning_par.parallel.fsdp import apply_fsdp
 from lightning_par.parallel.modules import find_block_list, match_modules
+from lightning_par.parallel.pipeline import SCHEDULES
+from lightning_par.parallel.pipeline_live import LivePipeline, materialize_local
 from lightning_par.parallel.tensor import apply_tp, broadcast_replicated_parameters
 from lightning_par.parallel.tensor_plan import resolve_tp_plan, validate_tp_plan
 from lightning_par.strategies.base import BaseParallelStrategy
+from lightning_par.strategies.pipeline_adapter import PipelineAdapter
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -54,8 +59,7 @@ def is_parallelized(module: nn.Module) -> bool:
 
 
 class NDParallelStrategy(BaseParallelStrategy):
-    """Sharded data parallelism (FSDP2/HSDP), tensor parallelism and context parallelism, in any combination, on
-    one DeviceMesh (pipeline parallelism is next: ``pp`` must be 1 for now).
+    """Pipeline, sharded data (FSDP2/HSDP), tensor and context parallelism on one DeviceMesh.
 
     Args:
         dp_replicate: replicas of the sharded model (HSDP when > 1 together with ``dp_shard``).
@@ -79,6 +83,13 @@ class NDParallelStrategy(BaseParallelStrategy):
         activation_checkpointing: recompute each block's activations in backward.
         compile: ``torch.compile`` each block (not with context parallelism yet: its attention routing is a
             TorchFunctionMode that compiled graphs have not been validated with).
+        pp_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zb"`` or ``"zbv"``.
+        pp_microbatches: micro-batches per batch (default: the number of stages). ``1`` with ``"gpipe"`` is plain
+            layer-split model parallelism.
+        pp_stages_per_rank: stages per rank for the interleaved schedules (default 2; ``"zbv"`` always 2).
+        pp_split_points: FQNs of the blocks that begin stages 1..S-1 (uneven splits); default: an even cut.
+        pp_loss_method: the LightningModule's method ``(outputs, targets) -> loss`` that the steps call as
+            ``self.<name>(self(inputs), targets)``; the last stage runs it per micro-batch.
         process_group_backend, timeout: see :class:`BaseParallelStrategy`.
     """
 
@@ -102,16 +113,18 @@ class NDParallelStrategy(BaseParallelStrategy):
         tp_plan: Mapping[str, Any] | None = None,
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
+        pp_schedule: str = "1f1b",
+        pp_microbatches: int | None = None,
+        pp_stages_per_rank: int | None = None,
+        pp_split_points: list[str] | None = None,
+        pp_loss_method: str = "loss",
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         **lightning_kwargs: Any,
     ) -> None:
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
-        if dims.pp != 1:
-            raise ValueError(
-                f"pp={dims.pp}: this version of lightning_par has no pipeline parallelism yet; pp must be 1 "
-                f"(data, tensor and context parallelism: dp_replicate x dp_shard x cp x tp)."
-            )
+        _check_pipeline_options(dims, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points,
+                                pp_loss_method)
         if shard_units is not None and (
             isinstance(shard_units, str) or not all(isinstance(u, str) for u in shard_units)
         ):
@@ -146,8 +159,17 @@ class NDParallelStrategy(BaseParallelStrategy):
         self.tp_plan = dict(tp_plan) if tp_plan is not None else None
         self.sequence_parallel = _check_bool("sequence_parallel", sequence_parallel)
         self.loss_parallel = _check_bool("loss_parallel", loss_parallel)
+        self.pp_schedule, self.pp_microbatches = pp_schedule, pp_microbatches
+        self.pp_stages_per_rank = pp_stages_per_rank
+        self.pp_split_points = list(pp_split_points) if pp_split_points is not None else None
+        self.pp_loss_method = pp_loss_method
+        self.pipeline: LivePipeline | None = None
+        self._pipeline_adapter: PipelineAdapter | None = None
 
     def parallelize(self, module: pl.LightningModule) -> None:
+        if self.dims.pp > 1:
+            self._parallelize_pipeline(module)
+            return
         if is_parallelized(module):
             # configure_model parallelized by hand (Lightning's ModelParallelStrategy way): respect it; setup then
             # checks that nothing was left unsharded over the data-parallel ranks.
@@ -185,8 +207,47 @@ class NDParallelStrategy(BaseParallelStrategy):
             )
             self._register_step_methods(module)
 
+    def _parallelize_pipeline(self, module: pl.LightningModule) -> None:
+        """Steps 1 and 4-6 of the recipe for ``pp > 1``: the techniques wrap the modules this rank's stages run."""
+        if is_parallelized(module):
+            raise ValueError("pp > 1 with a configure_model that parallelizes by hand: the pipeline split must come "
+                             "first. Leave configure_model free of parallelization and let the strategy apply it.")
+        pp_mesh = self.dims.mesh("pp")
+        device = self._materialization_device()
+        self.pipeline = LivePipeline(
+            module, schedule=self.pp_schedule, pp_rank=pp_mesh.get_local_rank(), pp=self.dims.pp,
+            n_microbatches=self.pp_microbatches, group=pp_mesh.get_group(), device=device,
+            stages_per_rank=self.pp_stages_per_rank, split_points=self.pp_split_points, block_list=self.block_list,
+            share=(module._trainer, getattr(module, "_device_mesh", None)))
+        self._pipeline_adapter = PipelineAdapter(module, self.pipeline, self.pp_loss_method)
+        materialize_local(module, self.pipeline.plan, self.pipeline.stage_ids, device, seed=torch.initial_seed())
+        block_fqn, container = find_block_list(module, self.block_list)
+        blocks = {f"{block_fqn}.{name}" for name in container._modules}
+        local = [name for owners in self.pipeline.local_owners for name in owners]
+        local_blocks = [name for name in local if name in blocks]
+        if self.activation_checkpointing:
+            apply_activation_checkpointing(module, local_blocks)
+        if self.compile:
+            for name in local_blocks:
+                module.get_submodule(name).compile()
+        if self.dims.fsdp_enabled:
+            # units: every block, and per stage its other weight owners together (e.g. the embeddings); no root
+            # unit, because the LightningModule's forward is not what runs the stages
+            units: list[Any] = []
+            for owners in self.pipeline.local_owners:
+                glue = [module.get_submodule(n) for n in owners if n not in blocks]
+                units += [module.get_submodule(n) for n in owners if n in blocks] + ([glue] if glue else [])
+            bf16_mixed = getattr(self.precision_plugin, "precision", None) == "bf16-mixed"
+            apply_fsdp(None, self.dims.fsdp_mesh(), units, reshard_after_forward=self.reshard_after_forward,
+                       param_dtype=torch.bfloat16 if bf16_mixed else None,
+                       reduce_dtype=torch.float32 if bf16_mixed else None, cpu_offload=self.cpu_offload)
+
     def describe(self) -> str:
         parts = []
+        if self.pipeline is not None:
+            p = self.pipeline
+            parts.append(f"pipeline ({p.name}, {p.n_microbatches} micro-batches, {p.plan.num_stages} stages, split "
+                         f"before {p.plan.split_points})")
         if self.dims.fsdp_enabled:
             zero = "ZeRO-3" if self.reshard_after_forward else "ZeRO-2-like"
             parts.append(f"FSDP2 ({zero}{', HSDP' if self.dims.dp_replicate > 1 else ''}"
@@ -217,6 +278,32 @@ class NDParallelStrategy(BaseParallelStrategy):
                 stack.enter_context(loss_parallel())  # around backward too: its ops must see the DTensor grads
             yield
 
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline_adapter is None:
+            return super().training_step(*args, **kwargs)
+        trainer = self.lightning_module.trainer
+        accumulate = trainer.accumulate_grad_batches
+        first = trainer.fit_loop.epoch_loop.batch_idx % accumulate == 0  # Lightning's own zero_grad rule
+        self._pipeline_adapter.begin_training_step(accumulate, first)
+        try:
+            output = super().training_step(*args, **kwargs)
+        except BaseException:
+            self._pipeline_adapter.abort_training_step()
+            raise
+        self._pipeline_adapter.end_training_step()
+        return output
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._pipeline_adapter is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # the schedule ran backward inside training_step; the hooks around it still run, once per step
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._pipeline_adapter.restore_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self._cp_scope is not None:
@@ -236,3 +323,23 @@ class NDParallelStrategy(BaseParallelStrategy):
 
     def _materialization_device(self) -> torch.device:
         return torch.device("cpu") if self.cpu_offload else self.root_device
+
+
+def _check_pipeline_options(dims: ParallelDims, schedule: Any, microbatches: Any, stages_per_rank: Any,
+                            split_points: Any, loss_method: Any) -> None:
+    """What can be checked without the model; the rest (blocks, batch size) when the stages are built."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pp_schedule={schedule!r} is not a pipeline schedule; choose one of {sorted(SCHEDULES)}.")
+    for name, value in (("pp_microbatches", microbatches), ("pp_stages_per_rank", stages_per_rank)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive int (or None for the default).")
+    if split_points is not None and (
+        isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points)
+    ):
+        raise TypeError(f"pp_split_points={split_points!r} must be a list of block FQNs, e.g. ['model.blocks.2'].")
+    if not isinstance(loss_method, str) or not loss_method.isidentifier():
+        raise ValueError(f"pp_loss_method={loss_method!r} must be the name of a method of the LightningModule.")
+    if dims.pp != 1 and (dims.tp != 1 or dims.cp != 1):
+        raise ValueError(f"pp={dims.pp} with tp={dims.tp} and cp={dims.cp}: pipeline parallelism composes with data "
+                         f"parallelism (dp_shard, dp_replicate) in this version; tensor and context parallelism inside "
+                         f"pipeline stages are not supported yet. Use tp=1 and cp=1 with pp > 1.")
