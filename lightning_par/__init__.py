@@ -8,6 +8,7 @@ from lightning_par.strategies.nd import NDParallelStrategy
 from lightning_par.strategies.presets import (
     ContextParallelStrategy,
     FSDP2Strategy,
+    PipelineParallelStrategy,
     TensorParallelStrategy,
     register_strategies,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "FSDP2Strategy",
     "NDParallelStrategy",
     "ParallelDims",
+    "PipelineParallelStrategy",
     "TensorParallelStrategy",
     "consolidate_checkpoint",
     "context_positions",

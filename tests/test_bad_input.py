@@ -33,7 +33,15 @@ def _trainer(strategy, **kwargs):
         (lambda: FSDP2Strategy(shard_units="Block"), TypeError, r"shard_units='Block' must be a list"),
         (lambda: FSDP2Strategy(tp=2), ValueError, r"FSDP2Strategy does not take tp=2: it sets only \(\)"),
         (lambda: NDParallelStrategy(cp=2, compile=True), ValueError, r"compile=True with cp=2: .* not supported yet"),
-        (lambda: NDParallelStrategy(pp=2), ValueError, r"pp=2: this version of lightning_par has no pipeline"),
+        (lambda: NDParallelStrategy(pp=2, pp_schedule="pipedream"), ValueError,
+         r"pp_schedule='pipedream' is not a pipeline schedule; choose one of \['1f1b', 'gpipe'"),
+        (lambda: NDParallelStrategy(pp=2, pp_microbatches=0), ValueError, r"pp_microbatches=0 must be a positive"),
+        (lambda: NDParallelStrategy(pp=2, tp=2), ValueError, r"pp=2 with tp=2 and cp=1: .* Use tp=1 and cp=1"),
+        (lambda: NDParallelStrategy(pp=2, pp_split_points="model.blocks.2"), TypeError,
+         r"pp_split_points='model.blocks.2' must be a list of block FQNs"),
+        (lambda: Trainer(accelerator="cpu", devices=4, logger=False,
+                         strategy=NDParallelStrategy(pp=2, dp_shard=2, pp_schedule="zbv")), ValueError,
+         r"pp_schedule='zbv' with dp_shard=2, dp_replicate=1: zero-bubble .* use pp_schedule='1f1b'"),
     ],
 )
 def test_bad_configuration_is_refused_before_launch(make, error, match):

@@ -78,6 +78,8 @@ def fit(
     module_cls: type[pl.LightningModule] = GPTModule,
     callbacks: list[Callback] | None = None,
     num_nodes: int = 1,
+    accumulate_grad_batches: int = 1,
+    logger: Any = False,
     **model_overrides: Any,
 ) -> dict[str, Any]:
     """Train the tiny GPT; return per-step losses and (rank 0) the full final weights."""
@@ -91,7 +93,7 @@ def fit(
                                              filename="epoch_end-{step}", save_on_train_epoch_end=True))
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, precision=precision,
-        max_steps=max_steps, logger=False,
+        max_steps=max_steps, logger=logger, accumulate_grad_batches=accumulate_grad_batches,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in all_callbacks),
         enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=all_callbacks, default_root_dir=ckpt_dir or os.getcwd(),
@@ -109,6 +111,7 @@ def fit_reference(
     gradient_clip_val: float | None = None,
     module_cls: type[pl.LightningModule] = GPTModule,
     num_samples: int = 96,
+    accumulate_grad_batches: int = 1,
     **model_overrides: Any,
 ) -> dict:
     """One process, the whole global batch, the same sample order as a DistributedSampler over any dp size."""
@@ -118,6 +121,7 @@ def fit_reference(
         accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=[record], use_distributed_sampler=False, gradient_clip_val=gradient_clip_val,
+        accumulate_grad_batches=accumulate_grad_batches,
     )
     model = module_cls(**{**TINY_GPT, **model_overrides})
     data = token_dataset(num_samples)

@@ -7,7 +7,9 @@ per logging step in a hook every rank runs, and logged on rank 0 as ``<name>/min
 
 from lightning_par.callbacks.memory import MemoryMonitor
 from lightning_par.callbacks.overlap import CommOverlapMonitor
+from lightning_par.callbacks.pipeline_timeline import PipelineTimelineMonitor
 from lightning_par.callbacks.summary import summarize_across_ranks
 from lightning_par.callbacks.utilization import DeviceUtilizationMonitor
 
-__all__ = ["CommOverlapMonitor", "DeviceUtilizationMonitor", "MemoryMonitor", "summarize_across_ranks"]
+__all__ = ["CommOverlapMonitor", "DeviceUtilizationMonitor", "MemoryMonitor", "PipelineTimelineMonitor",
+           "summarize_across_ranks"]

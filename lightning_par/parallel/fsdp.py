@@ -13,7 +13,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 def apply_fsdp(
     root: nn.Module | None,
     mesh: DeviceMesh,
-    units: Sequence[nn.Module | list[nn.Module]],
+    units: Sequence[nn.Module],
     *,
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
@@ -21,8 +21,8 @@ def apply_fsdp(
     cpu_offload: bool = False,
 ) -> None:
     """``fully_shard`` each unit (given in model order), then the root, which takes every parameter no unit holds.
-    A unit may be a list of modules sharded as one group; ``root=None`` shards the units only (pipeline stages,
-    whose root module is never called).
+    ``root=None`` shards the units only, each its own FSDP root (pipeline stages, whose root module is never
+    called).
 
     ``mesh`` is 1-D for FSDP and 2-D ``(replicate, shard)`` for HSDP. ``reshard_after_forward=False`` keeps the
     gathered parameters between forward and backward (ZeRO-2-like: less communication, more memory). The last unit

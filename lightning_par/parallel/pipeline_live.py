@@ -199,10 +199,16 @@ class LivePipeline:
                 _swap_in(submod, name, self.model.get_submodule(name), calls)
             _modify_graph_op_device(submod, self.device)
             stages.append(PipelineStage(submod, sid, self.plan.num_stages, self.device, group=self.group))
-        loss_fn = self.loss_fn if train else None
-        if train and loss_fn is None:
+        if train and self.loss_fn is None:
             raise RuntimeError("LivePipeline.loss_fn must be set before a training step.")
-        return _Compiled(stages, build_schedule(self.name, stages, self.n_microbatches, loss_fn))
+        # each micro-batch's loss is divided by the micro-batch count here, rather than the gradients afterwards
+        # (the schedules' scale_grads), which would also shrink gradients accumulated over earlier batches
+        loss_fn = self._micro_batch_loss if train else None
+        return _Compiled(stages, build_schedule(self.name, stages, self.n_microbatches, loss_fn, scale_grads=False))
+
+    def _micro_batch_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        assert self.loss_fn is not None
+        return self.loss_fn(outputs, targets) / self.n_microbatches
 
     def _check_partition(self, traced: list[list[str]]) -> None:
         """The trace must put every parameter in the stage the plan gave its module."""
@@ -250,7 +256,7 @@ class LivePipeline:
                 compiled.schedule.step(*call_args, target=target if self.has_last_stage else None, losses=losses)
         else:
             compiled.schedule.step(*call_args, target=target if self.has_last_stage else None, losses=losses)
-        loss = (torch.stack([x.detach().float() for x in losses]).mean() if losses
+        loss = (torch.stack([x.detach().float() for x in losses]).sum() if losses  # the mean: each is 1/m of one
                 else torch.zeros((), device=self.device))
         dist.broadcast(loss, self.last_rank, group=self.group)
         return loss

@@ -55,6 +55,9 @@ from lightning_par.strategies.resume import resumable_train_dataloader
 from lightning_par.strategies.summary import layout_summary
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+# optimizer state keyed by parameter FQN, param-group settings included ("param_groups.<fqn>.lr"): the form that
+# stays meaningful when ranks hold different parameters (pipeline stages) and when a checkpoint changes layout
+_OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _materialize_metric_defaults(module: nn.Module, device: torch.device) -> None:
@@ -363,7 +366,7 @@ class BaseParallelStrategy(ParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.model is not None
-        return get_optimizer_state_dict(self.model, optimizer)
+        return get_optimizer_state_dict(self.model, optimizer, options=_OPTIMIZER_OPTIONS)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # done in load_checkpoint
@@ -398,9 +401,9 @@ class BaseParallelStrategy(ParallelStrategy):
         tensors: dict[str, Any] = {"state_dict": model_sd}
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         for i, optimizer in enumerate(optimizers):
-            tensors[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
+            tensors[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer, options=_OPTIMIZER_OPTIONS)
         meta = ckpt.load_sharded(tensors, path)
         set_model_state_dict(self.model, tensors["state_dict"])
         for i, optimizer in enumerate(optimizers):
-            set_optimizer_state_dict(self.model, optimizer, tensors[f"optimizer_{i}"])
+            set_optimizer_state_dict(self.model, optimizer, tensors[f"optimizer_{i}"], options=_OPTIMIZER_OPTIONS)
         return meta

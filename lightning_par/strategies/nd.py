@@ -166,6 +166,15 @@ class NDParallelStrategy(BaseParallelStrategy):
         self.pipeline: LivePipeline | None = None
         self._pipeline_adapter: PipelineAdapter | None = None
 
+    def _validate_configuration(self) -> None:
+        super()._validate_configuration()  # resolves -1 sizes against the world size
+        if self.dims.pp > 1 and self.dims.fsdp_enabled and self.pp_schedule in ("interleaved_zb", "zbv"):
+            raise ValueError(
+                f"pp_schedule={self.pp_schedule!r} with dp_shard={self.dims.dp_shard}, dp_replicate="
+                f"{self.dims.dp_replicate}: zero-bubble schedules compute weight gradients apart from input "
+                f"gradients, which FSDP's sharded parameters do not support (torch 2.13). With data parallelism use "
+                f"pp_schedule='1f1b' or 'interleaved_1f1b'; or use dp_shard=1 and dp_replicate=1.")
+
     def parallelize(self, module: pl.LightningModule) -> None:
         if self.dims.pp > 1:
             self._parallelize_pipeline(module)
@@ -231,12 +240,9 @@ class NDParallelStrategy(BaseParallelStrategy):
             for name in local_blocks:
                 module.get_submodule(name).compile()
         if self.dims.fsdp_enabled:
-            # units: every block, and per stage its other weight owners together (e.g. the embeddings); no root
-            # unit, because the LightningModule's forward is not what runs the stages
-            units: list[Any] = []
-            for owners in self.pipeline.local_owners:
-                glue = [module.get_submodule(n) for n in owners if n not in blocks]
-                units += [module.get_submodule(n) for n in owners if n in blocks] + ([glue] if glue else [])
+            # units: every module a stage runs as the user's object (blocks, embeddings, head), each its own FSDP
+            # root: the LightningModule, whose forward is not what runs the stages, cannot be the root unit
+            units = [module.get_submodule(name) for owners in self.pipeline.local_owners for name in owners]
             bf16_mixed = getattr(self.precision_plugin, "precision", None) == "bf16-mixed"
             apply_fsdp(None, self.dims.fsdp_mesh(), units, reshard_after_forward=self.reshard_after_forward,
                        param_dtype=torch.bfloat16 if bf16_mixed else None,

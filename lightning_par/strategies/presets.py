@@ -52,12 +52,24 @@ class ContextParallelStrategy(NDParallelStrategy):
         super().__init__(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, **kwargs)
 
 
+class PipelineParallelStrategy(NDParallelStrategy):
+    """Pipeline parallelism: the block list cut into ``pp`` stages (more per rank for interleaved schedules), run
+    by a torch.distributed.pipelining schedule (``pp_schedule``, ``pp_microbatches``; ``pp_microbatches=1`` is
+    plain layer-split model parallelism); composes with FSDP2 over ``dp_shard`` and HSDP. Registered as
+    ``"pipeline_parallel"``. The LightningModule's contract is in the README ("Pipeline parallelism")."""
+
+    def __init__(self, pp: int = -1, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Any) -> None:
+        _refuse_other_sizes("PipelineParallelStrategy", kwargs)
+        super().__init__(dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, **kwargs)
+
+
 def register_strategies() -> None:
     """Make the strategies available by name: ``Trainer(strategy="fsdp2")``, ``--trainer.strategy=fsdp2``."""
     for name, cls, description in (
         ("fsdp2", FSDP2Strategy, "lightning_par FSDP2 (fully_shard) over all ranks"),
         ("tensor_parallel", TensorParallelStrategy, "lightning_par tensor parallelism (DTensor, from a plan)"),
         ("context_parallel", ContextParallelStrategy, "lightning_par context parallelism (ring attention)"),
+        ("pipeline_parallel", PipelineParallelStrategy, "lightning_par pipeline parallelism (torch pipelining)"),
         ("nd_parallel", NDParallelStrategy, "lightning_par N-D parallelism on one DeviceMesh"),
     ):
         if name not in StrategyRegistry:
