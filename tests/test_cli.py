@@ -15,9 +15,9 @@ SMALL = ["--trainer.max_steps=6", "--trainer.val_check_interval=3", "--trainer.l
          "--model.n_layer=2", "--model.n_embd=32", "--model.n_head=2", "--model.warmup_steps=2"]
 
 
-def _train(tmp_path: Path, *extra: str) -> tuple[str, Path]:
+def _train(tmp_path: Path, *extra: str, config: str = "fsdp2.yaml") -> tuple[str, Path]:
     cmd = [sys.executable, "example_projects/gpt/train.py", "fit",
-           "--config", "example_projects/gpt/configs/fsdp2.yaml", *SMALL,
+           "--config", f"example_projects/gpt/configs/{config}", *SMALL,
            f"--trainer.logger.init_args.save_dir={tmp_path}", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -46,6 +46,28 @@ def test_gpt_example_trains_through_lightning_cli(tmp_path, strategy_args):
     assert len(losses) == 6 and all(0 < v < 10 for v in losses)
     assert losses[-1] < losses[0]
     # the sharded checkpoint Lightning's ModelCheckpoint wrote at the end is complete
+    (ckpt,) = (log_dir / "checkpoints").iterdir()
+    assert (ckpt / "COMPLETE").is_file()
+
+
+@pytest.mark.parametrize("strategy_args", [
+    [], ["--trainer.strategy=pipeline_parallel"],
+    ["--trainer.strategy=lightning_par.NDParallelStrategy", "--trainer.strategy.pp=2",
+     "--trainer.strategy.dp_shard=1", "--trainer.strategy.pp_schedule=gpipe", "--trainer.strategy.pp_microbatches=2"],
+], ids=["yaml", "by_name", "class_path_and_options"])
+def test_gpt_pipeline_config_trains_and_logs_its_timeline(tmp_path, strategy_args):
+    """The README's pipeline config (2 stages, 1F1B, 4 micro-batches); the strategy by registered name (pp fills
+    the world); and by class path with options from the command line."""
+    _, log_dir = _train(tmp_path, "--model.n_layer=4", "--trainer.callbacks.init_args.every_n_steps=3",
+                        *strategy_args, config="pipeline_parallel.yaml")
+    scalars = _scalars(log_dir)
+    losses = [e.value for e in scalars["train/loss"]]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert {"val/loss", "val/perplexity", "pipeline/idle_fraction/rank1"} <= set(scalars)
+    acc = EventAccumulator(str(log_dir), size_guidance={"images": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Images("pipeline/timeline")] == [1, 4]
+    assert sorted(p.name for p in (log_dir / "pipeline_timeline").iterdir()) == ["step000001.png", "step000004.png"]
     (ckpt,) = (log_dir / "checkpoints").iterdir()
     assert (ckpt / "COMPLETE").is_file()
 
