@@ -5,12 +5,18 @@ schedule) trains under ``Trainer(accelerator="cpu", devices=4, strategy=NDParall
 
     dp_shard=4 (FSDP2)            dp_replicate=2 x dp_shard=2 (HSDP)     tp=4
     tp=2 x dp_shard=2             tp=2 x dp_shard=2 + sequence parallel  cp=4
-    cp=2 x dp_shard=2             tp=2 x cp=2
+    cp=2 x dp_shard=2             tp=2 x cp=2                            pp=4 (1F1B)
+    pp=2 x dp_shard=2 (1F1B)
 
 The global batch is the same everywhere (default 8 sequences): a DataLoader of ``global / (dp_replicate * dp_shard)``
 sequences per rank, behind the DistributedSampler Lightning injects over the data-parallel ranks (TP and CP ranks of
 one replica read the same samples; CP then splits each sequence over its ranks). Vocabulary 128, so that tp = 4
 divides it; the sequence is divisible by 2*cp (load-balanced causal CP) and by tp (sequence parallelism).
+Pipeline layouts cut the 4 blocks into pp stages (one block per stage at pp=4) and run ``pp_microbatches``
+micro-batches per batch (default pp: 1F1B needs at least one per stage); each rank holds only its stages'
+parameters (the first stage also the embeddings, the last the final norm and head), and the steps go through the
+schedule (``GPTModule.training_step`` unchanged). The first step of a pipelined fit traces the model (seconds):
+it falls in the warm-up.
 
 One launch of 4 processes (tests/launch.py) runs every layout one after the other, ``--rounds`` times (odd rounds in
 reverse order, so slow drift of the machine's load does not always fall on the same layouts). Per layout and round,
@@ -19,23 +25,31 @@ one Trainer.fit of ``warmup + steps + 1 + 1 + window`` optimizer steps:
 1. ``--warmup`` steps, not measured;
 2. ``--steps`` timed steps: ``perf_counter`` at ``on_train_batch_start`` / ``on_train_batch_end``
    (``benchmarks.common.step_timer``, no barrier), the slowest rank per step, the median over all rounds;
-3. one probe step (not timed): the bytes of the tensors autograd saves for backward, counted with
-   ``torch.autograd.graph.saved_tensors_hooks`` from the start of the batch to its end (distinct storages, local
-   shards of DTensors, parameters excluded: leaf tensors that require grad, views of them, and FSDP's all-gathered
-   copies, which are such leaves too); after its optimizer step, the model state this rank holds: parameters,
-   gradients and AdamW state, each ``DTensor.to_local()`` (``benchmarks.bench_fsdp.state_bytes``);
+3. one probe step (not timed): the peak bytes of the tensors autograd saves for backward that are alive at
+   once, counted with ``torch.autograd.graph.saved_tensors_hooks`` from the start of the batch to its end
+   (distinct storages, local shards of DTensors; a storage counts from its first save until autograd releases
+   its last saved reference, i.e. after the backward that used it; parameters excluded: ``nn.Parameter`` s and
+   views of them, FSDP's all-gathered parameters and DTensor parameters included). Without pipelining every
+   saved tensor lives until backward starts, so the peak is the step's total; under a pipeline schedule the
+   backward of early micro-batches frees theirs while later ones run forward (1F1B: at most pp micro-batches in
+   flight on the first stage), and a stage's received input (a leaf that requires grad, not a parameter)
+   counts. After the probe's optimizer step, the model state this rank holds: parameters, gradients and AdamW
+   state, each ``DTensor.to_local()`` (``benchmarks.bench_fsdp.state_bytes``; under pp only this rank's
+   stages);
 4. a ``CommOverlapMonitor`` window (1 profiled warm-up batch + ``--window`` measured batches, ``torch.profiler``):
    communication time per step by kind, total, exposed (not overlapped with compute) and the overlap ratio. The
    values are read from what the monitor logs (max over ranks, ``comm/.../max``) through an in-memory Logger
    attached to the Trainer; each rank's own values are kept in the JSON too. The window's steps are not timed
    (the profiler slows them). Kinds: FSDP all-gather, FSDP reduce-scatter (with HSDP's all-reduce across
-   replicas), TP (DTensor collectives), CP (ring send/recv); the rest is Lightning's own per-step communication
-   (the ``sync_dist`` all-reduce of the logged loss with its gloo barrier, the per-step SIGTERM broadcast), which
-   is also where one rank waits for a slower one.
+   replicas), TP (DTensor collectives), CP (ring send/recv), PP (the schedule's stage-to-stage send/recv); the
+   rest is Lightning's own per-step communication (the ``sync_dist`` all-reduce of the logged loss with its gloo
+   barrier, the per-step SIGTERM broadcast; under pp also the broadcast of the loss from the last stage to the
+   other pp ranks), which is also where one rank waits for a slower one.
 
 Memory: "peak estimate" = model state + saved activations, per rank, the largest rank. Not in it: transient buffers
-(FSDP's all-gathered parameters of the one or two blocks being computed, TP/CP communication buffers, autograd's
-temporary gradients, the allocator's slack). The process resident-set peak is not used: it is process-wide,
+(FSDP's all-gathered parameters of the one or two blocks being computed, TP/CP communication buffers, a pipeline
+stage's outputs kept for backward and its send/recv buffers, autograd's temporary gradients, the allocator's
+slack). The process resident-set peak is not used: it is process-wide,
 monotone over the whole launch (every layout runs in the same processes) and dominated by the Python/torch runtime.
 
 Reference row: one process, no parallelism, the whole global batch: its model state and saved activations (the same
@@ -92,27 +106,48 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {
     "cp4": ("cp=4", dict(cp=4, dp_shard=1)),
     "cp2_fsdp": ("cp=2 x dp_shard=2", dict(cp=2, dp_shard=2)),
     "tp2_cp2": ("tp=2 x cp=2", dict(tp=2, cp=2, dp_shard=1)),
+    "pp4": ("pp=4 (1F1B, 4 mb)", dict(pp=4, dp_shard=1, pp_schedule="1f1b", pp_microbatches=4)),
+    "pp2_x_dp_shard2": ("pp=2 (1F1B, 2 mb) x dp_shard=2",
+                        dict(pp=2, dp_shard=2, pp_schedule="1f1b", pp_microbatches=2)),
 }
 
 #: CommOverlapMonitor kinds shown in their own columns; the rest is Lightning's own per-step communication (the
-#: ``sync_dist`` all-reduce of the logged loss and its gloo barrier, the per-step SIGTERM broadcast), summed
-KIND_COLUMNS = {"fsdp_all_gather": "FSDP AG", "fsdp_reduce_scatter": "FSDP RS", "tp": "TP", "cp": "CP"}
+#: ``sync_dist`` all-reduce of the logged loss and its gloo barrier, the per-step SIGTERM broadcast; under pp also
+#: the loss broadcast from the last stage), summed
+KIND_COLUMNS = {"fsdp_all_gather": "FSDP AG", "fsdp_reduce_scatter": "FSDP RS", "tp": "TP", "cp": "CP",
+                "pp_send_recv": "PP"}
 
 
 def dp_size(spec: dict[str, Any]) -> int:
     return spec.get("dp_replicate", 1) * spec.get("dp_shard", 1)
 
 
+def pp_stages_and_microbatches(spec: dict[str, Any]) -> tuple[int, int]:
+    """A layout's pipeline stage count and micro-batches per batch (NDParallelStrategy's defaults); (1, 1) without
+    pipelining."""
+    from lightning_par.parallel.pipeline import SCHEDULES
+
+    pp = spec.get("pp", 1)
+    if pp == 1:
+        return 1, 1
+    sched = SCHEDULES[spec.get("pp_schedule", "1f1b")]
+    stages = pp * (spec.get("pp_stages_per_rank") or sched.stages_per_rank or 2)
+    return stages, spec.get("pp_microbatches") or stages
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # what every rank runs
 # ---------------------------------------------------------------------------------------------------------------
 def saved_activations() -> Any:
-    """A ``saved_tensors_hooks`` context and the dict it fills: storage pointer -> bytes of every tensor autograd
-    saves for backward, parameters (and views of them) left out, DTensors counted by their local shard."""
+    """A ``saved_tensors_hooks`` context and a function returning the peak bytes of the tensors autograd saved for
+    backward that were alive at once: distinct storages (a storage counts from its first save until autograd
+    releases its last saved reference), parameters (and views of them) left out, DTensors by their local shard."""
     import torch
+    from torch import nn
     from torch.distributed.tensor import DTensor
 
-    saved: dict[int, int] = {}
+    live: dict[int, list[int]] = {}  # storage pointer -> [bytes, saved references alive]
+    state = {"now": 0, "peak": 0}
 
     def storage(t: torch.Tensor) -> tuple[int, int]:
         t = t._local_tensor if isinstance(t, DTensor) else t  # not to_local(): no autograd op inside a pack hook
@@ -120,21 +155,49 @@ def saved_activations() -> Any:
         return s.data_ptr(), s.nbytes()
 
     def is_param(t: torch.Tensor) -> bool:
-        base = t._base if t._base is not None else t
-        return (t.is_leaf and t.requires_grad) or (base.is_leaf and base.requires_grad)
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
         # decided per tensor, never by remembered parameter addresses: FSDP frees each block's all-gathered
-        # parameters after its forward and a later activation may be allocated at the same address
-        if not is_param(t):
-            ptr, nbytes = storage(t)
-            saved[ptr] = nbytes  # saved tensors stay alive until backward: one address, one storage
-        return t
+        # parameters (nn.Parameters too) after its forward and a later activation may be allocated at the same
+        # address. Not "a leaf that requires grad": a pipeline stage's received input is one, and is an activation
+        base = t._base if t._base is not None else t
+        return isinstance(t, nn.Parameter) or isinstance(base, nn.Parameter)
 
-    def total() -> int:
-        return sum(saved.values())
+    def release(ptr: int) -> None:
+        entry = live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del live[ptr]
+            state["now"] -= entry[0]
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), total
+    class Saved:
+        """What autograd keeps instead of the tensor: freed with the graph node, after the backward that used it."""
+
+        __slots__ = ("tensor", "ptr")
+
+        def __init__(self, tensor: torch.Tensor, ptr: int) -> None:
+            self.tensor, self.ptr = tensor, ptr
+
+        def __del__(self) -> None:
+            release(self.ptr)
+
+    def pack(t: torch.Tensor) -> Any:
+        if is_param(t):
+            return t
+        ptr, nbytes = storage(t)
+        if ptr in live:
+            live[ptr][1] += 1
+        else:
+            live[ptr] = [nbytes, 1]
+            state["now"] += nbytes
+            state["peak"] = max(state["peak"], state["now"])
+        return Saved(t, ptr)
+
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, Saved) else saved
+
+    def peak() -> int:
+        return state["peak"]
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack), peak
 
 
 def memory_logger() -> Any:
@@ -397,6 +460,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--seq-len={args.seq_len} must be divisible by 2*cp={2 * cp} and tp={tp} ({key})")
         if args.vocab_size % tp or args.n_head % tp:
             p.error(f"--vocab-size={args.vocab_size} and --n-head={args.n_head} must be divisible by tp={tp} ({key})")
+        stages, microbatches = pp_stages_and_microbatches(spec)
+        if args.n_layer < stages:
+            p.error(f"--n-layer={args.n_layer}: {key} cuts the blocks into {stages} stages (one block at least each)")
+        if (args.global_batch // dp) % microbatches:
+            p.error(f"--global-batch={args.global_batch}: {key}'s {args.global_batch // dp} sequences per rank are not "
+                    f"divisible by its {microbatches} micro-batches")
     return args
 
 
@@ -419,15 +488,18 @@ def main(argv: list[str] | None = None) -> None:
           f"(fp32), seq {cfg['seq_len']}, vocab {cfg['vocab_size']}, global batch {cfg['global_batch']} sequences, "
           f"AdamW; world {WORLD}, CPU, gloo, 1 thread per rank, {meta['cpu_count']} cores")
     print("\nMemory per rank (the largest rank): model state = params + grads + AdamW state from local shards after "
-          "a step; saved act = bytes autograd saves for backward in one training step (saved_tensors_hooks). "
-          "Not counted: transient buffers (FSDP all-gathered blocks, comm buffers, temporary grads). "
+          "a step (under pp: this rank's stages only); saved act = peak bytes autograd holds saved for backward at "
+          "once in one training step (saved_tensors_hooks; under pp over the micro-batches in flight). "
+          "Not counted: transient buffers (FSDP all-gathered blocks, comm buffers, pipeline stage outputs, "
+          "temporary grads). "
           "/full = fraction of one unparallelized process holding the whole batch.")
     print(memory_table(ref, res))
     print(f"\nTime per step: median of the slowest rank, {args.rounds} rounds x {args.steps} steps "
           f"({args.warmup} warm-up steps per fit left out). Communication per step by kind: CommOverlapMonitor over "
           f"a profiled window of {args.window} steps, max over ranks (read from the logger), mean over rounds; "
           "FSDP RS includes HSDP's all-reduce across replicas; Lightning = its own per-step collectives (loss "
-          "sync_dist all-reduce + barrier, SIGTERM broadcast), where rank skew shows up as waiting; comm = all kinds "
+          "sync_dist all-reduce + barrier, SIGTERM broadcast; under pp also the loss broadcast from the last stage), "
+          "where rank skew shows up as waiting; PP = pipeline stage send/recv; comm = all kinds "
           "together, exposed = not overlapped by compute; prof. step = step time in that (profiled) window.")
     print(time_table(res))
     print(f"\nNote: {NOISE_NOTE} Here 4 ranks share {meta['cpu_count']} cores: a step time is the total work + "

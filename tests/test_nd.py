@@ -1,4 +1,5 @@
-"""N-D combinations through the one NDParallelStrategy path: parity with one process, presets equal to the engine,
+"""N-D combinations through the one NDParallelStrategy path (world 4 and 8): parity with one process, presets equal
+to the engine, checkpoints resharded dp_shard=4 -> tp=2 x pp=2 -> dp_shard=2 x cp=2,
 and a two-node launch simulated with two torchrun invocations meeting at a rendezvous on 127.0.0.1."""
 
 import os
@@ -9,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from launch import free_port, launch
-from workers import fit, fit_reference, max_loss_diff, max_weight_diff
+from workers import assert_parity, fit, fit_reference, max_loss_diff, max_weight_diff
 
-from lightning_par import FSDP2Strategy, NDParallelStrategy, TensorParallelStrategy
+from lightning_par import FSDP2Strategy, NDParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
 
 TOL = 1e-5
 SCRIPT = Path(__file__).parent / "scripts" / "tiny_job.py"
@@ -19,6 +20,12 @@ WORLD4 = {
     "tp2_x_cp2": (dict(tp=2, cp=2, dp_shard=1), 1),
     "tp2_x_cp2_sp_lp": (dict(tp=2, cp=2, dp_shard=1, sequence_parallel=True, loss_parallel=True), 1),
     "dp_replicate2_x_dp_shard2": (dict(dp_replicate=2, dp_shard=2), 4),
+    "pp2_x_tp2": (dict(pp=2, tp=2, dp_shard=1), 1),
+    "pp2_x_cp2": (dict(pp=2, cp=2, dp_shard=1, pp_schedule="gpipe", pp_microbatches=4), 1),
+}
+WORLD8 = {  # 3-D, with a 2-block model: each pipeline stage one block
+    "pp2_x_tp2_x_dp_shard2": (dict(pp=2, tp=2, dp_shard=2), 2),
+    "pp2_x_dp_shard2_x_cp2": (dict(pp=2, dp_shard=2, cp=2), 2),
 }
 
 
@@ -27,7 +34,13 @@ def _world4() -> dict:
     out["preset_fsdp2"] = fit(FSDP2Strategy(dp_replicate=2, dp_shard=2), devices=4, dp_size=4)
     out["preset_tp"] = fit(TensorParallelStrategy(tp=2, dp_shard=2), devices=4, dp_size=2)
     out["nd_tp"] = fit(NDParallelStrategy(tp=2, dp_shard=2), devices=4, dp_size=2)
+    out["preset_pp"] = fit(PipelineParallelStrategy(pp=2, dp_shard=2), devices=4, dp_size=2)
+    out["nd_pp"] = fit(NDParallelStrategy(pp=2, dp_shard=2), devices=4, dp_size=2)
     return out
+
+
+def _world8() -> dict:
+    return {name: fit(NDParallelStrategy(**kw), devices=8, dp_size=dp, n_layer=2) for name, (kw, dp) in WORLD8.items()}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +60,18 @@ def test_parity_world4(world4, reference, name):
     assert max_weight_diff(result["weights"], reference["weights"]) <= TOL
 
 
-@pytest.mark.parametrize("preset, engine", [("preset_fsdp2", "dp_replicate2_x_dp_shard2"), ("preset_tp", "nd_tp")])
+@pytest.mark.parametrize("name", list(WORLD8))
+def test_parity_world8(world8, name):
+    assert_parity(world8[0][name], fit_reference(n_layer=2))
+
+
+@pytest.fixture(scope="module")
+def world8():
+    return launch(8, _world8, timeout=600)
+
+
+@pytest.mark.parametrize("preset, engine", [("preset_fsdp2", "dp_replicate2_x_dp_shard2"), ("preset_tp", "nd_tp"),
+                                            ("preset_pp", "nd_pp")])
 def test_presets_are_the_engine(world4, preset, engine):
     """Same code path: bit-identical losses and weights."""
     assert world4[0][preset]["losses"] == world4[0][engine]["losses"]
@@ -55,14 +79,14 @@ def test_presets_are_the_engine(world4, preset, engine):
 
 
 def test_two_nodes_simulated_with_torchrun(tmp_path, reference):
-    """2 "nodes" x 2 processes: data parallel across the nodes, tensor parallel within each; Lightning's
+    """2 "nodes" x 2 processes: pipeline stages across the nodes, tensor parallel within each; Lightning's
     TorchElasticEnvironment with num_nodes=2."""
     port, out = free_port(), tmp_path / "result.pt"
     jobs = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
              "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}", str(SCRIPT),
-             "--layout", '{"dp_replicate": 2, "tp": 2, "dp_shard": 1}', "--num-nodes", "2", "--out", str(out)],
+             "--layout", '{"pp": 2, "tp": 2, "dp_shard": 1}', "--num-nodes", "2", "--out", str(out)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
         )
@@ -77,10 +101,10 @@ def test_two_nodes_simulated_with_torchrun(tmp_path, reference):
 
 
 def _reshard_chain(ckpt_dir: str) -> dict:
-    """Save under FSDP2 dp_shard=4, resume under tp=2 x dp_shard=2, save, resume under dp_shard=2 x cp=2."""
+    """Save under FSDP2 dp_shard=4, resume under tp=2 x pp=2, save, resume under dp_shard=2 x cp=2."""
     fit(NDParallelStrategy(dp_shard=4), devices=4, dp_size=4, max_steps=4, ckpt_dir=f"{ckpt_dir}/a",
         ckpt_every_n_steps=3)
-    fit(NDParallelStrategy(tp=2, dp_shard=2), devices=4, dp_size=2, max_steps=7, ckpt_dir=f"{ckpt_dir}/b",
+    fit(NDParallelStrategy(tp=2, pp=2, dp_shard=1), devices=4, dp_size=1, max_steps=7, ckpt_dir=f"{ckpt_dir}/b",
         ckpt_every_n_steps=6, resume_from=f"{ckpt_dir}/a/step=3.ckpt")
     return fit(NDParallelStrategy(cp=2, dp_shard=2), devices=4, dp_size=2, resume_from=f"{ckpt_dir}/b/step=6.ckpt")
 
@@ -92,6 +116,6 @@ def test_checkpoints_reshard_across_layouts(tmp_path, reference):
     assert result["global_step"] == 10 and len(result["losses"]) == 4
     assert max_loss_diff(result["losses"], reference["losses"][6:]) <= TOL
     assert max_weight_diff(result["weights"], reference["weights"]) <= TOL
-    # the tp x dp checkpoint consolidates to the single-process model at step 6
+    # the tp x pp checkpoint consolidates to the single-process model at step 6
     at_step6 = consolidate_checkpoint(tmp_path / "b" / "step=6.ckpt")["state_dict"]
     assert max_weight_diff(at_step6, fit_reference(max_steps=6)["weights"]) <= TOL

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +123,21 @@ def materialize_local(model: nn.Module, plan: StagePlan, local_stages: Sequence[
         init_weights(model, seed, fqns)
 
 
+@contextmanager
+def without_function_modes() -> Iterator[None]:
+    """Suspend the active TorchFunctionModes (they route ops to collectives, which a meta trace must not run).
+    Module-level state they keep (e.g. the context-parallel positions of this rank) stays: the trace bakes this
+    rank's values into its graph, which is right, because each rank traces for itself."""
+    modes = []
+    while torch._C._len_torch_function_stack() > 0:
+        modes.append(torch._C._pop_torch_function_stack())
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            torch._C._push_on_torch_function_stack(mode)
+
+
 @dataclass
 class _Compiled:
     stages: list[PipelineStage]
@@ -189,9 +205,10 @@ class LivePipeline:
         return self._cache[key]
 
     def _build(self, mb_args: tuple[Any, ...], train: bool) -> _Compiled:
-        pipe = trace_pipeline(self.template, mb_args, self.plan.split_points)
-        self._check_partition(stage_fqns(pipe, self.template))
-        calls = self._owner_calls(mb_args)
+        with without_function_modes():  # e.g. context-parallel attention routing: not while tracing on meta
+            pipe = trace_pipeline(self.template, mb_args, self.plan.split_points)
+            self._check_partition(stage_fqns(pipe, self.template))
+            calls = self._owner_calls(mb_args)
         stages = []
         for sid in self.stage_ids:
             submod = copy.deepcopy(pipe.get_stage_module(sid))

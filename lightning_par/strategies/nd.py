@@ -124,7 +124,7 @@ class NDParallelStrategy(BaseParallelStrategy):
     ) -> None:
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
         _check_pipeline_options(dims, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points,
-                                pp_loss_method)
+                                pp_loss_method, sequence_parallel, loss_parallel)
         if shard_units is not None and (
             isinstance(shard_units, str) or not all(isinstance(u, str) for u in shard_units)
         ):
@@ -234,8 +234,16 @@ class NDParallelStrategy(BaseParallelStrategy):
         blocks = {f"{block_fqn}.{name}" for name in container._modules}
         local = [name for owners in self.pipeline.local_owners for name in owners]
         local_blocks = [name for name in local if name in blocks]
+        if self.dims.tp > 1:
+            # the plan is checked on the whole (meta) model, then applied to the modules this rank's stages run
+            resolved = validate_tp_plan(self.pipeline.template, resolve_tp_plan(module, self.tp_plan), self.dims.tp)
+            local_plan = {fqn: style for fqn, style in resolved.items()
+                          if any(fqn == o or fqn.startswith(o + ".") for o in local)}
+            broadcast_replicated_parameters(module, self.dims.mesh("tp"))
+            apply_tp(module, self.dims.mesh("tp"), local_plan)
         if self.activation_checkpointing:
-            apply_activation_checkpointing(module, local_blocks)
+            apply_activation_checkpointing(module, local_blocks,
+                                           context_fn=recompute_in_active_scope if self.dims.cp > 1 else None)
         if self.compile:
             for name in local_blocks:
                 module.get_submodule(name).compile()
@@ -332,7 +340,7 @@ class NDParallelStrategy(BaseParallelStrategy):
 
 
 def _check_pipeline_options(dims: ParallelDims, schedule: Any, microbatches: Any, stages_per_rank: Any,
-                            split_points: Any, loss_method: Any) -> None:
+                            split_points: Any, loss_method: Any, sequence_parallel: Any, loss_parallel: Any) -> None:
     """What can be checked without the model; the rest (blocks, batch size) when the stages are built."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pp_schedule={schedule!r} is not a pipeline schedule; choose one of {sorted(SCHEDULES)}.")
@@ -345,7 +353,7 @@ def _check_pipeline_options(dims: ParallelDims, schedule: Any, microbatches: Any
         raise TypeError(f"pp_split_points={split_points!r} must be a list of block FQNs, e.g. ['model.blocks.2'].")
     if not isinstance(loss_method, str) or not loss_method.isidentifier():
         raise ValueError(f"pp_loss_method={loss_method!r} must be the name of a method of the LightningModule.")
-    if dims.pp != 1 and (dims.tp != 1 or dims.cp != 1):
-        raise ValueError(f"pp={dims.pp} with tp={dims.tp} and cp={dims.cp}: pipeline parallelism composes with data "
-                         f"parallelism (dp_shard, dp_replicate) in this version; tensor and context parallelism inside "
-                         f"pipeline stages are not supported yet. Use tp=1 and cp=1 with pp > 1.")
+    if dims.pp != 1 and dims.tp != 1 and (sequence_parallel or loss_parallel):
+        raise ValueError(f"pp={dims.pp} with tp={dims.tp} and sequence_parallel={sequence_parallel}, loss_parallel="
+                         f"{loss_parallel}: stages hand full activations and full logits on; sequence and loss "
+                         f"parallelism across pipeline stages are not supported yet. Set both to False with pp > 1.")
