@@ -24,7 +24,7 @@ def _train(tmp_path: Path, *extra: str, config: str = "fsdp2.yaml") -> tuple[str
     assert proc.returncode == 0, proc.stderr[-4000:]
     match = re.search(r"TensorBoard logs: (\S+)", proc.stdout)
     assert match, proc.stdout[-2000:]
-    return proc.stdout, Path(match.group(1))
+    return proc.stdout + proc.stderr, Path(match.group(1))
 
 
 def _scalars(log_dir: Path) -> dict[str, list]:
@@ -58,8 +58,11 @@ def test_gpt_example_trains_through_lightning_cli(tmp_path, strategy_args):
 def test_gpt_pipeline_config_trains_and_logs_its_timeline(tmp_path, strategy_args):
     """The README's pipeline config (2 stages, 1F1B, 4 micro-batches); the strategy by registered name (pp fills
     the world); and by class path with options from the command line."""
-    _, log_dir = _train(tmp_path, "--model.n_layer=4", "--trainer.callbacks.init_args.every_n_steps=3",
-                        *strategy_args, config="pipeline_parallel.yaml")
+    output, log_dir = _train(tmp_path, "--model.n_layer=4", "--trainer.callbacks.init_args.every_n_steps=3",
+                             *strategy_args, config="pipeline_parallel.yaml")
+    # the start-up summary: the pp group, and what each rank holds
+    assert "pp            groups of 2: [[0, 1]]" in output
+    assert re.search(r"\n +0 +0 .* stages \[0\] \(blocks 0, 1\)\n +1 +1 .* stages \[1\] \(blocks 2, 3\)", output), output
     scalars = _scalars(log_dir)
     losses = [e.value for e in scalars["train/loss"]]
     assert len(losses) == 6 and losses[-1] < losses[0]

@@ -226,7 +226,8 @@ class BaseParallelStrategy(ParallelStrategy):
         self.parallelize(self.model)
         self._materialize(self.model)
         self._check_data_parallel_consistency(self.model)
-        summary = layout_summary(self.dims, self.model, str(self._process_group_backend), self.describe())
+        summary = layout_summary(self.dims, self.model, str(self._process_group_backend), self.describe(),
+                                 self.describe_rank())
         if summary is not None:
             rank_zero_info(summary)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -242,6 +243,10 @@ class BaseParallelStrategy(ParallelStrategy):
     def describe(self) -> str:
         """One line on what :meth:`parallelize` applied, for the start-up summary."""
         return type(self).__name__
+
+    def describe_rank(self) -> str:
+        """What this rank holds beyond its parameter shards, for its row of the start-up summary."""
+        return ""
 
     def _materialize(self, module: nn.Module) -> None:
         _materialize_distributed_module(module, self._materialization_device())

@@ -277,6 +277,13 @@ class NDParallelStrategy(BaseParallelStrategy):
             parts.append("torch.compile per block")
         return ", ".join(parts) or "no parallelism (one process)"
 
+    def describe_rank(self) -> str:
+        if self.pipeline is None:
+            return ""
+        blocks = [name.rpartition(".")[2] for owners in self.pipeline.local_owners for name in owners
+                  if name.startswith(self.pipeline.plan.split_points[0].rpartition(".")[0] + ".")]
+        return f"stages {self.pipeline.stage_ids} (blocks {', '.join(blocks)})"
+
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.dims.cp > 1:

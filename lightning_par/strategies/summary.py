@@ -19,10 +19,11 @@ def local_parameter_bytes(module: nn.Module) -> tuple[int, int]:
     return nbytes, numel
 
 
-def layout_summary(dims: ParallelDims, module: nn.Module, backend: str, what: str) -> str | None:
-    """Collective (one small all_gather_object): the summary text on rank 0, ``None`` elsewhere."""
+def layout_summary(dims: ParallelDims, module: nn.Module, backend: str, what: str, held: str = "") -> str | None:
+    """Collective (one small all_gather_object): the summary text on rank 0, ``None`` elsewhere. ``held``: what
+    this rank holds beyond its shards (e.g. its pipeline stages)."""
     nbytes, numel = local_parameter_bytes(module)
-    row = (dist.get_rank(), dims.coordinates(), nbytes, numel)
+    row = (dist.get_rank(), dims.coordinates(), nbytes, numel, held)
     rows: list = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if dist.get_rank() != 0:
@@ -37,8 +38,8 @@ def layout_summary(dims: ParallelDims, module: nn.Module, backend: str, what: st
     header = "  rank  " + "  ".join(f"{n:>12}" for n in MESH_DIM_NAMES) + "   parameters held"
     lines.append(header)
     total = sum(r[3] for r in rows)
-    for rank, coords, nb, n in rows:
+    for rank, coords, nb, n, extra in rows:
         cells = "  ".join(f"{coords[n_]:>12}" for n_ in MESH_DIM_NAMES)
-        lines.append(f"  {rank:>4}  {cells}   {n:>12,} ({nb / 2**20:.2f} MiB)")
+        lines.append(f"  {rank:>4}  {cells}   {n:>12,} ({nb / 2**20:.2f} MiB){'  ' + extra if extra else ''}")
     lines.append(f"  sum over ranks: {total:,} parameter elements")
     return "\n".join(lines)
