@@ -275,7 +275,8 @@ class LivePipeline:
             compiled.schedule.step(*call_args, target=target if self.has_last_stage else None, losses=losses)
         loss = (torch.stack([x.detach().float() for x in losses]).sum() if losses  # the mean: each is 1/m of one
                 else torch.zeros((), device=self.device))
-        dist.broadcast(loss, self.last_rank, group=self.group)
+        with torch.profiler.record_function("PP::loss_broadcast"):  # counted as pipeline traffic by the monitors
+            dist.broadcast(loss, self.last_rank, group=self.group)
         return loss
 
     @torch.no_grad()
@@ -287,10 +288,11 @@ class LivePipeline:
             raise TypeError(f"under pipeline parallelism forward must return one tensor; it returned "
                             f"{type(out).__name__}.")
         meta = [(tuple(out.shape), out.dtype) if self.has_last_stage else None]
-        dist.broadcast_object_list(meta, self.last_rank, group=self.group)
-        if not self.has_last_stage:
-            out = torch.empty(meta[0][0], dtype=meta[0][1], device=self.device)
-        dist.broadcast(out, self.last_rank, group=self.group)
+        with torch.profiler.record_function("PP::output_broadcast"):
+            dist.broadcast_object_list(meta, self.last_rank, group=self.group)
+            if not self.has_last_stage:
+                out = torch.empty(meta[0][0], dtype=meta[0][1], device=self.device)
+            dist.broadcast(out, self.last_rank, group=self.group)
         return out
 
 
