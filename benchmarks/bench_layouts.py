@@ -109,6 +109,8 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {
     "pp4": ("pp=4 (1F1B, 4 mb)", dict(pp=4, dp_shard=1, pp_schedule="1f1b", pp_microbatches=4)),
     "pp2_x_dp_shard2": ("pp=2 (1F1B, 2 mb) x dp_shard=2",
                         dict(pp=2, dp_shard=2, pp_schedule="1f1b", pp_microbatches=2)),
+    "pp2_x_tp2": ("pp=2 (1F1B, 4 mb) x tp=2", dict(pp=2, tp=2, dp_shard=1, pp_schedule="1f1b", pp_microbatches=4)),
+    "pp2_x_cp2": ("pp=2 (1F1B, 4 mb) x cp=2", dict(pp=2, cp=2, dp_shard=1, pp_schedule="1f1b", pp_microbatches=4)),
 }
 
 #: CommOverlapMonitor kinds shown in their own columns; the rest is Lightning's own per-step communication (the
