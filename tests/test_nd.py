@@ -65,6 +65,16 @@ def test_parity_world8(world8, name):
     assert_parity(world8[0][name], fit_reference(n_layer=2))
 
 
+def _world16() -> dict:
+    return fit(NDParallelStrategy(pp=2, dp_shard=2, cp=2, tp=2), devices=16, dp_size=2, n_layer=2)
+
+
+def test_parity_4d_world16():
+    """All four model dimensions at once, pp2 x dp_shard2 x cp2 x tp2 (the 4-D GPU config's layout), on 16
+    processes: about 90 s here."""
+    assert_parity(launch(16, _world16, timeout=900)[0], fit_reference(n_layer=2))
+
+
 @pytest.fixture(scope="module")
 def world8():
     return launch(8, _world8, timeout=600)
