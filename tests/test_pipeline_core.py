@@ -14,12 +14,12 @@ from torch import nn
 
 from example_projects.gpt.model import GPT
 from lightning_par.parallel.pipeline import (
-    PipelineRunner,
     build_schedule,
     plan_split,
     stage_ids,
     validate_pipeline,
 )
+from lightning_par.parallel.pipeline_live import LivePipeline, plan_stages
 from lightning_par.parallel.pipeline_timeline import COMPUTE, draw_timeline, figure_to_array, theory_idle
 from tests.launch import launch
 from tests.pipeline_workers import MB, gpt_config, reference, train_layouts
@@ -83,12 +83,6 @@ def pp2_results(ckpt_dir: str) -> list[dict]:
 
 def test_parity_pp2_every_schedule(pp2_results: list[dict]) -> None:
     check_layouts(pp2_results, 2)
-
-
-def test_bind_to_makes_the_model_hold_this_ranks_parameters(pp2_results: list[dict]) -> None:
-    first = f"{LAYOUTS[2][0][0]}/m{LAYOUTS[2][0][1]}"
-    for res in pp2_results:
-        assert sorted(res["bind_to"]) == sorted(res[first]["params"]) and all(res["bind_to"].values())
 
 
 def test_checkpoint_pp2_loads_under_pp1_and_pp4(pp2_results: list[dict], ckpt_dir: str) -> None:
@@ -210,16 +204,20 @@ def test_block_list_not_found_says_what_to_pass() -> None:
     with pytest.raises(ValueError, match=r"pass `block_list="):
         plan_split(model, 2)
     with pytest.raises(ValueError, match=r"block_list='layers' names no submodule"):
-        PipelineRunner(meta_gpt(), (torch.zeros(4, 16, dtype=torch.long),), schedule="gpipe", pp_rank=0, pp=2,
-                       n_microbatches=2, loss_fn=None, block_list="layers")
+        LivePipeline(meta_gpt(), schedule="gpipe", pp_rank=0, pp=2, n_microbatches=2, group=None,
+                     device=torch.device("cpu"), block_list="layers")
 
 
-def test_runner_rejects_bad_layout_before_tracing() -> None:
-    with pytest.raises(ValueError, match=r"batch size 6 is not divisible by n_microbatches=4"):
-        PipelineRunner(meta_gpt(), (torch.zeros(6, 16, dtype=torch.long),), schedule="gpipe", pp_rank=0, pp=2,
-                       n_microbatches=4, loss_fn=None)
-    with pytest.raises(ValueError, match=r"schedule='gpipe2'.*valid|choose one of"):
-        PipelineRunner(meta_gpt(), (torch.zeros(8, 16, dtype=torch.long),), schedule="gpipe2", pp_rank=0, pp=2,
-                       n_microbatches=4, loss_fn=None)
+def test_bad_layout_is_refused_before_any_communication() -> None:
+    with pytest.raises(ValueError, match=r"choose one of"):
+        LivePipeline(meta_gpt(), schedule="gpipe2", pp_rank=0, pp=2, n_microbatches=4, group=None,
+                     device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"choose one of"):
         build_schedule("bfs", [], 4, None)
+
+
+def test_partition_puts_glue_on_the_first_and_last_stage() -> None:
+    """Registration order decides: embeddings before the block list go to stage 0, norm and head to the last."""
+    plan = plan_stages(meta_gpt(4), 2)
+    assert plan.owners == [["tok_emb", "pos_emb", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "norm", "head"]]
+    assert "head.weight" in plan.tensors[1] and "tok_emb.weight" in plan.tensors[0]

@@ -1,23 +1,19 @@
-"""Pipeline parallelism: cut a model into stages over its block list and run them with torch's schedules.
-
-Plain torch.distributed, usable without Lightning. The recipe:
+"""Pipeline parallelism, the plain torch.distributed parts: schedules, layout checks, the split, the trace.
 
 1. :func:`validate_pipeline` checks the layout (schedule name, stages, micro-batches, batch size) before anything
    is traced or sent, so a bad configuration fails on every rank alike with a ``ValueError`` that says the fix.
-2. :func:`trace_pipeline` traces a *meta* clone of the model with torch's frontend
+2. :func:`plan_split` cuts the block list evenly (or at the user's split points).
+3. :func:`trace_pipeline` traces a *meta* clone of the model with torch's frontend
    (``torch.distributed.pipelining.pipeline`` + ``SplitPoint.BEGINNING`` at the first block of each stage). Tracing
    rather than module surgery because the split must work on a model whose ``forward`` we do not control: surgery
    (keep this stage's blocks, replace the others) only works when ``forward`` tolerates missing modules, and the
    GPT's ``tok_emb(idx) + pos_emb(pos)`` does not (a middle stage would embed hidden states). The tracer keeps the
-   original parameter FQNs (``blocks.3.attn.q.weight`` stays that), so checkpoints written through
-   torch.distributed.checkpoint use the names of the unsplit model and load under any ``pp``.
-3. :func:`build_stages` materializes only this rank's stages (``to_empty`` + per-module seeded
-   ``reset_parameters``, or a copy from a real model) and wraps them in ``PipelineStage``.
+   original parameter FQNs (``blocks.3.attn.q.weight`` stays that), which :func:`stage_fqns` checks.
 4. :func:`build_schedule` picks the torch schedule by name.
 
-Limits of the tracer: ``forward`` must be capturable by ``torch.export`` (no data-dependent control flow), shapes
-are those of the example micro-batch (keep the batch size fixed, e.g. ``drop_last=True``), and parameters shared
-between stages (tied embeddings across stages) are refused.
+:class:`lightning_par.parallel.pipeline_live.LivePipeline` puts these together over the model's own modules.
+Limits of the tracer: ``forward`` must be capturable by ``torch.export`` (no data-dependent control flow), and
+parameters shared between stages (tied embeddings across stages) are refused.
 """
 
 from __future__ import annotations
@@ -25,11 +21,10 @@ from __future__ import annotations
 import copy
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -41,7 +36,7 @@ from torch.distributed.pipelining import (
     SplitPoint,
     pipeline,
 )
-from torch.distributed.pipelining._IR import Pipe, _modify_graph_op_device
+from torch.distributed.pipelining._IR import Pipe
 
 from lightning_par.parallel.modules import find_block_list
 
@@ -227,108 +222,10 @@ def init_weights(model: nn.Module, seed: int = 0, fqns: set[str] | None = None) 
             continue
         if not hasattr(module, "reset_parameters"):
             raise ValueError(f"module {name!r} ({type(module).__name__}) owns parameters but has no "
-                             f"reset_parameters(); pass `init_fn` to build_stages to initialize it.")
+                             f"reset_parameters(); create the model with real weights (not on the meta device).")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             module.reset_parameters()
-
-
-@dataclass
-class PipelineStages:
-    """This rank's part of the pipeline: its stages, their modules and the original FQNs of all stages."""
-
-    stages: list[PipelineStage]
-    stage_ids: list[int]
-    num_stages: int
-    split_points: list[str]
-    fqns: list[list[str]] = field(repr=False)  # per stage (all stages): parameter FQNs in the original model
-
-    @property
-    def modules(self) -> list[nn.Module]:
-        return [s.submod for s in self.stages]
-
-    def named_parameters(self) -> dict[str, nn.Parameter]:
-        """This rank's parameters under their names in the unsplit model (stage modules keep those names)."""
-        return {n: p for m in self.modules for n, p in m.named_parameters()}
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Original-FQN state dict of the local stages: the torch.distributed.checkpoint unit for this rank."""
-        return {k: v for m in self.modules for k, v in m.state_dict().items()}
-
-    def fqn_map(self) -> dict[int, dict[str, str]]:
-        """Per local stage: stage-module parameter name -> original FQN (the identity, checked by stage_fqns)."""
-        return {sid: {n: n for n, _ in s.submod.named_parameters()} for sid, s in zip(self.stage_ids, self.stages)}
-
-    def bind_to(self, model: nn.Module) -> None:
-        """Make ``model`` (the unsplit, usually meta, model) hold exactly this rank's parameters and buffers: the
-        stage modules' own objects under their original FQNs; all others are removed. Its ``parameters()`` and
-        ``state_dict()`` are then this rank's share of the pipeline, so optimizers, LR schedulers and DCP
-        checkpoints written for the unsplit model work unchanged (its ``forward`` is never called: the schedule
-        runs the stage modules)."""
-        local = {n: p for m in self.modules for n, p in m.named_parameters()}
-        local_buffers = {n: b for m in self.modules for n, b in m.named_buffers()}
-        for table, values in (("_parameters", local), ("_buffers", local_buffers)):
-            named = model.named_parameters if table == "_parameters" else model.named_buffers
-            for fqn, _ in list(named(remove_duplicate=False)):
-                owner, _, leaf = fqn.rpartition(".")
-                store = getattr(model.get_submodule(owner), table)
-                if fqn in values:
-                    store[leaf] = values[fqn]
-                else:
-                    del store[leaf]
-
-    def stage_of(self, fqn: str) -> int:
-        return next(i for i, names in enumerate(self.fqns) if fqn in names)
-
-
-def build_stages(model: nn.Module, example_args: tuple[Any, ...], pp_rank: int, pp: int, *,
-                 group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
-                 stages_per_rank: int = 1, style: str = "loop", split_points: Sequence[str] | None = None,
-                 block_list: str | None = None, seed: int = 0, pipe: Pipe | None = None,
-                 init_fn: Callable[[nn.Module, set[str]], None] | None = None) -> PipelineStages:
-    """Split ``model`` and build this rank's ``PipelineStage`` objects; only local stages get memory.
-
-    ``model`` may live on the meta device (then each local module is initialized by ``init_fn(original_model,
-    local_fqns)``, default :func:`init_weights`) or hold real weights (then they are copied by FQN).
-    Buffers of a meta model get whatever ``init_fn`` leaves in them (``reset_parameters`` of a norm resets its
-    running stats; tables built in ``__init__``, such as RoPE's, need an ``init_fn`` that rebuilds them).
-    ``example_args`` are one micro-batch of the model's inputs. ``pipe`` reuses an earlier trace.
-    """
-    num_stages = pp * stages_per_rank
-    points = plan_split(model, num_stages, split_points, block_list)
-    pipe = pipe if pipe is not None else trace_pipeline(model, example_args, points)
-    fqns = stage_fqns(pipe, model)
-    device = torch.device(device)
-    real = not any(p.is_meta for p in model.parameters())
-    stages = []
-    for sid in stage_ids(pp_rank, pp, stages_per_rank, style):
-        submod = copy.deepcopy(pipe.get_stage_module(sid))  # the trace stays reusable for other layouts
-        _modify_graph_op_device(submod, device)  # ops traced on meta (torch.arange(..., device=meta))
-        submod.to_empty(device=device)
-        with torch.no_grad():
-            if real:
-                source = dict(model.named_parameters()) | dict(model.named_buffers())
-                for name, t in list(submod.named_parameters()) + list(submod.named_buffers()):
-                    t.copy_(source[name])
-            else:
-                _init_local(model, submod, set(fqns[sid]), init_fn or (lambda m, f: init_weights(m, seed, f)),
-                            device)
-        stages.append(PipelineStage(submod, sid, num_stages, device, group=group))
-    return PipelineStages(stages, [s.stage_index for s in stages], num_stages, list(points), fqns)
-
-
-def _init_local(meta_model: nn.Module, submod: nn.Module, local: set[str], init_fn: Callable,
-                device: torch.device) -> None:
-    """Materialize the owners of this stage's parameters and buffers in a meta clone, initialize them there, copy
-    into ``submod``: memory for this stage only, and the same values whatever the split."""
-    clone = meta_clone(meta_model)
-    tensors = [n for n, _ in submod.named_parameters()] + [n for n, _ in submod.named_buffers()]
-    for name in {n.rpartition(".")[0] for n in tensors}:
-        clone.get_submodule(name).to_empty(device=device, recurse=False)
-    init_fn(clone, local)
-    values = dict(clone.named_parameters()) | dict(clone.named_buffers())
-    for name, t in list(submod.named_parameters()) + list(submod.named_buffers()):
-        t.copy_(values[name])
 
 
 def build_schedule(name: str, stages: Sequence[PipelineStage], n_microbatches: int,
@@ -351,62 +248,3 @@ def build_schedule(name: str, stages: Sequence[PipelineStage], n_microbatches: i
 def last_stage_rank(pp: int, style: str) -> int:
     """The pp rank that computes the loss: the last rank, or rank 0 for the V-shape."""
     return 0 if style == "v" else pp - 1
-
-
-class PipelineRunner:
-    """One object per rank that runs training and evaluation steps of a pipelined model.
-
-    ``step`` returns the mean micro-batch loss on every rank (broadcast from the last stage), which is what a
-    trainer logs. Set ``recorder`` (:class:`lightning_par.parallel.pipeline_timeline.ScheduleRecorder`) to time
-    every action of the next steps.
-    """
-
-    def __init__(self, model: nn.Module, example_batch_args: tuple[Any, ...], *, schedule: str, pp_rank: int,
-                 pp: int, n_microbatches: int, loss_fn: Callable, group: dist.ProcessGroup | None = None,
-                 device: torch.device | str = "cpu", stages_per_rank: int | None = None,
-                 split_points: Sequence[str] | None = None, block_list: str | None = None, seed: int = 0,
-                 pipe: Pipe | None = None) -> None:
-        batch = example_batch_args[0].shape[0]
-        _, blocks = block_fqns(model, block_list)
-        self.stages_per_rank = validate_pipeline(schedule, pp, n_microbatches, len(blocks), stages_per_rank, batch)
-        self.name, self.pp, self.pp_rank, self.n_microbatches = schedule, pp, pp_rank, n_microbatches
-        self.group, self.style = group, SCHEDULES[schedule].style
-        mb_args = tuple(a[: batch // n_microbatches] for a in example_batch_args)
-        self.parts = build_stages(model, mb_args, pp_rank, pp, group=group, device=device,
-                                  stages_per_rank=self.stages_per_rank, style=self.style, split_points=split_points,
-                                  block_list=block_list, seed=seed, pipe=pipe)
-        self.schedule = build_schedule(schedule, self.parts.stages, n_microbatches, loss_fn)
-
-    @property
-    def has_last_stage(self) -> bool:
-        return self.parts.num_stages - 1 in self.parts.stage_ids
-
-    def parameters(self) -> list[nn.Parameter]:
-        return [p for m in self.parts.modules for p in m.parameters()]
-
-    def _check_batch(self, args: tuple[Any, ...]) -> None:
-        size = args[0].shape[0] if args else None
-        if size is not None and size % self.n_microbatches != 0:
-            raise ValueError(f"batch size {size} is not divisible by n_microbatches={self.n_microbatches}. Use a "
-                             f"batch size that is a multiple of {self.n_microbatches} (drop_last=True).")
-
-    def _run(self, args: tuple[Any, ...], target: torch.Tensor | None, train: bool) -> torch.Tensor:
-        self._check_batch(args)
-        first = 0 in self.parts.stage_ids
-        losses: list[torch.Tensor] = []
-        call = self.schedule.step if train else self.schedule.eval
-        call(*(args if first else ()), target=target if self.has_last_stage else None, losses=losses)
-        loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros(())
-        loss = loss.float()
-        dist.broadcast(loss, dist.get_global_rank(self.group, last_stage_rank(self.pp, self.style))
-                       if self.group is not None else last_stage_rank(self.pp, self.style), group=self.group)
-        return loss
-
-    def step(self, *args: Any, target: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward and backward of one batch (gradients accumulate into the local stages' ``.grad``)."""
-        return self._run(args, target, train=True)
-
-    @torch.no_grad()
-    def eval(self, *args: Any, target: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward only through all stages; the mean micro-batch loss on every rank."""
-        return self._run(args, target, train=False)
