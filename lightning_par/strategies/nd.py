@@ -217,7 +217,8 @@ class NDParallelStrategy(BaseParallelStrategy):
             self._register_step_methods(module)
 
     def _parallelize_pipeline(self, module: pl.LightningModule) -> None:
-        """Steps 1 and 4-6 of the recipe for ``pp > 1``: the techniques wrap the modules this rank's stages run."""
+        """The recipe for ``pp > 1``: split first, then every technique wraps only the modules this rank's stages
+        run (context parallelism acts at run time, inside the schedule's step)."""
         if is_parallelized(module):
             raise ValueError("pp > 1 with a configure_model that parallelizes by hand: the pipeline split must come "
                              "first. Leave configure_model free of parallelization and let the strategy apply it.")
