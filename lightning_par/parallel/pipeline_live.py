@@ -56,6 +56,7 @@ class StagePlan:
     split_points: list[str]
     owners: list[list[str]]  # per stage: modules run as the user's objects (blocks, then weight-owning glue)
     tensors: list[set[str]]  # per stage: FQNs of its parameters and buffers
+    blocks: list[str]  # FQNs of the block list's blocks, in order
 
     @property
     def num_stages(self) -> int:
@@ -94,7 +95,7 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: Sequence[str] |
             sub = model.get_submodule(name)
             tensors[s].update(f"{name}.{n}" for n, _ in sub.named_parameters())
             tensors[s].update(f"{name}.{n}" for n, _ in sub.named_buffers())
-    return StagePlan(list(points), owners, tensors)
+    return StagePlan(list(points), owners, tensors, blocks)
 
 
 def keep_local(model: nn.Module, plan: StagePlan, local_stages: Sequence[int]) -> None:

@@ -186,34 +186,10 @@ class NDParallelStrategy(BaseParallelStrategy):
             return
         unit_fqns = self._shard_unit_fqns(module)
         if self.dims.tp > 1:
-            plan = resolve_tp_plan(module, self.tp_plan)
-            validate_tp_plan(module, plan, self.dims.tp, sequence_parallel=self.sequence_parallel,
-                             loss_parallel=self.loss_parallel)  # before the first collective below
-            broadcast_replicated_parameters(module, self.dims.mesh("tp"))
-            apply_tp(module, self.dims.mesh("tp"), plan, sequence_parallel=self.sequence_parallel,
-                     loss_parallel=self.loss_parallel)
-        if self.activation_checkpointing:
-            block_fqn, container = find_block_list(module, self.block_list)
-            apply_activation_checkpointing(
-                module,
-                [f"{block_fqn}.{name}" for name in container._modules],
-                context_fn=recompute_in_active_scope if self.dims.cp > 1 else None,
-            )
-        if self.compile:
-            block_fqn, container = find_block_list(module, self.block_list)
-            for name in list(container._modules):
-                container.get_submodule(name).compile()
+            self._apply_tensor_parallel(module, whole_model=module)
+        blocks = self._block_fqns(module) if self.activation_checkpointing or self.compile else []
+        self._wrap_blocks(module, blocks, unit_fqns, root=module)
         if self.dims.fsdp_enabled:
-            bf16_mixed = getattr(self.precision_plugin, "precision", None) == "bf16-mixed"
-            apply_fsdp(
-                module,
-                self.dims.fsdp_mesh(),
-                [module.get_submodule(fqn) for fqn in unit_fqns],
-                reshard_after_forward=self.reshard_after_forward,
-                param_dtype=torch.bfloat16 if bf16_mixed else None,
-                reduce_dtype=torch.float32 if bf16_mixed else None,
-                cpu_offload=self.cpu_offload,
-            )
             self._register_step_methods(module)
 
     def _parallelize_pipeline(self, module: pl.LightningModule) -> None:
@@ -231,31 +207,48 @@ class NDParallelStrategy(BaseParallelStrategy):
             share=(module._trainer, getattr(module, "_device_mesh", None)))
         self._pipeline_adapter = PipelineAdapter(module, self.pipeline, self.pp_loss_method)
         materialize_local(module, self.pipeline.plan, self.pipeline.stage_ids, device, seed=torch.initial_seed())
-        block_fqn, container = find_block_list(module, self.block_list)
-        blocks = {f"{block_fqn}.{name}" for name in container._modules}
+        blocks = set(self.pipeline.plan.blocks)
         local = [name for owners in self.pipeline.local_owners for name in owners]
-        local_blocks = [name for name in local if name in blocks]
-        if self.dims.tp > 1:
-            # the plan is checked on the whole (meta) model, then applied to the modules this rank's stages run
-            resolved = validate_tp_plan(self.pipeline.template, resolve_tp_plan(module, self.tp_plan), self.dims.tp)
-            local_plan = {fqn: style for fqn, style in resolved.items()
-                          if any(fqn == o or fqn.startswith(o + ".") for o in local)}
-            broadcast_replicated_parameters(module, self.dims.mesh("tp"))
-            apply_tp(module, self.dims.mesh("tp"), local_plan)
+        if self.dims.tp > 1:  # checked on the whole (meta) model; applied to the modules this rank's stages run
+            self._apply_tensor_parallel(module, whole_model=self.pipeline.template, keep=local)
+        # FSDP units: every module a stage runs as the user's object (blocks, embeddings, head), each its own root:
+        # the LightningModule, whose forward is not what runs the stages, cannot be the root unit
+        self._wrap_blocks(module, [name for name in local if name in blocks], local, root=None)
+
+    def _apply_tensor_parallel(self, module: nn.Module, whole_model: nn.Module,
+                               keep: list[str] | None = None) -> None:
+        """Step 2: check the plan on ``whole_model`` before the first collective, then apply it to ``module``
+        (only to the modules under the FQNs in ``keep``, if given: this rank's pipeline stages)."""
+        plan = resolve_tp_plan(module, self.tp_plan)
+        resolved = validate_tp_plan(whole_model, plan, self.dims.tp, sequence_parallel=self.sequence_parallel,
+                                    loss_parallel=self.loss_parallel)
+        if keep is not None:
+            plan = {fqn: style for fqn, style in resolved.items()
+                    if any(fqn == owner or fqn.startswith(owner + ".") for owner in keep)}
+        broadcast_replicated_parameters(module, self.dims.mesh("tp"))
+        apply_tp(module, self.dims.mesh("tp"), plan, sequence_parallel=self.sequence_parallel,
+                 loss_parallel=self.loss_parallel)
+
+    def _wrap_blocks(self, module: nn.Module, blocks: list[str], fsdp_units: list[str],
+                     root: nn.Module | None) -> None:
+        """Steps 4-6 on the named blocks and FSDP units (FQNs resolved before any wrapping)."""
         if self.activation_checkpointing:
-            apply_activation_checkpointing(module, local_blocks,
+            apply_activation_checkpointing(module, blocks,
                                            context_fn=recompute_in_active_scope if self.dims.cp > 1 else None)
         if self.compile:
-            for name in local_blocks:
+            for name in blocks:
                 module.get_submodule(name).compile()
         if self.dims.fsdp_enabled:
-            # units: every module a stage runs as the user's object (blocks, embeddings, head), each its own FSDP
-            # root: the LightningModule, whose forward is not what runs the stages, cannot be the root unit
-            units = [module.get_submodule(name) for owners in self.pipeline.local_owners for name in owners]
             bf16_mixed = getattr(self.precision_plugin, "precision", None) == "bf16-mixed"
-            apply_fsdp(None, self.dims.fsdp_mesh(), units, reshard_after_forward=self.reshard_after_forward,
-                       param_dtype=torch.bfloat16 if bf16_mixed else None,
-                       reduce_dtype=torch.float32 if bf16_mixed else None, cpu_offload=self.cpu_offload)
+            apply_fsdp(
+                root,
+                self.dims.fsdp_mesh(),
+                [module.get_submodule(fqn) for fqn in fsdp_units],
+                reshard_after_forward=self.reshard_after_forward,
+                param_dtype=torch.bfloat16 if bf16_mixed else None,
+                reduce_dtype=torch.float32 if bf16_mixed else None,
+                cpu_offload=self.cpu_offload,
+            )
 
     def describe(self) -> str:
         parts = []
@@ -282,7 +275,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         if self.pipeline is None:
             return ""
         blocks = [name.rpartition(".")[2] for owners in self.pipeline.local_owners for name in owners
-                  if name.startswith(self.pipeline.plan.split_points[0].rpartition(".")[0] + ".")]
+                  if name in self.pipeline.plan.blocks]
         return f"stages {self.pipeline.stage_ids} (blocks {', '.join(blocks)})"
 
     def setup_environment(self) -> None:
@@ -336,6 +329,9 @@ class NDParallelStrategy(BaseParallelStrategy):
         """Resolved before any wrapping, so class names match the user's classes (not checkpoint wrappers)."""
         if self.shard_units is not None:
             return [fqn for fqn, _ in match_modules(module, self.shard_units, "shard_units")]
+        return self._block_fqns(module)
+
+    def _block_fqns(self, module: nn.Module) -> list[str]:
         block_fqn, container = find_block_list(module, self.block_list)
         return [f"{block_fqn}.{name}" for name in container._modules]
 
