@@ -88,8 +88,13 @@ class ParallelDims:
     def _describe(sizes: dict[str, int]) -> str:
         return " x ".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "all 1"
 
+    @property
+    def resolved(self) -> bool:
+        """Whether every size is known (no ``-1`` left)."""
+        return -1 not in self.sizes().values()
+
     def _check_resolved(self) -> None:
-        if -1 in self.sizes().values():
+        if not self.resolved:
             raise RuntimeError("ParallelDims: call `resolve(world_size)` before asking for sizes or meshes.")
 
     @property

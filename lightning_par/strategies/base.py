@@ -54,7 +54,6 @@ from lightning_par.strategies.precision import to_parallel_precision
 from lightning_par.strategies.resume import resumable_train_dataloader
 from lightning_par.strategies.summary import layout_summary
 
-_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 # optimizer state keyed by parameter FQN, param-group settings included ("param_groups.<fqn>.lr"): the form that
 # stays meaningful when ranks hold different parameters (pipeline stages) and when a checkpoint changes layout
 _OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -305,14 +304,6 @@ class BaseParallelStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         with self.step_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    def _register_step_methods(self, module: nn.Module) -> None:
-        """Lightning calls ``training_step`` etc., not ``forward``; FSDP's root hooks must run around them."""
-        from torch.distributed.fsdp import register_fsdp_forward_method
-
-        for name in _STEP_METHODS:
-            if hasattr(module, name):
-                register_fsdp_forward_method(module, name)
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """Resume mid-epoch exactly: skip the batches the restored checkpoint already trained on."""

@@ -29,26 +29,22 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
+from lightning_par.checks import check_optional_str
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.checkpointing import apply_activation_checkpointing
-from lightning_par.parallel.context import ALGORITHMS as CP_ALGORITHMS
-from lightning_par.parallel.context_routing import ContextParallelScope, recompute_in_active_scope, shard_batch
-from lightning_par.parallel.fsdp import apply_fsdp
-from lightning_par.parallel.modules import find_block_list, match_modules
-from lightning_par.parallel.pipeline import SCHEDULES
-from lightning_par.parallel.pipeline_live import LivePipeline, materialize_local
-from lightning_par.parallel.tensor import apply_tp, broadcast_replicated_parameters
-from lightning_par.parallel.tensor_plan import resolve_tp_plan, validate_tp_plan
+from lightning_par.parallel.pipeline_live import LivePipeline
 from lightning_par.strategies.base import BaseParallelStrategy
-from lightning_par.strategies.pipeline_adapter import PipelineAdapter
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be True or False.")
-    return value
+from lightning_par.techniques import (
+    ActivationCheckpointing,
+    Compile,
+    ContextParallel,
+    FullySharded,
+    PipelineParallel,
+    Target,
+    Technique,
+    TensorParallel,
+)
+from lightning_par.techniques.fully_sharded import register_step_methods
 
 
 def is_parallelized(module: nn.Module) -> bool:
@@ -123,241 +119,91 @@ class NDParallelStrategy(BaseParallelStrategy):
         **lightning_kwargs: Any,
     ) -> None:
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
-        _check_pipeline_options(dims, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points,
-                                pp_loss_method, sequence_parallel, loss_parallel)
-        if shard_units is not None and (
-            isinstance(shard_units, str) or not all(isinstance(u, str) for u in shard_units)
-        ):
-            raise TypeError(f"shard_units={shard_units!r} must be a list of class names or FQN globs, e.g. ['Block'].")
-        if block_list is not None and not isinstance(block_list, str):
-            raise TypeError(
-                f"block_list={block_list!r} must be the dotted name of an nn.ModuleList, e.g. 'model.blocks'."
-            )
+        # the recipe, in the order it is applied (see the module docstring)
+        self.pipeline_parallel = PipelineParallel(pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points,
+                                                  pp_loss_method)
+        self.tensor_parallel = TensorParallel(tp_plan, sequence_parallel, loss_parallel)
+        self.context_parallel = ContextParallel(cp_algorithm, cp_load_balance, cp_seq_dim)
+        self.activation_checkpointing = ActivationCheckpointing(activation_checkpointing)
+        self.compile = Compile(compile)
+        self.fully_sharded = FullySharded(shard_units, reshard_after_forward, cpu_offload)
+        self.techniques: tuple[Technique, ...] = (self.pipeline_parallel, self.tensor_parallel, self.context_parallel,
+                                                  self.activation_checkpointing, self.compile, self.fully_sharded)
+        self.block_list = check_optional_str("block_list", block_list, "model.blocks")
+        for technique in self.techniques:
+            technique.check(dims)
         super().__init__(dims, process_group_backend=process_group_backend, timeout=timeout, **lightning_kwargs)
-        self.block_list = block_list
-        self.shard_units = list(shard_units) if shard_units is not None else None
-        self.reshard_after_forward = _check_bool("reshard_after_forward", reshard_after_forward)
-        self.cpu_offload = _check_bool("cpu_offload", cpu_offload)
-        self.activation_checkpointing = _check_bool("activation_checkpointing", activation_checkpointing)
-        self.compile = _check_bool("compile", compile)
-        if self.compile and dims.cp not in (1,):
-            raise ValueError(
-                f"compile=True with cp={dims.cp}: compiling blocks together with context-parallel attention is not "
-                f"supported yet. Use compile=False with context parallelism."
-            )
-        if cp_algorithm not in CP_ALGORITHMS:
-            raise ValueError(f"cp_algorithm={cp_algorithm!r} is not one of {CP_ALGORITHMS}.")
-        self.cp_algorithm = cp_algorithm
-        self.cp_load_balance = _check_bool("cp_load_balance", cp_load_balance)
-        if isinstance(cp_seq_dim, bool) or not isinstance(cp_seq_dim, int) or cp_seq_dim < 1:
-            raise ValueError(f"cp_seq_dim={cp_seq_dim!r} must be the batch tensors' sequence dimension (>= 1), e.g. 1.")
-        self.cp_seq_dim = cp_seq_dim
-        self._cp_scope: ContextParallelScope | None = None
-        if tp_plan is not None and not isinstance(tp_plan, Mapping):
-            raise TypeError(f"tp_plan must map FQN globs to style names, e.g. {{'model.blocks.*.attn.q': 'colwise'}}; "
-                            f"got {type(tp_plan).__name__}.")
-        self.tp_plan = dict(tp_plan) if tp_plan is not None else None
-        self.sequence_parallel = _check_bool("sequence_parallel", sequence_parallel)
-        self.loss_parallel = _check_bool("loss_parallel", loss_parallel)
-        self.pp_schedule, self.pp_microbatches = pp_schedule, pp_microbatches
-        self.pp_stages_per_rank = pp_stages_per_rank
-        self.pp_split_points = list(pp_split_points) if pp_split_points is not None else None
-        self.pp_loss_method = pp_loss_method
-        self.pipeline: LivePipeline | None = None
-        self._pipeline_adapter: PipelineAdapter | None = None
+
+    @property
+    def pipeline(self) -> LivePipeline | None:
+        """This rank's pipeline stages and schedules (``pp > 1``, after setup), e.g. for the timeline monitor."""
+        return self.pipeline_parallel.pipeline
 
     def _validate_configuration(self) -> None:
         super()._validate_configuration()  # resolves -1 sizes against the world size
-        if self.dims.pp > 1 and self.dims.fsdp_enabled and self.pp_schedule in ("interleaved_zb", "zbv"):
-            raise ValueError(
-                f"pp_schedule={self.pp_schedule!r} with dp_shard={self.dims.dp_shard}, dp_replicate="
-                f"{self.dims.dp_replicate}: zero-bubble schedules compute weight gradients apart from input "
-                f"gradients, which FSDP's sharded parameters do not support (torch 2.13). With data parallelism use "
-                f"pp_schedule='1f1b' or 'interleaved_1f1b'; or use dp_shard=1 and dp_replicate=1.")
-
-    def parallelize(self, module: pl.LightningModule) -> None:
-        if self.dims.pp > 1:
-            self._parallelize_pipeline(module)
-            return
-        if is_parallelized(module):
-            # configure_model parallelized by hand (Lightning's ModelParallelStrategy way): respect it; setup then
-            # checks that nothing was left unsharded over the data-parallel ranks.
-            self._register_step_methods(module)
-            return
-        unit_fqns = self._shard_unit_fqns(module)
-        if self.dims.tp > 1:
-            self._apply_tensor_parallel(module, whole_model=module)
-        blocks = self._block_fqns(module) if self.activation_checkpointing or self.compile else []
-        self._wrap_blocks(module, blocks, unit_fqns, root=module)
-        if self.dims.fsdp_enabled:
-            self._register_step_methods(module)
-
-    def _parallelize_pipeline(self, module: pl.LightningModule) -> None:
-        """The recipe for ``pp > 1``: split first, then every technique wraps only the modules this rank's stages
-        run (context parallelism acts at run time, inside the schedule's step)."""
-        if is_parallelized(module):
-            raise ValueError("pp > 1 with a configure_model that parallelizes by hand: the pipeline split must come "
-                             "first. Leave configure_model free of parallelization and let the strategy apply it.")
-        pp_mesh = self.dims.mesh("pp")
-        device = self._materialization_device()
-        self.pipeline = LivePipeline(
-            module, schedule=self.pp_schedule, pp_rank=pp_mesh.get_local_rank(), pp=self.dims.pp,
-            n_microbatches=self.pp_microbatches, group=pp_mesh.get_group(), device=device,
-            stages_per_rank=self.pp_stages_per_rank, split_points=self.pp_split_points, block_list=self.block_list,
-            share=(module._trainer, getattr(module, "_device_mesh", None)))
-        self._pipeline_adapter = PipelineAdapter(module, self.pipeline, self.pp_loss_method)
-        materialize_local(module, self.pipeline.plan, self.pipeline.stage_ids, device, seed=torch.initial_seed())
-        blocks = set(self.pipeline.plan.blocks)
-        local = [name for owners in self.pipeline.local_owners for name in owners]
-        if self.dims.tp > 1:  # checked on the whole (meta) model; applied to the modules this rank's stages run
-            self._apply_tensor_parallel(module, whole_model=self.pipeline.template, keep=local)
-        # FSDP units: every module a stage runs as the user's object (blocks, embeddings, head), each its own root:
-        # the LightningModule, whose forward is not what runs the stages, cannot be the root unit
-        self._wrap_blocks(module, [name for name in local if name in blocks], local, root=None)
-
-    def _apply_tensor_parallel(self, module: nn.Module, whole_model: nn.Module,
-                               keep: list[str] | None = None) -> None:
-        """Step 2: check the plan on ``whole_model`` before the first collective, then apply it to ``module``
-        (only to the modules under the FQNs in ``keep``, if given: this rank's pipeline stages)."""
-        plan = resolve_tp_plan(module, self.tp_plan)
-        resolved = validate_tp_plan(whole_model, plan, self.dims.tp, sequence_parallel=self.sequence_parallel,
-                                    loss_parallel=self.loss_parallel)
-        if keep is not None:
-            plan = {fqn: style for fqn, style in resolved.items()
-                    if any(fqn == owner or fqn.startswith(owner + ".") for owner in keep)}
-        broadcast_replicated_parameters(module, self.dims.mesh("tp"))
-        apply_tp(module, self.dims.mesh("tp"), plan, sequence_parallel=self.sequence_parallel,
-                 loss_parallel=self.loss_parallel)
-
-    def _wrap_blocks(self, module: nn.Module, blocks: list[str], fsdp_units: list[str],
-                     root: nn.Module | None) -> None:
-        """Steps 4-6 on the named blocks and FSDP units (FQNs resolved before any wrapping)."""
-        if self.activation_checkpointing:
-            apply_activation_checkpointing(module, blocks,
-                                           context_fn=recompute_in_active_scope if self.dims.cp > 1 else None)
-        if self.compile:
-            for name in blocks:
-                module.get_submodule(name).compile()
-        if self.dims.fsdp_enabled:
-            bf16_mixed = getattr(self.precision_plugin, "precision", None) == "bf16-mixed"
-            apply_fsdp(
-                root,
-                self.dims.fsdp_mesh(),
-                [module.get_submodule(fqn) for fqn in fsdp_units],
-                reshard_after_forward=self.reshard_after_forward,
-                param_dtype=torch.bfloat16 if bf16_mixed else None,
-                reduce_dtype=torch.float32 if bf16_mixed else None,
-                cpu_offload=self.cpu_offload,
-            )
-
-    def describe(self) -> str:
-        parts = []
-        if self.pipeline is not None:
-            p = self.pipeline
-            parts.append(f"pipeline ({p.name}, {p.n_microbatches} micro-batches, {p.plan.num_stages} stages, split "
-                         f"before {p.plan.split_points})")
-        if self.dims.fsdp_enabled:
-            zero = "ZeRO-3" if self.reshard_after_forward else "ZeRO-2-like"
-            parts.append(f"FSDP2 ({zero}{', HSDP' if self.dims.dp_replicate > 1 else ''}"
-                         f"{', CPU offload' if self.cpu_offload else ''})")
-        if self.dims.tp > 1:
-            parts.append(f"tensor parallel (sequence parallel {self.sequence_parallel}, loss parallel "
-                         f"{self.loss_parallel})")
-        if self.dims.cp > 1:
-            parts.append(f"context parallel ({self.cp_algorithm}, load balance {self.cp_load_balance})")
-        if self.activation_checkpointing:
-            parts.append("activation checkpointing")
-        if self.compile:
-            parts.append("torch.compile per block")
-        return ", ".join(parts) or "no parallelism (one process)"
-
-    def describe_rank(self) -> str:
-        if self.pipeline is None:
-            return ""
-        blocks = [name.rpartition(".")[2] for owners in self.pipeline.local_owners for name in owners
-                  if name in self.pipeline.plan.blocks]
-        return f"stages {self.pipeline.stage_ids} (blocks {', '.join(blocks)})"
+        for technique in self.techniques:
+            technique.check(self.dims)
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.dims.cp > 1:
-            self._cp_scope = ContextParallelScope(self.dims.mesh("cp").get_group(), self.cp_algorithm,
-                                                  self.cp_load_balance)
+        for technique in self.techniques:
+            technique.setup_environment(self.dims)
+
+    def parallelize(self, module: pl.LightningModule) -> None:
+        if is_parallelized(module):
+            if self.dims.pp > 1:
+                raise ValueError("pp > 1 with a configure_model that parallelizes by hand: the pipeline split must "
+                                 "come first. Leave configure_model free of parallelization and let the strategy "
+                                 "apply it.")
+            # configure_model parallelized by hand (Lightning's ModelParallelStrategy way): respect it; setup then
+            # checks that nothing was left unsharded over the data-parallel ranks.
+            register_step_methods(module)
+            return
+        target = Target(module, self._materialization_device(), str(getattr(self.precision_plugin, "precision", "")),
+                        block_list=self.block_list)
+        for technique in self.techniques:
+            technique.apply(target, self.dims)
+
+    def describe(self) -> str:
+        parts = [d for t in self.techniques if (d := t.describe(self.dims))]
+        return ", ".join(parts) or "no parallelism (one process)"
+
+    def describe_rank(self) -> str:
+        return self.pipeline_parallel.describe_rank()
 
     @contextmanager
     def step_context(self) -> Iterator[None]:
         with ExitStack() as stack:
-            if self._cp_scope is not None:
-                stack.enter_context(self._cp_scope)
-            if self.loss_parallel and self.dims.tp > 1:
-                stack.enter_context(loss_parallel())  # around backward too: its ops must see the DTensor grads
+            for technique in self.techniques:
+                context = technique.step_context(self.dims)
+                if context is not None:
+                    stack.enter_context(context)
             yield
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline_adapter is None:
+        with self.pipeline_parallel.training_step_context(self.lightning_module):
             return super().training_step(*args, **kwargs)
-        trainer = self.lightning_module.trainer
-        accumulate = trainer.accumulate_grad_batches
-        first = trainer.fit_loop.epoch_loop.batch_idx % accumulate == 0  # Lightning's own zero_grad rule
-        self._pipeline_adapter.begin_training_step(accumulate, first)
-        try:
-            output = super().training_step(*args, **kwargs)
-        except BaseException:
-            self._pipeline_adapter.abort_training_step()
-            raise
-        self._pipeline_adapter.end_training_step()
-        return output
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self._pipeline_adapter is None:
+        if self.pipeline is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # the schedule ran backward inside training_step; the hooks around it still run, once per step
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._pipeline_adapter.restore_gradients()
+        self.pipeline_parallel.restore_gradients()
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        if self._cp_scope is not None:
-            batch = shard_batch(batch, self._cp_scope, self.cp_seq_dim)
+        for technique in self.techniques:
+            batch = technique.shard_batch(batch)
         return batch
 
-    def _shard_unit_fqns(self, module: nn.Module) -> list[str]:
-        """Resolved before any wrapping, so class names match the user's classes (not checkpoint wrappers)."""
-        if self.shard_units is not None:
-            return [fqn for fqn, _ in match_modules(module, self.shard_units, "shard_units")]
-        return self._block_fqns(module)
-
-    def _block_fqns(self, module: nn.Module) -> list[str]:
-        block_fqn, container = find_block_list(module, self.block_list)
-        return [f"{block_fqn}.{name}" for name in container._modules]
-
     def model_to_device(self) -> None:
-        if not self.cpu_offload:  # offloaded shards live in CPU memory; FSDP copies them to the device per unit
+        if not self.fully_sharded.cpu_offload:  # offloaded shards live in CPU memory; FSDP copies them per unit
             super().model_to_device()
 
     def _materialization_device(self) -> torch.device:
-        return torch.device("cpu") if self.cpu_offload else self.root_device
-
-
-def _check_pipeline_options(dims: ParallelDims, schedule: Any, microbatches: Any, stages_per_rank: Any,
-                            split_points: Any, loss_method: Any, sequence_parallel: Any, loss_parallel: Any) -> None:
-    """What can be checked without the model; the rest (blocks, batch size) when the stages are built."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pp_schedule={schedule!r} is not a pipeline schedule; choose one of {sorted(SCHEDULES)}.")
-    for name, value in (("pp_microbatches", microbatches), ("pp_stages_per_rank", stages_per_rank)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}={value!r} must be a positive int (or None for the default).")
-    if split_points is not None and (
-        isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points)
-    ):
-        raise TypeError(f"pp_split_points={split_points!r} must be a list of block FQNs, e.g. ['model.blocks.2'].")
-    if not isinstance(loss_method, str) or not loss_method.isidentifier():
-        raise ValueError(f"pp_loss_method={loss_method!r} must be the name of a method of the LightningModule.")
-    if dims.pp != 1 and dims.tp != 1 and (sequence_parallel or loss_parallel):
-        raise ValueError(f"pp={dims.pp} with tp={dims.tp} and sequence_parallel={sequence_parallel}, loss_parallel="
-                         f"{loss_parallel}: stages hand full activations and full logits on; sequence and loss "
-                         f"parallelism across pipeline stages are not supported yet. Set both to False with pp > 1.")
+        return torch.device("cpu") if self.fully_sharded.cpu_offload else self.root_device

@@ -1,0 +1,38 @@
+"""Context parallelism as a technique of the engine: nothing changes in the module; while a step runs, every batch's
+sequence is split over the cp group and the model's attention is answered by ring / all-gather attention."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+from lightning_par.checks import check_bool, check_choice
+from lightning_par.dims import ParallelDims
+from lightning_par.parallel.context import ALGORITHMS
+from lightning_par.parallel.context_routing import ContextParallelScope, shard_batch
+from lightning_par.techniques.technique import Technique
+
+
+class ContextParallel(Technique):
+    def __init__(self, algorithm: str = "ring", load_balance: bool = True, seq_dim: int = 1) -> None:
+        self.algorithm = check_choice("cp_algorithm", algorithm, ALGORITHMS)
+        self.load_balance = check_bool("cp_load_balance", load_balance)
+        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 1:
+            raise ValueError(f"cp_seq_dim={seq_dim!r} must be the batch tensors' sequence dimension (>= 1), e.g. 1.")
+        self.seq_dim = seq_dim
+        self.scope: ContextParallelScope | None = None
+
+    def setup_environment(self, dims: ParallelDims) -> None:
+        if dims.cp > 1:
+            self.scope = ContextParallelScope(dims.mesh("cp").get_group(), self.algorithm, self.load_balance)
+
+    def step_context(self, dims: ParallelDims) -> AbstractContextManager | None:
+        return self.scope
+
+    def shard_batch(self, batch: Any) -> Any:
+        return batch if self.scope is None else shard_batch(batch, self.scope, self.seq_dim)
+
+    def describe(self, dims: ParallelDims) -> str | None:
+        if dims.cp == 1:
+            return None
+        return f"context parallel ({self.algorithm}, load balance {self.load_balance})"

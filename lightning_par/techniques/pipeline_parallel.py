@@ -1,0 +1,96 @@
+"""Pipeline parallelism as a technique of the engine: first in the recipe, it keeps only this rank's stages and
+narrows what every later technique acts on; while training, a step's forward and backward run inside the schedule
+(``strategies/pipeline_adapter``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from lightning_par.checks import check_identifier, check_positive_int, check_str_list
+from lightning_par.dims import ParallelDims
+from lightning_par.parallel.pipeline import SCHEDULES
+from lightning_par.parallel.pipeline_live import LivePipeline, materialize_local
+from lightning_par.strategies.pipeline_adapter import PipelineAdapter
+from lightning_par.techniques.technique import Target, Technique
+
+ZERO_BUBBLE = ("interleaved_zb", "zbv")
+
+
+class PipelineParallel(Technique):
+    def __init__(self, schedule: str = "1f1b", microbatches: int | None = None, stages_per_rank: int | None = None,
+                 split_points: list[str] | None = None, loss_method: str = "loss") -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pp_schedule={schedule!r} is not a pipeline schedule; choose one of "
+                             f"{sorted(SCHEDULES)}.")
+        self.schedule = schedule
+        self.microbatches = check_positive_int("pp_microbatches", microbatches, allow_none=True)
+        self.stages_per_rank = check_positive_int("pp_stages_per_rank", stages_per_rank, allow_none=True)
+        self.split_points = check_str_list("pp_split_points", split_points, "block FQNs", ["model.blocks.2"])
+        self.loss_method = check_identifier("pp_loss_method", loss_method, "a method of the LightningModule")
+        self.pipeline: LivePipeline | None = None
+        self.adapter: PipelineAdapter | None = None
+
+    def check(self, dims: ParallelDims) -> None:
+        if dims.resolved and dims.pp > 1 and dims.fsdp_enabled and self.schedule in ZERO_BUBBLE:
+            raise ValueError(
+                f"pp_schedule={self.schedule!r} with dp_shard={dims.dp_shard}, dp_replicate={dims.dp_replicate}: "
+                f"zero-bubble schedules compute weight gradients apart from input gradients, which FSDP's sharded "
+                f"parameters do not support (torch 2.13). With data parallelism use pp_schedule='1f1b' or "
+                f"'interleaved_1f1b'; or use dp_shard=1 and dp_replicate=1.")
+
+    def apply(self, target: Target, dims: ParallelDims) -> None:
+        if dims.pp == 1:
+            return
+        module = target.module
+        pp_mesh = dims.mesh("pp")
+        self.pipeline = LivePipeline(
+            module, schedule=self.schedule, pp_rank=pp_mesh.get_local_rank(), pp=dims.pp,
+            n_microbatches=self.microbatches, group=pp_mesh.get_group(), device=target.device,
+            stages_per_rank=self.stages_per_rank, split_points=self.split_points, block_list=target.block_list,
+            share=(getattr(module, "_trainer", None), getattr(module, "_device_mesh", None)))
+        self.adapter = PipelineAdapter(module, self.pipeline, self.loss_method)
+        materialize_local(module, self.pipeline.plan, self.pipeline.stage_ids, target.device,
+                          seed=torch.initial_seed())
+        local = [name for owners in self.pipeline.local_owners for name in owners]
+        blocks = [name for name in local if name in set(self.pipeline.plan.blocks)]
+        target.narrow(keep=local, blocks=blocks, whole=self.pipeline.template)
+
+    @contextmanager
+    def training_step_context(self, module: nn.Module) -> Iterator[None]:
+        """Around Lightning's ``training_step``: the schedule runs forward and backward inside it."""
+        if self.adapter is None:
+            yield
+            return
+        trainer = module.trainer
+        accumulate = trainer.accumulate_grad_batches
+        first = trainer.fit_loop.epoch_loop.batch_idx % accumulate == 0  # Lightning's own zero_grad rule
+        self.adapter.begin_training_step(accumulate, first)
+        try:
+            yield
+        except BaseException:
+            self.adapter.abort_training_step()
+            raise
+        self.adapter.end_training_step()
+
+    def describe(self, dims: ParallelDims) -> str | None:
+        p = self.pipeline
+        if p is None:
+            return None
+        return (f"pipeline ({p.name}, {p.n_microbatches} micro-batches, {p.plan.num_stages} stages, split before "
+                f"{p.plan.split_points})")
+
+    def describe_rank(self) -> str:
+        if self.pipeline is None:
+            return ""
+        blocks = [name.rpartition(".")[2] for owners in self.pipeline.local_owners for name in owners
+                  if name in self.pipeline.plan.blocks]
+        return f"stages {self.pipeline.stage_ids} (blocks {', '.join(blocks)})"
+
+    def restore_gradients(self) -> None:
+        """In the strategy's ``backward``: hand back the gradients the schedule computed inside training_step."""
+        assert self.adapter is not None
+        self.adapter.restore_gradients()

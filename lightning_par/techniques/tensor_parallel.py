@@ -1,0 +1,61 @@
+"""Tensor parallelism as a technique of the engine: the plan, checked on the whole model, applied to what this rank
+runs; loss parallelism while a step runs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+from torch.distributed.tensor.parallel import loss_parallel
+
+from lightning_par.checks import check_bool
+from lightning_par.dims import ParallelDims
+from lightning_par.parallel.tensor import apply_tp, broadcast_replicated_parameters
+from lightning_par.parallel.tensor_plan import resolve_tp_plan, validate_tp_plan
+from lightning_par.techniques.technique import Target, Technique
+
+
+class TensorParallel(Technique):
+    """``parallelize_module`` with the plan (FQN globs -> styles) over the tp mesh, after the weights are broadcast
+    within the tp group so that every rank starts from the same values. Under pipeline parallelism the plan is
+    checked on the whole (meta) model, so every rank refuses a bad plan alike, and applied to this rank's stages."""
+
+    def __init__(self, plan: Mapping[str, Any] | None = None, sequence_parallel: bool = False,
+                 loss_parallel: bool = False) -> None:
+        if plan is not None and not isinstance(plan, Mapping):
+            raise TypeError(f"tp_plan must map FQN globs to style names, e.g. {{'model.blocks.*.attn.q': 'colwise'}}; "
+                            f"got {type(plan).__name__}.")
+        self.plan = dict(plan) if plan is not None else None
+        self.sequence_parallel = check_bool("sequence_parallel", sequence_parallel)
+        self.loss_parallel = check_bool("loss_parallel", loss_parallel)
+
+    def check(self, dims: ParallelDims) -> None:
+        if dims.pp != 1 and dims.tp != 1 and (self.sequence_parallel or self.loss_parallel):
+            raise ValueError(
+                f"pp={dims.pp} with tp={dims.tp} and sequence_parallel={self.sequence_parallel}, loss_parallel="
+                f"{self.loss_parallel}: stages hand full activations and full logits on; sequence and loss "
+                f"parallelism across pipeline stages are not supported yet. Set both to False with pp > 1.")
+
+    def apply(self, target: Target, dims: ParallelDims) -> None:
+        if dims.tp == 1:
+            return
+        plan = resolve_tp_plan(target.module, self.plan)
+        resolved = validate_tp_plan(target.whole, plan, dims.tp, sequence_parallel=self.sequence_parallel,
+                                    loss_parallel=self.loss_parallel)
+        if target.keep is not None:
+            plan = {fqn: style for fqn, style in resolved.items()
+                    if any(fqn == owner or fqn.startswith(owner + ".") for owner in target.keep)}
+        tp_mesh = dims.mesh("tp")
+        broadcast_replicated_parameters(target.module, tp_mesh)
+        apply_tp(target.module, tp_mesh, plan, sequence_parallel=self.sequence_parallel,
+                 loss_parallel=self.loss_parallel)
+
+    def step_context(self, dims: ParallelDims) -> AbstractContextManager | None:
+        # around backward too: its ops must see the DTensor gradients of the vocab-sharded logits
+        return loss_parallel() if self.loss_parallel and dims.tp > 1 else None
+
+    def describe(self, dims: ParallelDims) -> str | None:
+        if dims.tp == 1:
+            return None
+        return f"tensor parallel (sequence parallel {self.sequence_parallel}, loss parallel {self.loss_parallel})"
