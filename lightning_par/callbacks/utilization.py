@@ -13,6 +13,11 @@ Time the monitors spend on themselves (this one's logging, the overlap monitor's
 monitor's summaries) is left out of both, whatever the callbacks' order.
 
 The first batch of each epoch and the first after validation have no data wait to measure and are skipped.
+
+FLOPs for ``perf/tflops_per_s`` and ``perf/mfu``: given (``flops_per_batch``), else the Hugging Face model's own
+estimate, else counted during the first training batch (the second under pipeline parallelism, whose first step
+runs an extra shape-inference forward); ``callbacks/flops.py`` says what is counted and why, and the start-up output
+names which way was taken. The counted batch is not timed (the counter slows it).
 """
 
 from __future__ import annotations
@@ -25,38 +30,26 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_par.callbacks._base import RankSummaryCallback, monitor_overhead_s
+from lightning_par.callbacks._base import RankSummaryCallback, monitor_overhead, monitor_overhead_s
+from lightning_par.callbacks.flops import (
+    SOURCE_TEXT,
+    TRAINING_PER_FORWARD,
+    FlopsPerBatch,
+    ForwardFlopCounter,
+    find_hf_model,
+    hf_tp_share,
+    hf_training_flops,
+    lookup_peak_flops,
+    mean_over_batch_sharers,
+    precision_kind,
+)
 from lightning_par.callbacks.nvml import NVML_FIELDS, NvmlSampler
 
 IntOrFn = int | Callable[[Any], int]
 
-#: Dense bf16 tensor-core peak FLOP/s per GPU, by a substring of ``torch.cuda.get_device_name()``.
-#: First match wins, so the more specific names come first. Pass ``peak_flops_per_device`` for anything else.
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("GB200", 2.5e15),
-    ("B200", 2.25e15),
-    ("H200", 989e12),
-    ("GH200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),
-    ("H800", 989e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-    ("A10", 125e12),
-)
-
-
-def lookup_peak_flops(device_name: str) -> float | None:
-    """Dense bf16 peak FLOP/s of a known GPU, else None."""
-    for key, flops in PEAK_BF16_FLOPS:
-        if key in device_name and not (key == "A10" and "A100" in device_name):
-            return flops
-    return None
+__all__ = ["DeviceUtilizationMonitor", "default_batch_size", "default_num_tokens", "lookup_peak_flops"]
 
 
 def _first_tensor(batch: Any) -> torch.Tensor | None:
@@ -124,9 +117,14 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
         log_every_n_steps: logging interval in optimizer steps (default: the Trainer's ``log_every_n_steps``).
         batch_size: samples per batch (int or ``callable(batch)``); default :func:`default_batch_size`.
         tokens_per_batch: tokens per batch (int or ``callable(batch)``); default :func:`default_num_tokens`.
-        flops_per_batch: model FLOPs of one training batch on one device (forward + backward), int or callable;
-            MFU is logged only when it is given and the peak is known.
-        peak_flops_per_device: peak FLOP/s of one device; default: looked up by GPU name (dense bf16), none on CPU.
+        flops_per_batch: model FLOPs of one training batch on one device (forward + backward), int or callable.
+            Default: counted (see ``count_flops``).
+        count_flops: when ``flops_per_batch`` is not given, take the FLOPs from the Hugging Face model's
+            ``floating_point_ops`` if the LightningModule holds one, else count them on the first training batch;
+            later batches scale by their tokens (else samples). ``False``: no FLOP metrics unless given.
+        peak_flops_per_device: peak FLOP/s of one device for MFU; default: looked up by GPU name and the Trainer's
+            precision (dense tensor-core figures, :data:`~lightning_par.callbacks.flops.PEAK_FLOPS`); none on CPU,
+            where ``perf/tflops_per_s`` is still logged.
         nvml_interval_s: NVML polling period of the background thread.
         nvml: the NVML module (``pynvml``) to use; a test double may be passed. NVML is used on CUDA devices, or
             whenever this is given.
@@ -139,6 +137,7 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
         batch_size: IntOrFn | None = None,
         tokens_per_batch: IntOrFn | None = None,
         flops_per_batch: IntOrFn | float | None = None,
+        count_flops: bool = True,
         peak_flops_per_device: float | None = None,
         nvml_interval_s: float = 0.1,
         nvml: Any | None = None,
@@ -160,10 +159,22 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
             )
         if not (isinstance(nvml_interval_s, (int, float)) and nvml_interval_s > 0):
             raise ValueError(f"`nvml_interval_s` must be > 0 seconds, got {nvml_interval_s!r}. Pass e.g. 0.1.")
+        if not isinstance(count_flops, bool):
+            raise TypeError(f"`count_flops` must be True or False, got {count_flops!r}.")
         self.batch_size = batch_size
         self.tokens_per_batch = tokens_per_batch
         self.flops_per_batch = flops_per_batch
+        self.count_flops = count_flops
         self.peak_flops_per_device = peak_flops_per_device
+        #: where the FLOPs come from ("given", "hf", "counted" or None) and the start-up line that says so
+        self.flops_source: str | None = None
+        self.flops_note: str | None = None
+        #: the per-device count of the first batch, scaled to later ones (None until that batch has run)
+        self.flops_estimate: FlopsPerBatch | None = None
+        self._hf_model: Any = None
+        self._counter: ForwardFlopCounter | None = None
+        self._counting = self._count_pending = False
+        self._count_batch = self._batches_seen = 0
         self.nvml_interval_s = nvml_interval_s
         self._nvml_module = nvml
         self.nvml_device_index = nvml_device_index
@@ -198,22 +209,15 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
         if self._sampler is not None:
             self._sampler.read()  # drop anything from before training
             self._sampler.start()
-        self._peak = self.peak_flops_per_device
-        if self._peak is None and device.type == "cuda":
-            self._peak = lookup_peak_flops(torch.cuda.get_device_name(device))
+        self._setup_flops(trainer, pl_module)
         import psutil
 
         self._process = psutil.Process(os.getpid())
         self._process.cpu_percent(None)  # starts psutil's measurement interval
         # the names depend only on options and the device type, so every rank sends the same vector
         names = ["perf/step_time_s", "perf/data_wait_frac", "perf/samples_per_s", "perf/tokens_per_s"]
-        if self.flops_per_batch is not None:
+        if self.flops_source is not None:
             names += ["perf/tflops_per_s", "perf/mfu"]
-            if self._peak is None:
-                rank_zero_warn(
-                    "DeviceUtilizationMonitor: `flops_per_batch` is set but the device's peak FLOP/s is unknown, so "
-                    "`perf/mfu` is not logged (`perf/tflops_per_s` is). Pass `peak_flops_per_device`."
-                )
         names.append("perf/cpu_percent")
         if use_nvml:  # even where NVML failed to start: this rank then sends NaN, the vector keeps its length
             names += [f"gpu/{f}" for f in NVML_FIELDS if f != "energy_j"] + ["gpu/energy_j_per_step"]
@@ -221,22 +225,121 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
         self._reset_interval()
         self._t_resume = None
 
+    def _setup_flops(self, trainer: Any, pl_module: Any) -> None:
+        """Decide where the FLOPs come from (the same on every rank: it depends on options and the model's class)
+        and the peak to divide by."""
+        device = pl_module.device
+        self.flops_estimate, self._counter, self.flops_note = None, None, None
+        self._hf_model = find_hf_model(pl_module) if self.flops_per_batch is None and self.count_flops else None
+        if self.flops_per_batch is not None:
+            self.flops_source = "given"
+        elif self.count_flops:
+            self.flops_source = "hf" if self._hf_model is not None else "counted"
+        else:
+            self.flops_source = None
+        self._count_pending = self.flops_source in ("hf", "counted")
+        # torch's pipeline schedules (2.13) run one extra forward per stage on their first step to infer the
+        # stages' shapes: not model work, so under pipeline parallelism the second batch is counted (and not timed)
+        self._count_batch = 1 if getattr(trainer.strategy, "pipeline", None) is not None else 0
+        self._batches_seen = 0
+        self._peak = self.peak_flops_per_device
+        kind = precision_kind(getattr(trainer, "precision", None))
+        if self._peak is not None:
+            self._peak_text = f"{self._peak / 1e12:g} TFLOP/s (given)"
+        elif device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+            self._peak = lookup_peak_flops(name, kind) if kind else None
+            self._peak_text = f"{self._peak / 1e12:g} TFLOP/s ({name}, {kind})" if self._peak else "unknown"
+            if self._peak is None and self.flops_source is not None:
+                rank_zero_warn(
+                    f"DeviceUtilizationMonitor: no peak FLOP/s known for {name!r} at precision "
+                    f"{getattr(trainer, 'precision', None)!r}, so `perf/mfu` is not logged (`perf/tflops_per_s` is). "
+                    f"Pass `peak_flops_per_device`."
+                )
+        else:
+            self._peak_text = f"none on {device.type}"
+        if self.flops_source == "given":
+            self._announce("")
+
+    def _announce(self, count: str) -> None:
+        metrics = "perf/tflops_per_s and perf/mfu" if self._peak else "perf/tflops_per_s (no perf/mfu)"
+        source = SOURCE_TEXT[self.flops_source].format(batch=self._count_batch)
+        self.flops_note = (f"DeviceUtilizationMonitor: flops: {source}{count}; "
+                           f"peak: {self._peak_text} -> {metrics}")
+        rank_zero_info(self.flops_note)
+
+    def _start_counting(self) -> None:
+        if (self._count_pending and self.flops_source == "counted" and self._counter is None
+                and self._batches_seen == self._count_batch):
+            self._counter = ForwardFlopCounter()
+            self._counter.__enter__()
+            self._counting = True
+
+    def _stop_counting(self) -> None:
+        """The counter is entered in one hook and left in a later one; every way out of the step leaves it."""
+        if self._counting and self._counter is not None:
+            self._counting = False
+            self._counter.__exit__(None, None, None)
+
+    def _local_flops(self, trainer: Any, batch: Any) -> tuple[float, str]:
+        """This rank's model FLOPs for the first batch, NaN with the reason when there are none."""
+        if self.flops_source == "hf":
+            flops = hf_training_flops(self._hf_model, batch)
+            if flops is None:
+                return math.nan, "the batch holds no token ids for the Hugging Face count"
+            return flops / hf_tp_share(getattr(trainer.strategy, "dims", None)), ""
+        counter, self._counter = self._counter, None
+        if counter is None:
+            return math.nan, "the first batch was not counted"
+        if counter.error is not None:
+            return math.nan, f"counting failed on {counter.error}"
+        return float(TRAINING_PER_FORWARD * counter.forward_flops), "no matmul or attention was seen"
+
+    def _finish_count(self, trainer: Any, batch: Any, samples: float | None, tokens: float | None) -> None:
+        """After the first batch, on every rank: this rank's count, averaged over the ranks sharing the batch."""
+        self._stop_counting()
+        self._count_pending = False
+        flops, why = self._local_flops(trainer, batch)
+        dims, sharers = getattr(trainer.strategy, "dims", None), 1
+        if dims is not None and getattr(dims, "world_size", 1) > 1:
+            flops, sharers = mean_over_batch_sharers(flops, dims)
+        if not flops > 0:  # NaN or zero
+            rank_zero_warn(f"DeviceUtilizationMonitor: no FLOP count for the model ({why or 'another rank failed'}), "
+                           f"so neither perf/tflops_per_s nor perf/mfu is logged. Pass `flops_per_batch`.")
+            return
+        self.flops_estimate = FlopsPerBatch(flops, tokens, samples, self.flops_source)
+        per_token = f", {flops / tokens:.4g} per token" if tokens else ""
+        shared = f", the mean over the {sharers} ranks that read the same batch" if sharers > 1 else ""
+        self._announce(f": {flops:.4g} FLOP per device per batch{per_token}{shared}")
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._stop_counting()  # the optimizer's own math is not the model's
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._stop_counting()
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._stop_counting()
         if self._sampler is not None:
             self._sampler.stop()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._stop_counting()
         if self._sampler is not None:
             self._sampler.stop()
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._t_resume = None  # the gap since the last batch is not data loading
 
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._stop_counting()  # a batch skipped by on_train_batch_start returning -1 never reaches batch end
+
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self._t_resume = None
 
     # --- per batch ---------------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._start_counting()
         self._t_start = time.perf_counter()
         self._o_start = monitor_overhead_s()
 
@@ -245,30 +348,47 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
         v = spec(batch) if callable(spec) else spec
         return None if v is None else float(v)
 
+    def _batch_counts(self, batch: Any) -> tuple[float | None, float | None]:
+        """(samples, tokens) of a batch, by the options or the defaults."""
+        first = _first_tensor(batch) if self.batch_size is None or self.tokens_per_batch is None else None
+        samples = _size(first) if self.batch_size is None else self._value(self.batch_size, batch)
+        tokens = _tokens(batch, first) if self.tokens_per_batch is None else self._value(self.tokens_per_batch, batch)
+        return samples, tokens
+
+    def _batch_flops(self, batch: Any, samples: float | None, tokens: float | None) -> float | None:
+        if self.flops_per_batch is not None:
+            return self._value(self.flops_per_batch, batch)
+        return None if self.flops_estimate is None else self.flops_estimate(tokens, samples)
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         t_end, o_end = time.perf_counter(), monitor_overhead_s()
-        if self._t_start is not None and self._t_resume is not None:
+        counted = self._count_pending and self._batches_seen == self._count_batch
+        self._batches_seen += 1
+        # the counted batch is not timed: the counter slows it (the first batch is never timed anyway)
+        measured = self._t_start is not None and self._t_resume is not None and not counted
+        samples = tokens = None
+        if measured or counted:
+            samples, tokens = self._batch_counts(batch)
+        if counted:  # every rank, one small gather
+            with monitor_overhead():
+                self._finish_count(trainer, batch, samples, tokens)
+        if measured:
             # other monitors' bookkeeping (trace analysis, summaries) is not training time: leave it out
             wait = max(0.0, (self._t_start - self._t_resume) - (self._o_start - self._o_resume))
             compute = max(0.0, (t_end - self._t_start) - (o_end - self._o_start))
             self._steps += 1
             self._step_s += compute + wait
             self._wait_s += wait
-            first = _first_tensor(batch) if self.batch_size is None or self.tokens_per_batch is None else None
-            samples = _size(first) if self.batch_size is None else self._value(self.batch_size, batch)
             if samples is None:
                 self._has_samples = False
             else:
                 self._samples += samples
-            tokens = (
-                _tokens(batch, first) if self.tokens_per_batch is None else self._value(self.tokens_per_batch, batch)
-            )
             if tokens is None:
                 self._has_tokens = False
             else:
                 self._tokens += tokens
-            if self.flops_per_batch is not None:
-                flops = self._value(self.flops_per_batch, batch)
+            if self.flops_source is not None:
+                flops = self._batch_flops(batch, samples, tokens)
                 if flops is None:
                     self._has_flops = False
                 else:
@@ -287,7 +407,7 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
                 v["perf/samples_per_s"] = self._samples / self._step_s
             if self._has_tokens:
                 v["perf/tokens_per_s"] = self._tokens / self._step_s
-            if self._has_flops and self.flops_per_batch is not None:
+            if self._has_flops and self.flops_source is not None:
                 achieved = self._flops / self._step_s
                 v["perf/tflops_per_s"] = achieved / 1e12
                 v["perf/mfu"] = achieved / self._peak if self._peak else None

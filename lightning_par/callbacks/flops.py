@@ -1,0 +1,263 @@
+"""Model FLOPs per batch for MFU, counted or taken from a Hugging Face model, and the peak FLOP/s of known GPUs.
+
+What is counted, and why (the definition PaLM's appendix B gives and torchtitan and Megatron-LM use):
+
+- *Model* FLOPs: forward + backward of the model as written, with no activation-checkpointing recomputation (that is
+  hardware work the model does not need) and backward = 2 x forward (the gradients of the inputs and of the
+  weights each cost one matmul of the forward's size). So a training batch costs ``3 x forward``, which for a
+  transformer is ``6 N T + 12 L d s T`` (N matmul parameters, T tokens, L layers, width d, sequence length s).
+  Only matmuls, convolutions and attention are counted (torch's ``FlopCounterMode`` formulas): the rest is small.
+- Per *device*: the FLOPs one rank does for one of its batches. Under tensor, context or pipeline parallelism the
+  ranks that share a batch share its work, so the MFU of each is the whole model's FLOPs for that batch divided by
+  the number of those ranks (as torchtitan divides by the non-data-parallel size).
+
+How it is counted: :class:`ForwardFlopCounter` watches the real training step of the first batch (no extra forward,
+so no random numbers, parameters or collectives change) and adds up the FLOPs of the forward ops *this rank runs*:
+the local shards inside DTensor ops (tensor parallelism), this rank's sequence chunk (context parallelism), its
+stages (pipeline parallelism). Ops run by the autograd engine (backward and activation recomputation) are left out.
+The ranks that share a batch then average their counts (:func:`mean_over_batch_sharers`): that average is the whole
+model's FLOPs per batch over the number of sharers, with the pipeline's unequal stages evened out.
+
+Hugging Face models come with their own estimate, ``floating_point_ops`` (6 x tokens x non-embedding parameters, no
+attention term): :func:`hf_training_flops` uses it when the LightningModule holds such a model.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode  # where torch documents it; no public alias (2.13)
+from torch.utils.flop_counter import flop_registry  # FlopCounterMode's table; public name, not in __all__ (2.13)
+from torch.utils.module_tracker import ModuleTracker
+
+from lightning_par.parallel.hf import outermost_hf_models
+
+#: FLOPs of a training batch per forward FLOP: forward + backward (2 x forward).
+TRAINING_PER_FORWARD = 3
+
+_aten = torch.ops.aten
+#: torch's FlopCounterMode formulas (shapes -> FLOPs, keyed by op), plus the fused CPU and out-of-tree attention
+#: kernels it has no entry for (torch 2.13): same inputs and arithmetic as the CUDA flash kernel.
+_FORMULAS: dict[Any, Callable[..., int]] = {
+    **flop_registry,
+    _aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[_aten._scaled_dot_product_flash_attention],
+    _aten._scaled_dot_product_fused_attention_overrideable: flop_registry[_aten._scaled_dot_product_flash_attention],
+}
+
+#: ``is_bw`` is torch's public test for "the autograd engine is running this op" (backward, and the recomputation
+#: of checkpointed activations, which happens inside backward). The tracker is never entered: only asked.
+_ENGINE = ModuleTracker()
+
+
+def _tracing_types() -> tuple[type, ...]:
+    """Tensor subclasses that trace rather than compute (DTensor's sharding propagation runs ops on FakeTensors):
+    their ops are not counted. Private torch modules, checked on torch 2.13; tests/test_flops.py fails if moved."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return FakeTensor, FunctionalTensor
+
+
+class ForwardFlopCounter(TorchDispatchMode):
+    """While active, adds the FLOPs of the forward ops this rank runs to :attr:`forward_flops`.
+
+    DTensor ops are declined (``NotImplemented``), so DTensor runs them and its local ops come back here with the
+    local shapes. Ops on the meta device or on tracing tensors, and ops of the autograd engine, are not counted. A
+    formula that fails sets :attr:`error` and never disturbs the step it watches.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forward_flops = 0
+        self.error: str | None = None
+        self._tracing = _tracing_types()
+
+    #: higher-order ops (flex attention, ``cond``) come here too, run as they would without the mode
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # False (the default) makes torch.compile fall back to eager while the mode is on *and* mark those frames
+        # as never to compile again (torch 2.13). True lets compiled code run as compiled; the matmul and attention
+        # kernels it calls through aten (inductor's default) are still seen.
+        return True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor computes on local shards; those ops come back to this mode
+        key = getattr(func, "_overloadpacket", func)  # a higher-order op is its own key (flex_attention)
+        plain = all(t is torch.Tensor or t is nn.Parameter for t in types)
+        if plain and key not in _FORMULAS and key is not func:  # a composite op: count what it is made of
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        if key in _FORMULAS and self._counts(types, args):
+            try:
+                self.forward_flops += int(_FORMULAS[key](*args, **kwargs, out_val=out))
+            except Exception as err:  # noqa: BLE001 - a counting problem must not break the training step
+                self.error = f"{key}: {err!r}"
+        return out
+
+    def _counts(self, types: Any, args: Any) -> bool:
+        if _ENGINE.is_bw or any(issubclass(t, self._tracing) for t in types):
+            return False
+        return not any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
+
+
+def count_training_flops(step: Callable[[], Any]) -> int:
+    """Model FLOPs (3 x forward) of running ``step()`` once on this rank; ``step`` may run backward too (it is not
+    counted). E.g. ``count_training_flops(lambda: model(x).sum().backward())``."""
+    counter = ForwardFlopCounter()
+    with counter:
+        step()
+    if counter.error is not None:
+        raise RuntimeError(f"FLOP counting failed on {counter.error}")
+    return TRAINING_PER_FORWARD * counter.forward_flops
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hugging Face models
+# ---------------------------------------------------------------------------------------------------------------
+def find_hf_model(module: nn.Module) -> nn.Module | None:
+    """The outermost ``transformers.PreTrainedModel`` inside ``module`` (itself included), or None."""
+    found = outermost_hf_models(module)
+    return found[0][1] if found else None
+
+
+def hf_training_flops(model: nn.Module, batch: Any) -> float | None:
+    """Hugging Face's count for this rank's batch: 6 x tokens x non-embedding parameters. transformers 4 has it as
+    ``PreTrainedModel.floating_point_ops``; transformers 5 moved it to ``Trainer.floating_point_ops``, which computes
+    the same from ``model.num_parameters(exclude_embeddings=True)``. None when the batch holds no token ids under the
+    model's ``main_input_name`` (nor an integer tensor first, as in ``(x, y)``)."""
+    key = getattr(model, "main_input_name", "input_ids")
+    ids = batch.get(key) if isinstance(batch, Mapping) else None
+    if ids is None and isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        ids = batch[0]
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex():
+        return None
+    if callable(getattr(model, "floating_point_ops", None)):  # transformers 4
+        return float(model.floating_point_ops({key: ids}))
+    return float(6 * ids.numel() * model.num_parameters(exclude_embeddings=True))
+
+
+def hf_tp_share(dims: Any) -> int:
+    """How many ranks split each weight's matmuls: HF's count uses ``numel()``, which is the *global* size of a
+    DTensor parameter, so a tensor-parallel rank's share is 1/tp of it (pipeline and context parallelism already
+    shrink the parameters or tokens a rank sees). Known for lightning_par's ``dims`` only: tensor parallelism applied
+    by hand (Lightning's ModelParallelStrategy) needs ``flops_per_batch``."""
+    return int(getattr(dims, "tp", 1) or 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ranks that share a batch
+# ---------------------------------------------------------------------------------------------------------------
+def mean_over_batch_sharers(local: float, dims: Any) -> tuple[float, int]:
+    """Collective (one small all_gather, every rank): the mean of ``local`` over the ranks that read the same batch
+    (same data-parallel coordinate of lightning_par's ``ParallelDims``), and how many they are. NaN on every rank if
+    any rank has NaN, so that all ranks log flops or none does."""
+    from lightning_par.callbacks.summary import gather_values
+
+    mine = float(dims.coordinates()["dp"])
+    rows = gather_values([mine, float(local)])
+    if any(math.isnan(v) for _, v in rows):
+        return math.nan, len(rows)
+    shared = [v for dp, v in rows if dp == mine]
+    return sum(shared) / len(shared), len(shared)
+
+
+@dataclass(frozen=True)
+class FlopsPerBatch:
+    """The count of one batch, scaled to later batches by their tokens (else samples): attention's share grows
+    with the sequence length, so a batch of another shape is an estimate, exact for the matmuls."""
+
+    flops: float  # per device, for the counted batch
+    tokens: float | None
+    samples: float | None
+    source: str  # "given", "hf" or "counted"
+
+    def __call__(self, tokens: float | None, samples: float | None) -> float:
+        if self.tokens and tokens is not None:
+            return self.flops * tokens / self.tokens
+        if self.samples and samples is not None:
+            return self.flops * samples / self.samples
+        return self.flops
+
+
+#: How the start-up line names each source (``{batch}``: the training batch that was counted).
+SOURCE_TEXT = {
+    "given": "given (flops_per_batch)",
+    "hf": "from the Hugging Face model's floating_point_ops (6 x tokens x non-embedding parameters, no attention)",
+    "counted": "counted on batch {batch} (torch FlopCounterMode formulas: this rank's forward ops x 3, backward "
+    "and recomputation left out)",
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# peak FLOP/s
+# ---------------------------------------------------------------------------------------------------------------
+#: Dense (no sparsity) peak FLOP/s of one GPU by precision, keyed by a regex on ``torch.cuda.get_device_name()``;
+#: the first match wins. Datasheets print the tensor-core figures *with* 2:4 sparsity, marked with an asterisk: the
+#: dense figure is half, rounded down to a whole TFLOP/s (1,979* -> 989). bf16/fp16: tensor cores with fp32
+#: accumulate; tf32: tensor cores; fp32: CUDA cores.
+PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    # Blackwell, HGX B200 / GB200 NVL72 datasheets (per GPU, dense bf16); other precisions not tabulated here
+    (r"GB200", {"bf16": 2.5e15, "fp16": 2.5e15}),
+    (r"B200", {"bf16": 2.25e15, "fp16": 2.25e15}),
+    # H200 datasheet (nvdam.widen.net/s/nb5zzzsjdf/hpc-datasheet-sc23-h200-datasheet-3002446): SXM bf16/fp16
+    # 1,979*, tf32 989*, fp32 67; NVL bf16/fp16 1,671*, tf32 835*, fp32 60
+    (r"H200 NVL", {"bf16": 835e12, "fp16": 835e12, "tf32": 417e12, "fp32": 60e12}),
+    (r"GH200|H200", {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12}),
+    # H100 datasheet (resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet): SXM bf16/fp16
+    # 1,979*, tf32 989*, fp32 67; PCIe 1,513*, 756*, 51; NVL 1,671*, 835*, 60 (per GPU)
+    (r"H100.*PCIe|H100.*HBM2e", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}),
+    (r"H100 NVL", {"bf16": 835e12, "fp16": 835e12, "tf32": 417e12, "fp32": 60e12}),
+    (r"H100|H800", {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12}),
+    # A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf), SXM and PCIe alike: bf16/fp16 312,
+    # tf32 156, fp32 19.5
+    (r"A100|A800", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    # L40S datasheet (NVIDIA L40S product datasheet): bf16/fp16 362.05 (733*), tf32 183 (366*), fp32 91.6
+    (r"L40S", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
+    # L4 datasheet and nvidia-ada-gpu-architecture-whitepaper-v2.1.pdf: bf16/fp16 242*, tf32 120*, fp32 30.3
+    (r"\bL4\b", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    # A10 datasheet (a10-datasheet.pdf): bf16/fp16 125 (250*), tf32 62.5 (125*), fp32 31.2. NVIDIA publishes none
+    # for AWS's A10G: the A10's figures, as Lightning's throughput table also uses
+    (r"\bA10G?\b", {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
+    # T4 datasheet (t4-tensor-core-datasheet-951643.pdf): fp16 mixed 65, fp32 8.1; Turing has no bf16 or tf32
+    (r"\bT4\b", {"fp16": 65e12, "fp32": 8.1e12}),
+    # V100 datasheet (volta-v100-datasheet-update-us-1165301-r5.pdf): tensor (fp16) 125 / 112 / 130 and fp32
+    # 15.7 / 14 / 16.4 for SXM2 / PCIe / V100S PCIe; Volta has no bf16 or tf32
+    (r"V100S", {"fp16": 130e12, "fp32": 16.4e12}),
+    (r"V100.*PCIE", {"fp16": 112e12, "fp32": 14e12}),
+    (r"V100", {"fp16": 125e12, "fp32": 15.7e12}),
+)
+
+
+def precision_kind(precision: str | None) -> str | None:
+    """The table's column for a Trainer ``precision``: bf16, fp16, tf32 or fp32 (32-bit matmuls use TF32 tensor
+    cores only when ``torch.set_float32_matmul_precision`` allows it), None for others (fp64, fp8)."""
+    p = str(precision or "")
+    if p.startswith("bf16"):
+        return "bf16"
+    if p.startswith("16"):
+        return "fp16"
+    if p.startswith("32"):
+        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return None
+
+
+def lookup_peak_flops(device_name: str, precision: str = "bf16") -> float | None:
+    """Dense peak FLOP/s of a known GPU for ``precision`` ("bf16", "fp16", "tf32", "fp32"), else None."""
+    for pattern, peaks in PEAK_FLOPS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            return peaks.get(precision)
+    return None
