@@ -6,22 +6,46 @@ writes into a hidden ``.<name>.partial`` directory; only after all ranks finishe
 rename it into place. A save interrupted at any point therefore leaves no directory under the final name, and a
 directory without ``COMPLETE`` is refused on load. Keys are parameter FQNs and tensors carry global shapes, so a
 checkpoint resumes under any other layout (DCP reshards on load).
+
+A single-file Lightning checkpoint (what one process's ``trainer.save_checkpoint`` writes, or
+:func:`consolidate_checkpoint`) resumes into the sharded model too (:func:`load_single_file`): the file is
+memory-mapped and each rank copies only its slices, through the same DCP load plans.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
 META_FILE = "meta.pt"  # the name Lightning's ModelParallelStrategy uses for the same content
 COMPLETE_FILE = "COMPLETE"
@@ -88,7 +112,8 @@ def check_complete(path: str | os.PathLike) -> Path:
     if not path.is_dir():
         raise ValueError(
             f"ckpt_path={str(path)!r} is a file, not a lightning_par sharded checkpoint directory. A single-file "
-            f"checkpoint loads with `LightningModule.load_from_checkpoint` for weights, not with this strategy."
+            f"checkpoint already is what consolidation produces: resume from it with `trainer.fit(ckpt_path=...)` or "
+            f"load its weights with `LightningModule.load_from_checkpoint`."
         )
     if not is_complete(path):
         missing = [f for f in (COMPLETE_FILE, ".metadata", META_FILE) if not (path / f).is_file()]
@@ -111,7 +136,11 @@ def stored_shapes(path: str | os.PathLike, prefix: str) -> dict[str, torch.Size]
 
 def check_same_model(path: Path, model_shapes: dict[str, torch.Size], prefix: str = "state_dict.") -> None:
     """Refuse, before any collective, a checkpoint whose parameter names or global shapes differ from the model's."""
-    stored = stored_shapes(path, prefix)
+    compare_shapes(path, stored_shapes(path, prefix), model_shapes)
+
+
+def compare_shapes(path: Path, stored: Mapping[str, torch.Size], model_shapes: dict[str, torch.Size]) -> None:
+    """Raise unless ``stored`` (a checkpoint's FQNs and global shapes) and ``model_shapes`` are the same."""
     missing = sorted(set(model_shapes) - set(stored))
     unexpected = sorted(set(stored) - set(model_shapes))
     mismatched = sorted(
@@ -174,3 +203,192 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     parts: list[Any] | None = [None] * len(keys) if _is_rank_zero() else None
     dist.gather_object({k: v.cpu() for k, v in local.items()}, parts, dst=0)
     return {k: v for part in parts or [] for k, v in part.items()}
+
+
+# ---- single-file Lightning checkpoints into a sharded model ----------------------------------------------------
+
+
+class MappedTensorsReader(StorageReader):
+    """A DCP storage reader over values this process already addresses, e.g. the tensors of a ``torch.load(...,
+    mmap=True)`` file: each rank copies only the slices its load plan asks for, nothing is broadcast, and a tensor's
+    pages are read from disk only where a rank's slice lies. Keys are flat (``"state_dict.model.head.weight"``)."""
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.values = values
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    def read_metadata(self) -> Metadata:
+        entries: dict[str, Any] = {}
+        for key, value in self.values.items():
+            if isinstance(value, Tensor):
+                chunk = ChunkStorageMetadata(offsets=torch.Size([0] * value.dim()), sizes=value.size())
+                entries[key] = TensorStorageMetadata(TensorProperties(dtype=value.dtype), value.size(), [chunk])
+            else:
+                entries[key] = BytesStorageMetadata()
+        return Metadata(state_dict_metadata=entries)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for item in plan.items:
+            value = self.values[item.storage_index.fqn]
+            if item.type == LoadItemType.BYTE_IO:
+                buffer = io.BytesIO()
+                torch.save(value, buffer)
+                buffer.seek(0)
+                planner.load_bytes(item, buffer)
+                continue
+            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                value = value.narrow(dim, start, length)
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(value)
+            planner.commit_tensor(item, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def raise_on_every_rank(problems: list[str]) -> None:
+    """Raise one ``ValueError`` on every rank if any rank found a problem. Ranks holding different parameters
+    (pipeline stages) find different problems; one small all-gather, so no rank is left waiting in a later
+    collective."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, problems)
+        problems = list(dict.fromkeys(p for part in gathered for p in part))
+    if problems:
+        raise ValueError(" ".join(problems))
+
+
+def _model_shapes(model_state: Mapping[str, Any], pipeline: bool) -> dict[str, torch.Size]:
+    """Global shapes of the model's tensors; under pipeline parallelism the union over all ranks (collective)."""
+    shapes = {k: v.shape for k, v in model_state.items() if isinstance(v, Tensor)}
+    if pipeline:
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, shapes)
+        shapes = {k: v for part in parts for k, v in part.items()}
+    return shapes
+
+
+def _optimizer_sources(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any],
+                       name: str, pipeline: bool) -> tuple[dict[str, Any], list[str]]:
+    """A single-process optimizer state (keyed by parameter index, in param-group order) keyed by FQN, in the
+    flattened form of :func:`get_optimizer_state_dict` (``state.<fqn>.<name>``, ``param_groups.<fqn>.<option>``).
+    The indices map to this run's parameters through the param groups: same groups, same order."""
+    groups = get_optimizer_state_dict(model, optimizer)["param_groups"]  # FQNs, in each group's order
+    saved_groups = saved.get("param_groups", [])
+    sizes, saved_sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in saved_groups]
+    if sizes != saved_sizes:
+        hint = (" Under pipeline parallelism each rank's optimizer holds only its stages' parameters, so an "
+                "index-keyed optimizer state cannot be mapped: resume the file under a layout without pp, save a "
+                "sharded checkpoint, and resume that under pp." if pipeline else "")
+        return {}, [f"{name}: the checkpoint's optimizer has param groups of sizes {saved_sizes}, this run's "
+                    f"{sizes}: configure_optimizers must build the optimizer the checkpoint was saved with (same "
+                    f"parameters, groups and order).{hint}"]
+    sources: dict[str, Any] = {}
+    for group, saved_group in zip(groups, saved_groups):
+        for fqn, index in zip(group["params"], saved_group["params"]):
+            for key, value in saved.get("state", {}).get(index, {}).items():
+                sources[f"state.{fqn}.{key}"] = value
+            for key, value in saved_group.items():
+                if key != "params":
+                    sources[f"param_groups.{fqn}.{key}"] = value
+    return sources, []
+
+
+def load_single_file(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], path: str | os.PathLike,
+                     optimizer_options: StateDictOptions, pipeline: bool,
+                     weights_only: bool | None = None) -> dict[str, Any]:
+    """Collective: resume a single-file Lightning checkpoint into the sharded ``model`` and its ``optimizers``.
+
+    The file (``Trainer(strategy="auto").save_checkpoint``, or :func:`consolidate_checkpoint`'s output) is
+    memory-mapped on every rank, and each rank copies only the slices of the full tensors it holds. Optimizer
+    state, keyed by parameter index in such a file, is mapped to FQNs through the param groups; a file without it
+    (consolidated, or saved with ``save_weights_only``) restores the weights and loops, and the optimizers start
+    fresh. Returns the rest of the checkpoint (loops, epoch, global_step, LR schedulers...) for Lightning.
+    """
+    path = Path(path)
+    try:
+        raw = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same advice
+        raise ValueError(f"ckpt_path={str(path)!r} is not a checkpoint torch.load can read ({type(e).__name__}: "
+                         f"{e}). Pass a Lightning .ckpt file or a lightning_par checkpoint directory.") from e
+    if not isinstance(raw, dict) or not isinstance(raw.get("state_dict"), Mapping):
+        raise ValueError(f"ckpt_path={str(path)!r} is not a Lightning checkpoint (no 'state_dict' entry). Pass what "
+                         f"`trainer.save_checkpoint` or `lightning_par.consolidate_checkpoint` wrote.")
+    full = raw.pop("state_dict")
+    saved_optimizers = raw.pop("optimizer_states", None)
+    model_state = get_model_state_dict(model)
+    compare_shapes(path, {k: v.shape for k, v in full.items() if isinstance(v, Tensor)},
+                   _model_shapes(model_state, pipeline))
+
+    targets: dict[str, Any] = {f"state_dict.{k}": v for k, v in model_state.items()}
+    sources: dict[str, Any] = {f"state_dict.{k}": v for k, v in full.items()}
+    optimizer_states: list[dict[str, Any]] = []
+    problems: list[str] = []
+    if optimizers and not saved_optimizers:
+        if _is_rank_zero():
+            warnings.warn(f"ckpt_path={str(path)!r} holds no optimizer state (a consolidated or weights-only "
+                          f"checkpoint): the weights and loops are restored, the optimizers start fresh.", stacklevel=2)
+    elif optimizers:
+        if len(saved_optimizers) != len(optimizers):
+            problems.append(f"ckpt_path={str(path)!r} holds {len(saved_optimizers)} optimizer states, this run has "
+                            f"{len(optimizers)} optimizers: configure_optimizers must return the same optimizers.")
+        for i, (optimizer, saved) in enumerate(zip(optimizers, saved_optimizers)):
+            state = get_optimizer_state_dict(model, optimizer, options=optimizer_options)
+            mapped, mapping_problems = _optimizer_sources(model, optimizer, saved, f"optimizer_states[{i}]", pipeline)
+            problems += mapping_problems
+            if mapping_problems:
+                continue
+            saved_fqns = {key.split(".", 1)[1].rsplit(".", 1)[0] for key in mapped if key.startswith("state.")}
+            for key, value in state.items():
+                kind, _, rest = key.partition(".")
+                fqn = rest.rsplit(".", 1)[0]
+                if kind == "param_groups" and key not in mapped:
+                    continue  # an option the saving run's optimizer did not have: keep this run's value
+                if kind == "state" and fqn not in saved_fqns:
+                    continue  # no state saved for this parameter (it never stepped): it starts fresh, as it would
+                targets[f"optimizer_{i}.{key}"] = value
+            sources.update({f"optimizer_{i}.{k}": v for k, v in mapped.items()})
+            optimizer_states.append(state)
+    missing = sorted(k for k in targets if k not in sources)
+    mismatched = sorted(f"{k}: checkpoint {tuple(sources[k].shape)} vs this run {tuple(v.shape)}"
+                        for k, v in targets.items()
+                        if isinstance(v, Tensor) and isinstance(sources.get(k), Tensor) and sources[k].shape != v.shape)
+    if missing or mismatched:
+        problems.append(f"ckpt_path={str(path)!r}: the optimizer state does not match this run's optimizers: "
+                        f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, shape mismatch {mismatched[:5]}. "
+                        f"configure_optimizers must build the optimizer the checkpoint was saved with.")
+    raise_on_every_rank(problems)
+
+    dcp.load(targets, storage_reader=MappedTensorsReader(sources))
+    set_model_state_dict(model, model_state)
+    for i, (optimizer, state) in enumerate(zip(optimizers, optimizer_states)):
+        state = {k: targets.get(f"optimizer_{i}.{k}", v) for k, v in state.items()}  # loaded non-tensor options
+        set_optimizer_state_dict(model, optimizer, state, options=optimizer_options)
+    return raw
+
+
+def load_pretrained(module: torch.nn.Module, path: str | os.PathLike | None) -> None:
+    """A strategy's setup step after materializing the model: load the Hugging Face checkpoint at ``path`` (the
+    strategy's ``pretrained`` option) into the sharded model, if set. Resuming (``trainer.fit(ckpt_path=...)``)
+    restores the checkpoint afterwards, over these weights: the checkpoint wins."""
+    if path is None:
+        return
+    from lightning_par.pretrained import check_hf_checkpoint, load_hf_weights  # only when asked for
+
+    load_hf_weights(module, check_hf_checkpoint(path, name="pretrained"))

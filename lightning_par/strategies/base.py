@@ -27,7 +27,6 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -50,6 +49,7 @@ from torch.optim import Optimizer
 
 from lightning_par import checkpoint as ckpt
 from lightning_par.dims import ParallelDims
+from lightning_par.parallel.init import materialize
 from lightning_par.strategies.precision import to_parallel_precision
 from lightning_par.strategies.resume import resumable_train_dataloader
 from lightning_par.strategies.summary import layout_summary
@@ -224,6 +224,7 @@ class BaseParallelStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.parallelize(self.model)
         self._materialize(self.model)
+        ckpt.load_pretrained(self.model, getattr(self, "pretrained", None))
         self._check_data_parallel_consistency(self.model)
         summary = layout_summary(self.dims, self.model, str(self._process_group_backend), self.describe(),
                                  self.describe_rank())
@@ -248,7 +249,11 @@ class BaseParallelStrategy(ParallelStrategy):
         return ""
 
     def _materialize(self, module: nn.Module) -> None:
-        _materialize_distributed_module(module, self._materialization_device())
+        missing = materialize(module, self._materialization_device())
+        if missing:
+            rank_zero_warn(f"Modules of type {missing} were created on the meta device and have no reset_parameters() "
+                           f"to initialize them: their tensors hold uninitialized memory. Give them a "
+                           f"reset_parameters(), or load weights into them.")
         _materialize_metric_defaults(module, self._materialization_device())
         self.model_to_device()
 
@@ -385,8 +390,13 @@ class BaseParallelStrategy(ParallelStrategy):
                 path.unlink()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = ckpt.check_complete(self.broadcast(os.fspath(checkpoint_path)))
+        path = self.broadcast(os.fspath(checkpoint_path))
         assert self.model is not None
+        if os.path.isfile(path):  # single-file Lightning checkpoint: one process's save, or consolidate_checkpoint
+            optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+            return ckpt.load_single_file(self.model, optimizers, path, _OPTIMIZER_OPTIONS, self.dims.pp > 1,
+                                         weights_only)
+        path = ckpt.check_complete(path)
         model_sd = get_model_state_dict(self.model)
         shapes = {k: v.shape for k, v in model_sd.items() if isinstance(v, Tensor)}
         if self.dims.pp > 1:  # each rank holds its stages: compare the whole model (the union) on every rank
