@@ -33,11 +33,12 @@ class Case:
     scale: float | None = None
     transposed: bool = False  # q/k/v are non-contiguous views of a (B, S, H, D) tensor
     via_sdpa: bool = False  # call through context_parallel_sdpa instead of context_parallel_attention
+    window: int | None = None  # causal sliding window (Mistral-style), on global positions
 
     def __str__(self) -> str:
         extras = "".join(
             f" {k}={getattr(self, k)}"
-            for k in ("scale", "transposed", "via_sdpa")
+            for k in ("scale", "transposed", "via_sdpa", "window")
             if getattr(self, k) not in (None, False)
         )
         return (
@@ -62,6 +63,13 @@ def cases_for(cp: int) -> list[Case]:
         Case("allgather", True, True, 8 * cp, 2, 2, head_dim=8, transposed=True),
         Case("ring", True, True, 4 * cp, 4, 4, transposed=True, via_sdpa=True),
     ]
+    # sliding windows: narrower than a chunk, across chunk boundaries, and wider than the sequence (= causal)
+    cases += [
+        Case(alg, True, lb, 8 * cp, 4, 2, window=w)
+        for alg in ("ring", "allgather")
+        for lb in (True, False)
+        for w in (3, 5 * cp, 8 * cp + 1)
+    ]
     return cases
 
 
@@ -78,7 +86,12 @@ def _run_case(case: Case, seed: int, group: dist.ProcessGroup | None) -> dict:
 
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     gqa = case.heads != case.kv_heads
-    ref_out = F.scaled_dot_product_attention(*ref, is_causal=case.is_causal, scale=case.scale, enable_gqa=gqa)
+    if case.window is None:
+        ref_out = F.scaled_dot_product_attention(*ref, is_causal=case.is_causal, scale=case.scale, enable_gqa=gqa)
+    else:  # the dense sliding-window mask of one process
+        distance = torch.arange(case.seq_len)[:, None] - torch.arange(case.seq_len)[None, :]
+        mask = (distance >= 0) & (distance < case.window)
+        ref_out = F.scaled_dot_product_attention(*ref, attn_mask=mask, scale=case.scale, enable_gqa=gqa)
     ref_out.backward(dout)
 
     def shard(t: torch.Tensor) -> torch.Tensor:
@@ -104,6 +117,7 @@ def _run_case(case: Case, seed: int, group: dist.ProcessGroup | None) -> dict:
             load_balance=case.load_balance,
             scale=case.scale,
             comm_counter=counter,
+            window=case.window,
         )
     out.backward(shard(dout))
     diffs = {"out": (out - shard(ref_out)).abs().max().item()}

@@ -100,7 +100,7 @@ def fit(
         gradient_clip_val=gradient_clip_val,
     )
     with trainer.init_module(empty_init=empty_init):
-        model = module_cls(**{**TINY_GPT, **model_overrides})
+        model = module_cls(**_model_kwargs(module_cls, model_overrides))
     loader = DataLoader(token_dataset(num_samples, seq_len), batch_size=GLOBAL_BATCH // dp_size, shuffle=True)
     trainer.fit(model, loader, ckpt_path=resume_from)
     return {"losses": record.losses, "weights": full_state_dict(model), "global_step": trainer.global_step}
@@ -123,11 +123,16 @@ def fit_reference(
         callbacks=[record], use_distributed_sampler=False, gradient_clip_val=gradient_clip_val,
         accumulate_grad_batches=accumulate_grad_batches,
     )
-    model = module_cls(**{**TINY_GPT, **model_overrides})
+    model = module_cls(**_model_kwargs(module_cls, model_overrides))
     data = token_dataset(num_samples)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)
     trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler))
     return {"losses": record.losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _model_kwargs(module_cls: type, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The tiny GPT's sizes for GPT modules; other modules (Hugging Face ones) get only the overrides."""
+    return {**TINY_GPT, **overrides} if issubclass(module_cls, GPTModule) else overrides
 
 
 def error_of(run: Callable[[], Any]) -> str | None:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from lightning_par.parallel.context_sharding import (
+    Block,
     block_plan,
     join_shards,
     local_chunk_ids,
@@ -91,6 +92,7 @@ class _Setup:
     scale: float
     algorithm: str
     counter: CommCounter | None
+    window: int | None = None  # sliding window: a query sees the `window` latest keys (itself included)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -113,11 +115,21 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
+            visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled scores; masked entries -inf. ``visible`` (rows x cols, from global positions) replaces the plain
+    lower-triangular mask where a sliding window applies."""
     s = (q.to(_acc(q)) @ k.to(_acc(q)).transpose(-2, -1)) * scale
-    if causal:
+    if visible is not None:
+        s.masked_fill_(~visible, float("-inf"))
+    elif causal:
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
     return s
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with the -inf of rows that see no key replaced by 0, so that exp(x - lse) gives 0, not NaN."""
+    return lse.masked_fill(lse.isneginf(), 0.0)
 
 
 def _fused(q: torch.Tensor) -> bool:
@@ -125,18 +137,20 @@ def _fused(q: torch.Tensor) -> bool:
 
 
 def _block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+    visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T * scale) v for one block, plus lse = log(sum exp(scores)) per query row (fp32 or fp64)."""
+    """softmax(q k^T * scale) v for one block, plus lse = log(sum exp(scores)) per query row (fp32 or fp64).
+    A row that sees no key of this block (sliding window) gets out 0 and lse -inf, which the merge weighs 0."""
     k, v = _expand_kv(k, v, q.size(1))
-    if _fused(q):
+    if _fused(q) and visible is None:
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale
         )[:2]
         return out.float(), lse[..., : q.size(2)].float()  # the kernel may pad lse's rows to a multiple of 32
-    s = _scores(q, k, scale, causal)
+    s = _scores(q, k, scale, causal, visible)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse.unsqueeze(-1)) @ v.to(s.dtype), lse
+    return torch.exp(s - _finite(lse).unsqueeze(-1)) @ v.to(s.dtype), lse
 
 
 def _block_backward(
@@ -148,6 +162,7 @@ def _block_backward(
     lse: torch.Tensor,
     scale: float,
     causal: bool,
+    visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of dq, dk, dv, given the FINAL (merged) out and lse of these query rows.
 
@@ -156,14 +171,14 @@ def _block_backward(
     """
     kv_heads = k.size(1)
     k, v = _expand_kv(k, v, q.size(1))
-    if _fused(q):
+    if _fused(q) and visible is None:
         seed = torch.empty(0, dtype=torch.int64, device=q.device)  # dropout is 0: the philox state is unused
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, None, out, lse.contiguous(), seed, seed, 0.0, [True, True, True, False], causal, scale=scale
         )
         dq, dk, dv = dq.float(), dk.float(), dv.float()
     else:
-        p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
+        p = torch.exp(_scores(q, k, scale, causal, visible) - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
         do = dout.to(p.dtype)
         dv = p.transpose(-2, -1) @ do
         # d(scores) = P * (dP - rowsum(dO * O)): rowsum(P * dP) over ALL blocks equals rowsum(dO * O).
@@ -182,7 +197,8 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, blk_out: torch.Ten
     """
     o, m = out[:, :, rows], lse[:, :, rows]
     new = torch.logaddexp(m, blk_lse)
-    out[:, :, rows] = o * torch.exp(m - new).unsqueeze(-1) + blk_out * torch.exp(blk_lse - new).unsqueeze(-1)
+    weight = _finite(new)  # rows still without any key (sliding window): both sides weigh 0, not NaN
+    out[:, :, rows] = o * torch.exp(m - weight).unsqueeze(-1) + blk_out * torch.exp(blk_lse - weight).unsqueeze(-1)
     lse[:, :, rows] = new
 
 
@@ -303,6 +319,19 @@ def _unpack(buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.
     return buf[: k.numel()].view(k.shape), buf[k.numel() :].view(v.shape)
 
 
+def _plan(s: _Setup, src: int, n: int, device: torch.device) -> tuple[Block | None, torch.Tensor | None]:
+    """The block of ``src``'s K/V that this rank's queries see, and (with a sliding window) which of its entries:
+    the window is checked on the tokens' global positions. A block the window hides entirely is skipped."""
+    blk = block_plan(s.rank, src, s.size, n, s.is_causal, s.load_balance)
+    if blk is None or s.window is None:
+        return blk, None
+    pq = sequence_positions(n * s.size, s.rank, s.size, s.load_balance, device=device)[blk.q]
+    pk = sequence_positions(n * s.size, src, s.size, s.load_balance, device=device)[blk.kv]
+    distance = pq[:, None] - pk[None, :]
+    visible = (distance >= 0) & (distance < s.window)
+    return (blk, visible) if bool(visible.any()) else (None, None)
+
+
 def _exchange(s: _Setup, phase: str) -> _Ring | _AllGather:
     return (_Ring if s.algorithm == "ring" else _AllGather)(s, phase)
 
@@ -312,11 +341,11 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: _Setup) -> tu
     out = q.new_zeros((b, h, n, v.size(-1)), dtype=_acc(q))
     lse = q.new_full((b, h, n), float("-inf"), dtype=_acc(q))
     for src, kv in _exchange(s, "forward").kv_blocks(_pack(k, v)):
-        blk = block_plan(s.rank, src, s.size, n, s.is_causal, s.load_balance)
+        blk, visible = _plan(s, src, n, q.device)
         if blk is None:
-            continue  # every key of this block lies in the future of every local query
+            continue  # every key of this block lies in the future of every local query (or outside the window)
         kb, vb = _unpack(kv, k, v)
-        o, m = _block_forward(q[:, :, blk.q], kb[:, :, blk.kv], vb[:, :, blk.kv], s.scale, blk.causal)
+        o, m = _block_forward(q[:, :, blk.q], kb[:, :, blk.kv], vb[:, :, blk.kv], s.scale, blk.causal, visible)
         _merge(out, lse, blk.q, o, m)
     return out, lse
 
@@ -327,11 +356,12 @@ def _backward(dout, q, k, v, out, lse, s: _Setup) -> tuple[torch.Tensor, torch.T
     ex = _exchange(s, "backward")
     for src, kv in ex.kv_blocks(_pack(k, v)):
         dkv = kv.new_zeros(kv.numel(), dtype=_acc(kv))  # accumulated and sent in fp32 (fp64 for fp64 inputs)
-        blk = block_plan(s.rank, src, s.size, n, s.is_causal, s.load_balance)
+        blk, visible = _plan(s, src, n, q.device)
         if blk is not None:
             (kb, vb), (dkb, dvb), r, c = _unpack(kv, k, v), _unpack(dkv, k, v), blk.q, blk.kv
             gq, gk, gv = _block_backward(
-                dout[:, :, r], q[:, :, r], kb[:, :, c], vb[:, :, c], out[:, :, r], lse[:, :, r], s.scale, blk.causal
+                dout[:, :, r], q[:, :, r], kb[:, :, c], vb[:, :, c], out[:, :, r], lse[:, :, r], s.scale, blk.causal,
+                visible,
             )
             dq[:, :, r] += gq
             dkb[:, :, c] += gk
@@ -439,18 +469,24 @@ def context_parallel_attention(
     load_balance: bool = True,
     scale: float | None = None,
     comm_counter: CommCounter | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Exact attention over sequences sharded across ``group`` (the cp group); returns this rank's output shard.
 
     ``q`` (B, H, S_local, D), ``k``/``v`` (B, Hkv, S_local, D/Dv) are this rank's shards as made by
     :func:`shard_sequence` with the same ``load_balance`` (causal masking uses their global positions). ``Hkv``
     may divide ``H`` (GQA). ``group=None`` means the default group, or cp = 1 if torch.distributed is not
-    initialized. ``comm_counter`` collects the bytes this rank sends (forward and backward).
+    initialized. ``comm_counter`` collects the bytes this rank sends (forward and backward). ``window``: causal
+    sliding-window attention, each query seeing the ``window`` latest tokens up to itself (Mistral's
+    ``sliding_window``), on global positions.
     """
     group, rank, size = _resolve_group(group)
     _validate(q, k, v, attn_mask, algorithm, load_balance, scale, size)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1 or not is_causal):
+        raise ValueError(f"window={window!r} must be a positive int, and only with is_causal=True (a causal "
+                         f"sliding window); pass window=None for full causal attention.")
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
-    setup = _Setup(group, rank, size, bool(is_causal), bool(load_balance), scale, algorithm, comm_counter)
+    setup = _Setup(group, rank, size, bool(is_causal), bool(load_balance), scale, algorithm, comm_counter, window)
     return _ContextParallelAttention.apply(q, k, v, setup)
 
 

@@ -50,6 +50,11 @@ class ContextParallelScope(TorchFunctionMode):
         return shard_sequence(tensor, dim, self.rank, self.size, self.load_balance)
 
 
+def active_scope() -> ContextParallelScope | None:
+    """The innermost active scope: the cp group, algorithm and layout of the step running now (None outside)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 def recompute_in_active_scope() -> tuple[AbstractContextManager, AbstractContextManager]:
     """``context_fn`` for activation checkpointing: the recomputation (run by autograd during backward, where no
     TorchFunctionMode of the forward is active) re-enters the scope that was active when the forward ran."""

@@ -19,7 +19,6 @@ parameters shared between stages (tied embeddings across stages) are refused.
 from __future__ import annotations
 
 import copy
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +37,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining._IR import Pipe
 
+from lightning_par.parallel.init import initialize
 from lightning_par.parallel.modules import find_block_list
 
 
@@ -214,18 +214,15 @@ def stage_fqns(pipe: Pipe, model: nn.Module) -> list[list[str]]:
 
 
 def init_weights(model: nn.Module, seed: int = 0, fqns: set[str] | None = None) -> None:
-    """``reset_parameters()`` of every module that owns parameters (those in ``fqns`` if given), seeded by
-    ``(seed, module FQN)``: the initial weights then do not depend on how the model is split over ranks."""
-    for name, module in model.named_modules():
-        own = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
-        if not own or (fqns is not None and not fqns.intersection(own)):
-            continue
-        if not hasattr(module, "reset_parameters"):
-            raise ValueError(f"module {name!r} ({type(module).__name__}) owns parameters but has no "
-                             f"reset_parameters(); create the model with real weights (not on the meta device).")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            module.reset_parameters()
+    """Initialize every module that owns parameters (those in ``fqns`` if given), seeded by ``(seed, module FQN)``:
+    the initial weights then do not depend on how the model is split over ranks."""
+    names = [name for name, module in model.named_modules()
+             if (own := [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)])
+             and (fqns is None or fqns.intersection(own))]
+    missing = initialize(model, names, seed)
+    if missing:
+        raise ValueError(f"modules of type {missing} own parameters but have no reset_parameters(); create the model "
+                         f"with real weights (not on the meta device).")
 
 
 def build_schedule(name: str, stages: Sequence[PipelineStage], n_microbatches: int,

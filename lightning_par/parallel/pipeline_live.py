@@ -24,7 +24,7 @@ import copy
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,11 +33,11 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._IR import _modify_graph_op_device
 
+from lightning_par.parallel.init import materialize
 from lightning_par.parallel.pipeline import (
     SCHEDULES,
     block_fqns,
     build_schedule,
-    init_weights,
     last_stage_rank,
     meta_clone,
     plan_split,
@@ -45,6 +45,13 @@ from lightning_par.parallel.pipeline import (
     stage_ids,
     trace_pipeline,
     validate_pipeline,
+)
+from lightning_par.parallel.pipeline_hf import (
+    HFPipelineModel,
+    HFStage,
+    check_forward_contract,
+    find_hf_pipeline_model,
+    shared_buffer_modules,
 )
 from lightning_par.parallel.pipeline_timeline import ScheduleRecorder
 
@@ -57,6 +64,7 @@ class StagePlan:
     owners: list[list[str]]  # per stage: modules run as the user's objects (blocks, then weight-owning glue)
     tensors: list[set[str]]  # per stage: FQNs of its parameters and buffers
     blocks: list[str]  # FQNs of the block list's blocks, in order
+    shared: list[str] = field(default_factory=list)  # buffer-only modules every stage keeps (rotary embeddings)
 
     @property
     def num_stages(self) -> int:
@@ -98,6 +106,30 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: Sequence[str] |
     return StagePlan(list(points), owners, tensors, blocks)
 
 
+def plan_hf_stages(model: nn.Module, hf: HFPipelineModel, num_stages: int,
+                   split_points: Sequence[str] | None = None) -> StagePlan:
+    """The stage plan of a transformers model from its pipeline plan: the entries before the layers on the first
+    stage, the layers cut like any block list, the entries after them on the last stage; buffer-only modules
+    (rotary embeddings) on every stage."""
+    _, blocks = block_fqns(model, hf.layers)
+    points = plan_split(model, num_stages, split_points, hf.layers)
+    owners: list[list[str]] = [[] for _ in range(num_stages)]
+    owners[0].extend(hf.first)
+    stage = 0
+    for name in blocks:
+        stage += name in points
+        owners[stage].append(name)
+    owners[-1].extend(hf.last)
+    shared = shared_buffer_modules(model, hf)
+    tensors = [set() for _ in range(num_stages)]
+    for s, names in enumerate(owners):
+        for name in [*names, *shared]:
+            sub = model.get_submodule(name)
+            tensors[s].update(f"{name}.{n}" for n, _ in sub.named_parameters())
+            tensors[s].update(f"{name}.{n}" for n, _ in sub.named_buffers())
+    return StagePlan(list(points), owners, tensors, blocks, shared)
+
+
 def keep_local(model: nn.Module, plan: StagePlan, local_stages: Sequence[int]) -> None:
     """Remove every parameter and buffer of ``model`` that no local stage holds (freeing them)."""
     keep = set().union(*(plan.tensors[s] for s in local_stages))
@@ -111,17 +143,13 @@ def keep_local(model: nn.Module, plan: StagePlan, local_stages: Sequence[int]) -
 
 def materialize_local(model: nn.Module, plan: StagePlan, local_stages: Sequence[int], device: torch.device,
                       seed: int = 0) -> None:
-    """Give memory to the local owners still on the meta device and initialize them with ``reset_parameters``
-    seeded by (seed, module FQN): the initial weights are the same under any pp size or split."""
-    fqns: set[str] = set()
-    for s in local_stages:
-        for name in plan.owners[s]:
-            owner = model.get_submodule(name)
-            if any(t.is_meta for t in list(owner.parameters()) + list(owner.buffers())):
-                owner.to_empty(device=device)
-                fqns.update(f"{name}.{n}" for n, _ in owner.named_parameters())
-    if fqns:
-        init_weights(model, seed, fqns)
+    """Give memory to the local owners (and the buffers every stage keeps) still on the meta device and initialize
+    them, seeded by (seed, module FQN): the initial weights are the same under any pp size or split."""
+    names = [name for s in local_stages for name in plan.owners[s]] + plan.shared
+    missing = materialize(model, device, names, seed)
+    if missing:
+        raise ValueError(f"modules of type {missing} own tensors but have no reset_parameters(); create the model with "
+                         f"real weights (not on the meta device), or give them a reset_parameters().")
 
 
 @contextmanager
@@ -157,6 +185,12 @@ class LivePipeline:
                  group: dist.ProcessGroup, device: torch.device, stages_per_rank: int | None = None,
                  split_points: Sequence[str] | None = None, block_list: str | None = None,
                  share: Sequence[Any] = ()) -> None:
+        self.hf = find_hf_pipeline_model(model)
+        if self.hf is not None:
+            if block_list not in (None, self.hf.layers):
+                raise ValueError(f"block_list={block_list!r}: {type(self.hf.model).__name__} is pipelined from its own "
+                                 f"pipeline plan, which cuts {self.hf.layers!r}. Leave block_list unset.")
+            block_list = self.hf.layers
         _, blocks = block_fqns(model, block_list)
         if n_microbatches is None:  # one per stage: the least that keeps every stage busy at some point
             spec = SCHEDULES.get(schedule)
@@ -165,8 +199,12 @@ class LivePipeline:
         self.name, self.pp, self.pp_rank, self.n_microbatches = schedule, pp, pp_rank, n_microbatches
         self.group, self.device, self.model = group, device, model
         self.style = SCHEDULES[schedule].style
-        self.plan = plan_stages(model, pp * self.stages_per_rank, split_points, block_list)
+        num_stages = pp * self.stages_per_rank
+        self.plan = (plan_stages(model, num_stages, split_points, block_list) if self.hf is None
+                     else plan_hf_stages(model, self.hf, num_stages, split_points))
         self.stage_ids = stage_ids(pp_rank, pp, self.stages_per_rank, self.style)
+        if self.hf is not None:
+            self._check_tied_across_ranks()
         self.template = meta_clone(model, share=share)
         keep_local(model, self.plan, self.stage_ids)
         self.loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
@@ -174,6 +212,23 @@ class LivePipeline:
         self.last_recording: ScheduleRecorder | None = None
         self._cache: dict[tuple, _Compiled] = {}
         self._calls: dict[tuple, dict[str, tuple[int, bool]]] = {}
+
+    def _check_tied_across_ranks(self) -> None:
+        """A parameter used by two stages (tied input and output embeddings) must stay on one rank: torch's
+        schedules do not add up gradients across stages of different ranks. The V-shaped schedule keeps the first
+        and the last stage on rank 0, so tied embeddings work there."""
+        rank_of = {s: r for r in range(self.pp) for s in stage_ids(r, self.pp, self.stages_per_rank, self.style)}
+        users: dict[int, tuple[str, int]] = {}
+        for stage, names in enumerate(self.plan.owners):
+            for name in names:
+                for pname, param in self.model.get_submodule(name).named_parameters():
+                    seen = users.setdefault(id(param), (f"{name}.{pname}", stage))
+                    if rank_of[seen[1]] != rank_of[stage]:
+                        raise ValueError(
+                            f"{seen[0]!r} (stage {seen[1]}) and {f'{name}.{pname}'!r} (stage {stage}) are one tied "
+                            f"parameter, on different pipeline ranks. Untie them (Hugging Face: "
+                            f"tie_word_embeddings=False), or use pp_schedule='zbv', which keeps the first and the "
+                            f"last stage on rank 0.")
 
     @property
     def has_last_stage(self) -> bool:
@@ -206,6 +261,32 @@ class LivePipeline:
         return self._cache[key]
 
     def _build(self, mb_args: tuple[Any, ...], train: bool) -> _Compiled:
+        if self.hf is not None:
+            check_forward_contract(self.template, self.hf, mb_args)
+            stages = self._hf_stages()
+        else:
+            stages = self._traced_stages(mb_args)
+        if train and self.loss_fn is None:
+            raise RuntimeError("LivePipeline.loss_fn must be set before a training step.")
+        # each micro-batch's loss is divided by the micro-batch count here, rather than the gradients afterwards
+        # (the schedules' scale_grads), which would also shrink gradients accumulated over earlier batches
+        loss_fn = self._micro_batch_loss if train else None
+        return _Compiled(stages, build_schedule(self.name, stages, self.n_microbatches, loss_fn, scale_grads=False))
+
+    def _hf_stages(self) -> list[PipelineStage]:
+        """Stages of a transformers model from its pipeline plan: nothing to trace, one per local stage id."""
+        assert self.hf is not None
+        index = {name: i for i, name in enumerate(self.plan.blocks)}
+        stages = []
+        for sid in self.stage_ids:
+            layer_ids = [index[name] for name in self.plan.owners[sid] if name in index]
+            submod = HFStage(self.model, self.hf, layer_ids, first=sid == 0, last=sid == self.plan.num_stages - 1,
+                             shared=self.plan.shared)
+            stages.append(PipelineStage(submod, sid, self.plan.num_stages, self.device, group=self.group))
+        return stages
+
+    def _traced_stages(self, mb_args: tuple[Any, ...]) -> list[PipelineStage]:
+        """Stages whose glue is traced from the model's forward, with the model's own modules swapped in."""
         with without_function_modes():  # e.g. context-parallel attention routing: not while tracing on meta
             pipe = trace_pipeline(self.template, mb_args, self.plan.split_points)
             self._check_partition(stage_fqns(pipe, self.template))
@@ -217,12 +298,7 @@ class LivePipeline:
                 _swap_in(submod, name, self.model.get_submodule(name), calls)
             _modify_graph_op_device(submod, self.device)
             stages.append(PipelineStage(submod, sid, self.plan.num_stages, self.device, group=self.group))
-        if train and self.loss_fn is None:
-            raise RuntimeError("LivePipeline.loss_fn must be set before a training step.")
-        # each micro-batch's loss is divided by the micro-batch count here, rather than the gradients afterwards
-        # (the schedules' scale_grads), which would also shrink gradients accumulated over earlier batches
-        loss_fn = self._micro_batch_loss if train else None
-        return _Compiled(stages, build_schedule(self.name, stages, self.n_microbatches, loss_fn, scale_grads=False))
+        return stages
 
     def _micro_batch_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         assert self.loss_fn is not None

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from lightning_par.parallel.hf import is_hf_model, outermost_hf_models
 from lightning_par.parallel.modules import fqn_matches
 
 #: Style names and what they do. Activations between modules are plain local tensors of shape (batch, seq, ...):
@@ -99,7 +100,7 @@ def resolve_tp_plan(module: nn.Module, plan: Plan | None) -> dict[str, str | Par
     if plan is not None:
         return _check_plan_types(plan, "tp_plan")
     own = getattr(module, "tp_plan", None)
-    if own is not None and not _is_hf_model(module):
+    if own is not None and not is_hf_model(module):
         return _check_plan_types(own, f"{type(module).__name__}.tp_plan")
     found = _hf_plan(module)
     if found:
@@ -112,19 +113,11 @@ def resolve_tp_plan(module: nn.Module, plan: Plan | None) -> dict[str, str | Par
     )
 
 
-def _is_hf_model(module: nn.Module) -> bool:
-    return hasattr(getattr(module, "config", None), "base_model_tp_plan") and hasattr(module, "base_model_prefix")
-
-
 def _hf_plan(root: nn.Module) -> dict[str, str]:
     """The plans of the outermost HF models in ``root`` (their inner modules carry the same config), translated:
     HF no-op styles dropped, sequence-parallel entries added (they do nothing unless ``sequence_parallel=True``)."""
     plan: dict[str, str] = {}
-    owners: list[str] = []
-    for fqn, sub in root.named_modules():
-        if not _is_hf_model(sub) or any(fqn == o or fqn.startswith(f"{o}.") or o == "" for o in owners):
-            continue
-        owners.append(fqn)
+    for fqn, sub in outermost_hf_models(root):
         own = getattr(sub, "tp_plan", None)  # transformers >= 5: the model's and its base model's plans merged
         if not isinstance(own, Mapping) or not own:
             own = dict(getattr(type(sub), "_tp_plan", None) or {})

@@ -1,5 +1,7 @@
-"""Context parallelism as a technique of the engine: nothing changes in the module; while a step runs, every batch's
-sequence is split over the cp group and the model's attention is answered by ring / all-gather attention."""
+"""Context parallelism as a technique of the engine: while a step runs, every batch's sequence is split over the cp
+group and the model's attention is answered by ring / all-gather attention. Plain models need nothing changed
+(their ``F.scaled_dot_product_attention`` calls are routed); Hugging Face models get their attention and mask
+functions through transformers' own interfaces, and their positions filled in (``parallel/context_hf``)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ from typing import Any
 from lightning_par.checks import check_bool, check_choice
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.context import ALGORITHMS
+from lightning_par.parallel.context_hf import route_attention
 from lightning_par.parallel.context_routing import ContextParallelScope, shard_batch
-from lightning_par.techniques.technique import Technique
+from lightning_par.parallel.hf import outermost_hf_models
+from lightning_par.techniques.technique import Target, Technique
 
 
 class ContextParallel(Technique):
@@ -25,6 +29,11 @@ class ContextParallel(Technique):
     def setup_environment(self, dims: ParallelDims) -> None:
         if dims.cp > 1:
             self.scope = ContextParallelScope(dims.mesh("cp").get_group(), self.algorithm, self.load_balance)
+
+    def apply(self, target: Target, dims: ParallelDims) -> None:
+        if dims.cp > 1:
+            for _, model in outermost_hf_models(target.module):
+                route_attention(model)
 
     def step_context(self, dims: ParallelDims) -> AbstractContextManager | None:
         return self.scope

@@ -1,0 +1,68 @@
+"""Giving memory and initial values to a model created on the meta device, one module at a time.
+
+A module is initialized by its own ``reset_parameters()``, except inside a Hugging Face transformers model, where the
+model's ``_init_weights(module)`` is used: transformers' own initialization (its std, zeroed biases, norms at one,
+rotary ``inv_freq`` recomputed), which its norms and rotary embeddings need (they have no ``reset_parameters``).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from lightning_par.parallel.hf import outermost_hf_models
+
+
+def _owns_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+
+
+def _initializers(root: nn.Module) -> dict[str, nn.Module]:
+    """For each module FQN inside a transformers model: that model (whose ``_init_weights`` initializes it)."""
+    owners: dict[str, nn.Module] = {}
+    for fqn, model in outermost_hf_models(root):
+        for name, _ in model.named_modules():
+            owners[".".join(p for p in (fqn, name) if p)] = model
+    return owners
+
+
+def initialize(root: nn.Module, modules: Sequence[str] | None = None, seed: int | None = None) -> list[str]:
+    """(Re-)initialize the modules of ``root`` named in ``modules`` (default: every module that owns tensors).
+
+    ``seed``: each module is seeded by ``(seed, its FQN)``, so its values do not depend on which rank holds it
+    (pipeline stages) or on what was initialized before. Returns the class names of modules that have no way to be
+    initialized (neither ``reset_parameters`` nor a transformers model around them): the caller decides."""
+    owners = _initializers(root)
+    if modules is None:
+        modules = [name for name, module in root.named_modules() if _owns_tensors(module)]
+    missing: set[str] = set()
+    for fqn in modules:
+        module = root.get_submodule(fqn) if fqn else root
+        with torch.random.fork_rng(devices=[]) if seed is not None else nullcontext():
+            if seed is not None:
+                torch.manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
+            if fqn in owners:
+                owners[fqn]._init_weights(module)  # transformers' per-module initializer
+            elif callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+            else:
+                missing.add(type(module).__name__)
+    return sorted(missing)
+
+
+def materialize(root: nn.Module, device: torch.device, subtrees: Sequence[str] = ("",),
+                seed: int | None = None) -> list[str]:
+    """Give the meta-device tensors under the modules ``subtrees`` of ``root`` memory on ``device``, then
+    :func:`initialize` every module there that owns tensors. Subtrees already holding real tensors are left as they
+    are. Returns what :func:`initialize` could not initialize."""
+    modules = []
+    for top in subtrees:
+        sub = root.get_submodule(top) if top else root
+        if any(t.is_meta for t in list(sub.parameters()) + list(sub.buffers())):
+            sub.to_empty(device=device)
+            modules += [".".join(p for p in (top, n) if p) for n, m in sub.named_modules() if _owns_tensors(m)]
+    return initialize(root, modules, seed) if modules else []

@@ -1,0 +1,81 @@
+"""Hugging Face causal LMs built from tiny configs (no download), inside the plain LightningModule a user writes.
+
+The module follows the README's contract and nothing else: ``forward(x)`` returns the model's logits, ``loss`` is a
+method, and no line of it knows about parallelism (no position ids, no masks, no stage logic).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+
+# vocab 32 and sequences of 16 match tests/workers.py's token_dataset; 4 layers so that pp=2 x 2 stages per rank fit
+_COMMON = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    # a sliding window narrower than the sequence: its mask differs from plain causal attention
+    "mistral": ("MistralConfig", {"sliding_window": 5}),
+    "phi3": ("Phi3Config", {"num_key_value_heads": 4, "pad_token_id": 0}),  # fused qkv and gate_up projections
+    "gemma": ("GemmaConfig", {"head_dim": 8}),  # scaled embeddings, GeGLU
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),  # mixture of experts
+    # soft-capped attention logits (which transformers' SDPA path refuses too): refused by context parallelism
+    "gemma2": ("Gemma2Config", {"head_dim": 8}),
+}
+
+
+def tiny_hf_model(arch: str, **overrides: Any) -> torch.nn.Module:
+    import transformers
+
+    config_cls, extra = TINY_CONFIGS[arch]
+    config = getattr(transformers, config_cls)(**{**_COMMON, **extra, **overrides})
+    attention = "eager" if arch == "gemma2" else "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+
+
+class HFCausalLM(pl.LightningModule):
+    """A user's LightningModule around a Hugging Face causal LM."""
+
+    def __init__(self, arch: str = "llama", lr: float = 3e-3, **overrides: Any) -> None:
+        super().__init__()
+        self.lr = lr
+        self.model = tiny_hf_model(arch, **overrides)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x).logits
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.loss(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", self.loss(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=1e-6)
+
+
+class PaddedHFCausalLM(HFCausalLM):
+    """Passes a padding mask that hides the first token of every sequence."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones_like(x)
+        mask[:, 0] = 0
+        return self.model(input_ids=x, attention_mask=mask).logits
+
+
+class MaskedHFCausalLM(HFCausalLM):
+    """Passes an all-ones attention mask: harmless in one process, but nothing a pipeline stage hands on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x, attention_mask=torch.ones_like(x)).logits

@@ -1,0 +1,87 @@
+"""What tests/test_hf_models.py runs in each process: Hugging Face causal LMs (tiny configs) trained by Lightning
+under context, pipeline and N-D parallelism, several layouts per launch (a launch costs seconds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from hf_models import HFCausalLM, MaskedHFCausalLM, PaddedHFCausalLM
+from torch.utils.data import DataLoader
+from workers import SEED, error_of, fit, token_dataset
+
+from lightning_par import NDParallelStrategy
+from lightning_par.callbacks import PipelineTimelineMonitor
+
+STEPS = 4
+ARCHS = ("llama", "qwen2", "mistral", "phi3", "gemma", "mixtral")
+PP_SCHEDULES = {"gpipe/m1": ("gpipe", 1), "interleaved_1f1b/m4": ("interleaved_1f1b", 4),
+                "interleaved_zb/m4": ("interleaved_zb", 4), "zbv/m4": ("zbv", 4)}
+
+
+def hf_fit(strategy: NDParallelStrategy, world: int, dp: int, arch: str = "qwen2", **kwargs: Any) -> dict[str, Any]:
+    kwargs.setdefault("max_steps", STEPS)
+    kwargs.setdefault("module_cls", HFCausalLM)
+    return fit(strategy, devices=world, dp_size=dp, arch=arch, **kwargs)
+
+
+def validate(strategy: NDParallelStrategy, world: int, arch: str = "qwen2") -> dict[str, float]:
+    """``trainer.validate`` of the initial weights on batches of 4 (another shape than training's)."""
+    pl.seed_everything(SEED, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    out = trainer.validate(HFCausalLM(arch), DataLoader(token_dataset(32), batch_size=4))[0]
+    return {k: float(v) for k, v in out.items()}
+
+
+def _cp(**kw: Any) -> NDParallelStrategy:
+    return NDParallelStrategy(dp_shard=1, cp=2, **kw)
+
+
+def _pp(schedule: str = "1f1b", m: int = 2, **kw: Any) -> NDParallelStrategy:
+    return NDParallelStrategy(dp_shard=1, pp=2, pp_schedule=schedule, pp_microbatches=m, **kw)
+
+
+def world2(ckpt_dir: str) -> dict[str, Any]:
+    """Every architecture under cp=2 and pp=2; the other schedules, an uneven split, activation checkpointing,
+    validate, the timeline, checkpoints across layouts, and what is refused."""
+    out: dict[str, Any] = {"errors": {
+        "padding_mask_under_cp": error_of(lambda: hf_fit(_cp(), 2, 1, module_cls=PaddedHFCausalLM)),
+        "tied_embeddings_across_ranks": error_of(lambda: hf_fit(_pp(), 2, 1, tie_word_embeddings=True)),
+        "softcapping_under_cp": error_of(lambda: hf_fit(_cp(), 2, 1, arch="gemma2")),
+        "forward_breaks_the_contract": error_of(lambda: hf_fit(_pp(), 2, 1, module_cls=MaskedHFCausalLM)),
+        "block_list_is_not_the_plans": error_of(lambda: hf_fit(_pp(block_list="model.model.norm"), 2, 1)),
+    }}
+    out["cp"] = {arch: hf_fit(_cp(), 2, 1, arch=arch) for arch in ARCHS}
+    out["cp_allgather"] = hf_fit(_cp(cp_algorithm="allgather"), 2, 1, arch="llama")
+    out["pp"] = {arch: hf_fit(_pp(), 2, 1, arch=arch) for arch in ARCHS}
+    out["pp_schedules"] = {name: hf_fit(_pp(s, m), 2, 1) for name, (s, m) in PP_SCHEDULES.items()}
+    out["pp_uneven"] = hf_fit(_pp(pp_split_points=["model.model.layers.1"]), 2, 1)
+    out["pp_activation_checkpointing"] = hf_fit(_pp(activation_checkpointing=True), 2, 1, arch="llama")
+    out["zbv_tied"] = hf_fit(_pp("zbv", 4), 2, 1, tie_word_embeddings=True)
+    out["validate"] = {"pp": validate(_pp(), 2), "cp": validate(_cp(), 2)}
+    monitor = PipelineTimelineMonitor(every_n_steps=10, first_step=2, dirpath=str(Path(ckpt_dir) / "timeline"))
+    hf_fit(_pp("1f1b", 4), 2, 1, max_steps=3, callbacks=[monitor])
+    out["timelines"] = monitor.timelines
+    # checkpoint at step 2 under pp; resumed under pp and under cp: DCP reshards
+    hf_fit(_pp(), 2, 1, max_steps=2, ckpt_dir=ckpt_dir, ckpt_every_n_steps=2)
+    ckpt = str(Path(ckpt_dir) / "step=2.ckpt")
+    out["resumed_pp"] = hf_fit(_pp(), 2, 1, resume_from=ckpt)
+    out["resumed_cp"] = hf_fit(_cp(), 2, 1, resume_from=ckpt)
+    return out
+
+
+def world4() -> dict[str, Any]:
+    """The 2-D mixes of the issue, on a Hugging Face model."""
+    layouts = {
+        "pp2_x_dp_shard2": (dict(pp=2, dp_shard=2), 2),
+        "pp2_x_tp2": (dict(pp=2, dp_shard=1, tp=2), 1),
+        "cp2_x_tp2": (dict(cp=2, dp_shard=1, tp=2), 1),
+        "cp2_x_dp_shard2": (dict(cp=2, dp_shard=2), 2),
+    }
+    return {name: hf_fit(NDParallelStrategy(**kw), 4, dp) for name, (kw, dp) in layouts.items()}
+
+
+def world8() -> dict[str, Any]:
+    return {"pp2_x_dp_shard2_x_tp2": hf_fit(NDParallelStrategy(pp=2, dp_shard=2, tp=2), 8, 2)}
