@@ -383,6 +383,14 @@ def load_single_file(model: torch.nn.Module, optimizers: list[torch.optim.Optimi
     return raw
 
 
+def check_hf_directory(path: str | os.PathLike) -> Path:
+    """The strategies' ``pretrained`` option, checked at construction on every rank (a missing directory, or one
+    without safetensors, fails there, not at setup)."""
+    from lightning_par.pretrained import check_hf_checkpoint
+
+    return check_hf_checkpoint(path, name="pretrained")
+
+
 def load_pretrained(module: torch.nn.Module, path: str | os.PathLike | None) -> None:
     """A strategy's setup step after materializing the model: load the Hugging Face checkpoint at ``path`` (the
     strategy's ``pretrained`` option) into the sharded model, if set. Resuming (``trainer.fit(ckpt_path=...)``)

@@ -104,12 +104,6 @@ class LitCausalLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=1e-6)
 
 
-def pretrained(strategy: pl.strategies.Strategy, path: Path) -> pl.strategies.Strategy:
-    # the option the strategies will expose as `pretrained=...`; the base strategy reads this attribute at setup
-    strategy.pretrained = str(path)
-    return strategy
-
-
 # ---- per-rank memory -----------------------------------------------------------------------------------------------
 
 
@@ -175,7 +169,7 @@ def predict(strategy, devices: int, kind: str, config: dict, callbacks=None, gat
 def _hf_errors(dirs: dict[str, str]) -> dict:
     """Each must fail on every rank before any collective could hang: the next runs in the same job still work."""
     def run(path, config=LLAMA, module_cls=None):
-        strategy = pretrained(FSDP2Strategy(), Path(path))
+        strategy = FSDP2Strategy(pretrained=Path(path))
         if module_cls is None:
             return predict(strategy, 4, "llama", config)
         trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, max_steps=1,
@@ -195,17 +189,17 @@ def _world4(dirs: dict[str, str]) -> dict:
     errors = _hf_errors(dirs)
     return {
         "errors": errors,
-        "fsdp2": predict(pretrained(FSDP2Strategy(activation_checkpointing=True), dirs["llama"]), 4, "llama", LLAMA),
-        "tp4": predict(pretrained(TensorParallelStrategy(tp=4), dirs["llama_sharded"]), 4, "llama", LLAMA),
-        "dp2_x_tp2": predict(pretrained(NDParallelStrategy(dp_shard=2, tp=2), dirs["qwen_sharded"]), 4, "qwen", QWEN),
-        "hsdp_tied": predict(pretrained(FSDP2Strategy(dp_replicate=2, dp_shard=2), dirs["qwen_tied"]), 4, "qwen",
+        "fsdp2": predict(FSDP2Strategy(activation_checkpointing=True, pretrained=dirs["llama"]), 4, "llama", LLAMA),
+        "tp4": predict(TensorParallelStrategy(tp=4, pretrained=dirs["llama_sharded"]), 4, "llama", LLAMA),
+        "dp2_x_tp2": predict(NDParallelStrategy(dp_shard=2, tp=2, pretrained=dirs["qwen_sharded"]), 4, "qwen", QWEN),
+        "hsdp_tied": predict(FSDP2Strategy(dp_replicate=2, dp_shard=2, pretrained=dirs["qwen_tied"]), 4, "qwen",
                              {**QWEN, "tie_word_embeddings": True}),
     }
 
 
 def _memory(directory: str) -> dict:
     measure = MeasureSetup()
-    out = predict(pretrained(FSDP2Strategy(), directory), 2, "llama", BIG_LLAMA, callbacks=[measure], gather=False)
+    out = predict(FSDP2Strategy(pretrained=directory), 2, "llama", BIG_LLAMA, callbacks=[measure], gather=False)
     out["anon_bytes"], out["rss_bytes"] = measure.peak.anon_bytes, measure.peak.rss_bytes
     if dist.get_rank() == 0:  # the same measurement around a whole model in memory (no meta-device init)
         with PeakMemory() as control:
@@ -266,9 +260,9 @@ def _single_file_and_resume(ckpt_dir: str, hf_dir: str) -> dict:
 
     # the pretrained load happens at every setup; a resumed checkpoint is restored after it and wins
     hf = ckpt / "hf"
-    out["pretrained_fit"] = fit(pretrained(FSDP2Strategy(), hf_dir), 2, 2, max_steps=2, module_cls=TinyLlamaLM,
+    out["pretrained_fit"] = fit(FSDP2Strategy(pretrained=hf_dir), 2, 2, max_steps=2, module_cls=TinyLlamaLM,
                                 empty_init=True, ckpt_dir=str(hf), ckpt_every_n_steps=2)
-    out["pretrained_resumed"] = fit(pretrained(FSDP2Strategy(), hf_dir), 2, 2, max_steps=2, module_cls=TinyLlamaLM,
+    out["pretrained_resumed"] = fit(FSDP2Strategy(pretrained=hf_dir), 2, 2, max_steps=2, module_cls=TinyLlamaLM,
                                     empty_init=True, resume_from=str(hf / "step=2.ckpt"))
     return out
 

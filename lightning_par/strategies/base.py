@@ -93,6 +93,9 @@ class BaseParallelStrategy(ParallelStrategy):
         dims: the layout; its product must equal ``num_nodes * devices``.
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default.
         timeout: seconds (or a ``timedelta``) a collective may wait before the job fails instead of hanging.
+        pretrained: a directory Hugging Face ``save_pretrained`` wrote: after the model is sharded and given memory,
+            each rank reads its own slices of those weights (``lightning_par.load_hf_weights``). A checkpoint
+            resumed with ``fit(ckpt_path=...)`` is restored afterwards and wins.
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class BaseParallelStrategy(ParallelStrategy):
         dims: ParallelDims,
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
+        pretrained: str | os.PathLike | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -127,6 +131,7 @@ class BaseParallelStrategy(ParallelStrategy):
                 f"Use 'nccl' on CUDA, 'gloo' on CPU, or leave it None to choose by accelerator."
             )
         self.dims = dims
+        self.pretrained = None if pretrained is None else str(ckpt.check_hf_directory(pretrained))
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.num_nodes = 1
@@ -224,7 +229,7 @@ class BaseParallelStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.parallelize(self.model)
         self._materialize(self.model)
-        ckpt.load_pretrained(self.model, getattr(self, "pretrained", None))
+        ckpt.load_pretrained(self.model, self.pretrained)
         self._check_data_parallel_consistency(self.model)
         summary = layout_summary(self.dims, self.model, str(self._process_group_backend), self.describe(),
                                  self.describe_rank())

@@ -86,7 +86,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         pp_split_points: FQNs of the blocks that begin stages 1..S-1 (uneven splits); default: an even cut.
         pp_loss_method: the LightningModule's method ``(outputs, targets) -> loss`` that the steps call as
             ``self.<name>(self(inputs), targets)``; the last stage runs it per micro-batch.
-        process_group_backend, timeout: see :class:`BaseParallelStrategy`.
+        process_group_backend, timeout, pretrained: see :class:`BaseParallelStrategy`.
     """
 
     def __init__(
@@ -116,6 +116,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         pp_loss_method: str = "loss",
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
+        pretrained: str | None = None,
         **lightning_kwargs: Any,
     ) -> None:
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
@@ -132,7 +133,8 @@ class NDParallelStrategy(BaseParallelStrategy):
         self.block_list = check_optional_str("block_list", block_list, "model.blocks")
         for technique in self.techniques:
             technique.check(dims)
-        super().__init__(dims, process_group_backend=process_group_backend, timeout=timeout, **lightning_kwargs)
+        super().__init__(dims, process_group_backend=process_group_backend, timeout=timeout, pretrained=pretrained,
+                         **lightning_kwargs)
 
     @property
     def pipeline(self) -> LivePipeline | None:
