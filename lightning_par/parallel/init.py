@@ -2,7 +2,8 @@
 
 A module is initialized by its own ``reset_parameters()``, except inside a Hugging Face transformers model, where the
 model's ``_init_weights(module)`` is used: transformers' own initialization (its std, zeroed biases, norms at one,
-rotary ``inv_freq`` recomputed), which its norms and rotary embeddings need (they have no ``reset_parameters``).
+rotary ``inv_freq`` recomputed), which its norms and rotary embeddings need (they have no ``reset_parameters``); and
+PEFT LoRA adapters, which get PEFT's own initialization (B at zero, so the adapted model starts as the base).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_par.parallel.hf import outermost_hf_models
+from lightning_par.parallel.lora import lora_initializers
 
 
 def _owns_tensors(module: nn.Module) -> bool:
@@ -37,6 +39,7 @@ def initialize(root: nn.Module, modules: Sequence[str] | None = None, seed: int 
     (pipeline stages) or on what was initialized before. Returns the class names of modules that have no way to be
     initialized (neither ``reset_parameters`` nor a transformers model around them): the caller decides."""
     owners = _initializers(root)
+    adapters = lora_initializers(root)
     if modules is None:
         modules = [name for name, module in root.named_modules() if _owns_tensors(module)]
     missing: set[str] = set()
@@ -45,7 +48,9 @@ def initialize(root: nn.Module, modules: Sequence[str] | None = None, seed: int 
         with torch.random.fork_rng(devices=[]) if seed is not None else nullcontext():
             if seed is not None:
                 torch.manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
-            if fqn in owners:
+            if fqn in adapters:
+                adapters[fqn]()  # PEFT's initialization of the adapter (B zero: the model starts as the base)
+            elif fqn in owners:
                 owners[fqn]._init_weights(module)  # transformers' per-module initializer
             elif callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()

@@ -90,7 +90,13 @@ def apply_tp(
         if (built := build_style(style, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)) is not None
     }
     if styles:
+        frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
         parallelize_module(module, tp_mesh, styles)
+        # torch's SequenceParallel re-creates parameters without their requires_grad (torch 2.11-2.13): a frozen
+        # norm would start training. Put every flag back by name.
+        for name, p in module.named_parameters():
+            if name in frozen and p.requires_grad:
+                p.requires_grad_(False)
 
 
 def build_style(

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_par.parallel.hf import is_hf_model, outermost_hf_models
+from lightning_par.parallel.lora import is_lora_layer, lora_tp_entries
 from lightning_par.parallel.modules import fqn_matches
 
 #: Style names and what they do. Activations between modules are plain local tensors of shape (batch, seq, ...):
@@ -222,10 +223,11 @@ def validate_tp_plan(
                     f"-> {style!r}. Give each module one style (narrow one of the globs)."
                 )
             resolved[name], source[name] = style, key
+    styles = set(resolved.values())  # the plan's own styles, before LoRA adapters add theirs
+    resolved = _follow_adapters(module, resolved, sequence_parallel)
     for name, style in resolved.items():
         _check_module(name, module.get_submodule(name), style, tp_size, module)
     _check_tied(module, resolved, sequence_parallel)
-    styles = set(resolved.values())
     if loss_parallel and "vocab_parallel_head" not in styles:
         raise ValueError(
             "loss_parallel=True needs an output layer whose logits stay sharded over the vocabulary: mark it "
@@ -241,6 +243,16 @@ def validate_tp_plan(
                 f"{sorted(str(s) for s in styles)}; or pass sequence_parallel=False."
             )
     return resolved
+
+
+def _follow_adapters(root: nn.Module, resolved: dict[str, str | ParallelStyle],
+                     sequence_parallel: bool) -> dict[str, str | ParallelStyle]:
+    """PEFT LoRA layers in the plan: the base layer keeps the style, the adapters follow it (``parallel/lora``)."""
+    out: dict[str, str | ParallelStyle] = {}
+    for name, style in resolved.items():
+        layer = root.get_submodule(name)
+        out.update(lora_tp_entries(name, layer, style, sequence_parallel) if is_lora_layer(layer) else {name: style})
+    return out
 
 
 def _check_module(name: str, mod: nn.Module, style: str | ParallelStyle, tp: int, root: nn.Module) -> None:
