@@ -3,7 +3,7 @@
 from lightning_par.checkpoint import consolidate_checkpoint, full_state_dict
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.context_routing import context_positions
-from lightning_par.pretrained import load_hf_weights
+from lightning_par.pretrained import load_hf_weights, save_hf_pretrained
 from lightning_par.strategies.base import BaseParallelStrategy
 from lightning_par.strategies.nd import NDParallelStrategy
 from lightning_par.strategies.presets import (
@@ -28,5 +28,6 @@ __all__ = [
     "context_positions",
     "full_state_dict",
     "load_hf_weights",
+    "save_hf_pretrained",
 ]
 __version__ = "0.1.0"

@@ -50,6 +50,7 @@ from torch.futures import Future
 META_FILE = "meta.pt"  # the name Lightning's ModelParallelStrategy uses for the same content
 COMPLETE_FILE = "COMPLETE"
 FORMAT = "lightning_par-dcp-1"
+TRAINABLE_ONLY = "lightning_par_trainable_only"  # meta key: the checkpoint holds the trainable parameters only
 
 
 def _is_rank_zero() -> bool:
@@ -134,11 +135,6 @@ def stored_shapes(path: str | os.PathLike, prefix: str) -> dict[str, torch.Size]
     }
 
 
-def check_same_model(path: Path, model_shapes: dict[str, torch.Size], prefix: str = "state_dict.") -> None:
-    """Refuse, before any collective, a checkpoint whose parameter names or global shapes differ from the model's."""
-    compare_shapes(path, stored_shapes(path, prefix), model_shapes)
-
-
 def compare_shapes(path: Path, stored: Mapping[str, torch.Size], model_shapes: dict[str, torch.Size]) -> None:
     """Raise unless ``stored`` (a checkpoint's FQNs and global shapes) and ``model_shapes`` are the same."""
     missing = sorted(set(model_shapes) - set(stored))
@@ -155,6 +151,32 @@ def compare_shapes(path: Path, stored: Mapping[str, torch.Size], model_shapes: d
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}, "
             f"shape mismatch {mismatched[:5]}. Resume with the model configuration that wrote it."
         )
+
+
+def trainable_names(module: torch.nn.Module) -> set[str]:
+    """State-dict names (wrappers of activation checkpointing and compile left out) of the trainable parameters."""
+    return {".".join(seg for seg in name.split(".") if seg not in ("_checkpoint_wrapped_module", "_orig_mod"))
+            for name, p in module.named_parameters() if p.requires_grad}
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The non-tensor part of a sharded checkpoint (loops, hyper-parameters, lightning_par's own flags)."""
+    return torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=False)
+
+
+def check_same_trainable(path: Path, stored: Mapping[str, torch.Size], model_shapes: dict[str, torch.Size]) -> None:
+    """For a checkpoint of the trainable weights only (adapters): the model must train exactly those."""
+    unexpected = sorted(set(stored) - set(model_shapes))
+    missing = sorted(set(model_shapes) - set(stored))
+    if unexpected or missing:
+        raise ValueError(
+            f"ckpt_path={str(path)!r} holds only the trainable weights of its model (save_trainable_only=True: "
+            f"e.g. LoRA adapters), and they do not match what this model trains: the checkpoint has "
+            f"{unexpected[:4]}{'...' if len(unexpected) > 4 else ''} ({len(unexpected)}) that this model lacks or "
+            f"keeps frozen, and this model trains {missing[:4]}{'...' if len(missing) > 4 else ''} ({len(missing)}) "
+            f"that the checkpoint lacks. Build the model with the same adapters (the same peft LoraConfig) and the "
+            f"same frozen weights before resuming; the frozen weights come from pretrained=...")
+    compare_shapes(path, stored, model_shapes)
 
 
 def load_sharded(tensors: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:

@@ -14,17 +14,21 @@ Keys: a checkpoint's keys are the Hugging Face model's own (``model.layers.0.sel
 ``lm_head.weight``); the LightningModule's are longer (``model.model.layers...`` when the Hugging Face model is
 ``self.model``). The Hugging Face model is found inside the module (the outermost ``PreTrainedModel``), or named by
 ``prefix``. Non-persistent buffers (rotary ``inv_freq``) are not in a checkpoint: they are recomputed by the
-model's own ``_init_weights``, the hook transformers itself uses for them after a meta-device load.
+model's own ``_init_weights``, the hook transformers itself uses for them after a meta-device load. A model adapted
+with PEFT LoRA loads its base weights (``q_proj.base_layer.weight`` from ``q_proj.weight``); the adapters keep their
+initialization.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -34,8 +38,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_par.checkpoint import raise_on_every_rank
 from lightning_par.parallel.hf import outermost_hf_models
+from lightning_par.parallel.lora import is_lora_layer
 
-__all__ = ["check_hf_checkpoint", "find_hf_model", "load_hf_weights", "recompute_non_persistent_buffers"]
+__all__ = ["check_hf_checkpoint", "find_hf_model", "load_hf_weights", "recompute_non_persistent_buffers",
+           "save_hf_pretrained"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -92,8 +98,8 @@ def find_hf_model(module: nn.Module) -> tuple[str, nn.Module | None]:
                          f"parameters automatically. Pass prefix='<FQN of the model>.' (e.g. prefix='model.' for "
                          f"a Hugging Face model at self.model).")
     name, model = outer[0]
-    kept = [seg for seg in name.split(".") if seg and seg not in _WRAPPER_SEGMENTS]
-    return (".".join(kept) + "." if kept else ""), model
+    kept = _clean(name)
+    return (kept + "." if kept else ""), model
 
 
 def _class_name(module: nn.Module) -> str:
@@ -134,6 +140,21 @@ def _tied_sources(model: nn.Module | None) -> dict[str, str]:
     return dict(tied) if isinstance(tied, dict) else {}
 
 
+def _clean(fqn: str) -> str:
+    """A module FQN as state dicts name it (without the wrappers of activation checkpointing or compile)."""
+    return ".".join(seg for seg in fqn.split(".") if seg not in _WRAPPER_SEGMENTS)
+
+
+def _checkpoint_key(key: str, adapted: list[str]) -> str | None:
+    """The checkpoint key of a model key: a PEFT LoRA layer keeps the original weights under ``base_layer`` (its
+    ``q_proj.base_layer.weight`` is the checkpoint's ``q_proj.weight``); its adapters are no checkpoint key (None)."""
+    for layer in adapted:
+        if key.startswith(layer):
+            rest = key[len(layer):]
+            return layer + rest[len("base_layer."):] if rest.startswith("base_layer.") else None
+    return key
+
+
 def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | None = None) -> list[str]:
     """Collective (every rank of the default group): load a Hugging Face safetensors checkpoint into ``module``.
 
@@ -163,6 +184,8 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | No
             hf_model = None
 
     stored = HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
+    adapted = [name[len(prefix):] + "." for name in (_clean(n) for n, m in module.named_modules() if is_lora_layer(m))
+               if name.startswith(prefix)]
     tied = _tied_sources(hf_model)
     state = get_model_state_dict(module)
     reads: dict[str, Tensor] = {}  # checkpoint key -> this rank's tensor to fill
@@ -177,7 +200,10 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | No
             continue
         if id(tensor) in planned:  # one tensor under two names (tied weights still shared)
             continue
-        key = fqn[len(prefix):]
+        key = _checkpoint_key(fqn[len(prefix):], adapted)
+        if key is None:  # a LoRA adapter's own weight: not in the base checkpoint, keeps its initialization
+            outside.append(fqn)
+            continue
         source = key if key in stored else tied.get(key)
         if source not in stored:
             missing.append(key)
@@ -213,3 +239,47 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | No
     set_model_state_dict(module, state, options=StateDictOptions(strict=False))
     return outside
 
+
+
+def _peft_root(module: nn.Module) -> tuple[str, nn.Module | None]:
+    """The outermost PEFT model (``get_peft_model``'s result) inside ``module``: its FQN prefix and object."""
+    for name, sub in module.named_modules():
+        if isinstance(getattr(sub, "peft_config", None), dict) and hasattr(sub, "merge_and_unload"):
+            return (_clean(name) + "." if name else ""), sub
+    return "", None
+
+
+def save_hf_pretrained(module: nn.Module, directory: str | os.PathLike) -> None:
+    """Collective: write the Hugging Face model inside ``module`` as ``save_pretrained`` does (config and
+    safetensors), so that ``AutoModelForCausalLM.from_pretrained(directory)`` loads it; LoRA adapters are merged
+    into the base weights (PEFT's own ``merge_and_unload``). Works under any layout: the full weights are gathered on
+    rank 0 (``full_state_dict``), which alone writes; the copy it builds starts on the meta device and takes the
+    gathered tensors as they are (no second copy)."""
+    from lightning_par.checkpoint import full_state_dict
+
+    prefix, hf_model = find_hf_model(module)
+    peft_prefix, peft_model = _peft_root(module)
+    state = full_state_dict(module)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        dist.barrier()
+        return
+    source = peft_prefix if peft_model is not None else prefix
+    weights = {k[len(source):]: v for k, v in state.items() if k.startswith(source)}
+    with torch.device("meta"):
+        copy = type(hf_model)(hf_model.config)
+    if peft_model is not None:
+        from peft import get_peft_model
+
+        adapter = peft_model.active_adapter
+        copy = get_peft_model(copy, deepcopy(peft_model.peft_config[adapter]), adapter_name=adapter)
+    copy.load_state_dict(weights, strict=False, assign=True)
+    if getattr(hf_model.config, "tie_word_embeddings", False):
+        copy.tie_weights()  # assign=True loaded the two names as two tensors
+    if peft_model is not None:
+        copy = copy.merge_and_unload()
+    missing = [k for k, v in copy.state_dict().items() if v.is_meta]
+    if missing:
+        raise RuntimeError(f"save_hf_pretrained: {missing[:4]} were not gathered from {_class_name(module)}.")
+    copy.save_pretrained(directory)
+    if dist.is_initialized():
+        dist.barrier()

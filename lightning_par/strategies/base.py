@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_par import checkpoint as ckpt
+from lightning_par.checks import check_bool
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.init import materialize
 from lightning_par.strategies.precision import to_parallel_precision
@@ -81,6 +82,29 @@ def _materialize_metric_defaults(module: nn.Module, device: torch.device) -> Non
         )
 
 
+def _warn_frozen_in_optimizers(model: nn.Module, optimizers: list[Optimizer], device: torch.device) -> None:
+    """Frozen parameters handed to an optimizer get no gradient, hence no update and no state from torch's
+    optimizers: harmless, but almost always a mistake (``self.parameters()`` instead of the trainable ones), and an
+    optimizer that updates parameters without gradients would change them. Name them; refuse an optimizer that has
+    nothing to train (every rank sees the same: the check runs before the first step, on every rank)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for i, optimizer in enumerate(optimizers):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        frozen = [names.get(id(p), "?") for p in params if not p.requires_grad]
+        trains = torch.tensor(float(len(frozen) < len(params)), device=device)
+        if dist.is_initialized():  # a pipeline stage may hold only frozen weights: ask whether any rank trains
+            dist.all_reduce(trains, op=dist.ReduceOp.MAX)
+        if not trains:
+            raise ValueError(f"optimizer {i} ({type(optimizer).__name__}) was given only frozen parameters "
+                             f"(requires_grad=False, e.g. {frozen[:3]}): nothing would train. Pass the trainable "
+                             f"ones: `[p for p in self.parameters() if p.requires_grad]`.")
+        if frozen:
+            rank_zero_warn(f"optimizer {i} ({type(optimizer).__name__}) was given {len(frozen)} frozen parameters "
+                           f"(requires_grad=False, e.g. {frozen[:3]}). They get no gradient, so torch's optimizers "
+                           f"neither update them nor keep state for them; pass only the trainable ones "
+                           f"(`[p for p in self.parameters() if p.requires_grad]`) to make that explicit.")
+
+
 def _destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -96,6 +120,8 @@ class BaseParallelStrategy(ParallelStrategy):
         pretrained: a directory Hugging Face ``save_pretrained`` wrote: after the model is sharded and given memory,
             each rank reads its own slices of those weights (``lightning_par.load_hf_weights``). A checkpoint
             resumed with ``fit(ckpt_path=...)`` is restored afterwards and wins.
+        save_trainable_only: checkpoints hold the trainable parameters (and their optimizer state) only, e.g. the
+            LoRA adapters of a fine-tuning run; resuming one needs the frozen weights from ``pretrained``.
     """
 
     def __init__(
@@ -104,6 +130,7 @@ class BaseParallelStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         pretrained: str | os.PathLike | None = None,
+        save_trainable_only: bool = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -132,6 +159,7 @@ class BaseParallelStrategy(ParallelStrategy):
             )
         self.dims = dims
         self.pretrained = None if pretrained is None else str(ckpt.check_hf_directory(pretrained))
+        self.save_trainable_only = check_bool("save_trainable_only", save_trainable_only)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.num_nodes = 1
@@ -238,6 +266,7 @@ class BaseParallelStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
+            _warn_frozen_in_optimizers(self.model, self.optimizers, self.root_device)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -363,7 +392,11 @@ class BaseParallelStrategy(ParallelStrategy):
     # ---- checkpoints --------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
-        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+        state = get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+        if self.save_trainable_only:
+            keep = ckpt.trainable_names(self.model)
+            state = {k: v for k, v in state.items() if k in keep}
+        return state
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # done in load_checkpoint, where the sharded model exists
@@ -384,6 +417,7 @@ class BaseParallelStrategy(ParallelStrategy):
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = state
+        checkpoint[ckpt.TRAINABLE_ONLY] = self.save_trainable_only
         ckpt.save_sharded(tensors, checkpoint, path)
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -403,18 +437,23 @@ class BaseParallelStrategy(ParallelStrategy):
                                          weights_only)
         path = ckpt.check_complete(path)
         model_sd = get_model_state_dict(self.model)
+        trainable_only = bool(ckpt.read_meta(path).get(ckpt.TRAINABLE_ONLY, False))
+        if trainable_only:  # adapters only: the frozen weights stay as pretrained= (or the init) left them
+            keep = ckpt.trainable_names(self.model)
+            model_sd = {k: v for k, v in model_sd.items() if k in keep}
         shapes = {k: v.shape for k, v in model_sd.items() if isinstance(v, Tensor)}
         if self.dims.pp > 1:  # each rank holds its stages: compare the whole model (the union) on every rank
             parts: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(parts, shapes)
             shapes = {k: v for part in parts for k, v in part.items()}
-        ckpt.check_same_model(path, shapes)
+        stored = ckpt.stored_shapes(path, "state_dict.")
+        (ckpt.check_same_trainable if trainable_only else ckpt.compare_shapes)(path, stored, shapes)
         tensors: dict[str, Any] = {"state_dict": model_sd}
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         for i, optimizer in enumerate(optimizers):
             tensors[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer, options=_OPTIMIZER_OPTIONS)
         meta = ckpt.load_sharded(tensors, path)
-        set_model_state_dict(self.model, tensors["state_dict"])
+        set_model_state_dict(self.model, tensors["state_dict"], options=StateDictOptions(strict=not trainable_only))
         for i, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(self.model, optimizer, tensors[f"optimizer_{i}"], options=_OPTIMIZER_OPTIONS)
         return meta

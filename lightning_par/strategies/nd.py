@@ -86,7 +86,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         pp_split_points: FQNs of the blocks that begin stages 1..S-1 (uneven splits); default: an even cut.
         pp_loss_method: the LightningModule's method ``(outputs, targets) -> loss`` that the steps call as
             ``self.<name>(self(inputs), targets)``; the last stage runs it per micro-batch.
-        process_group_backend, timeout, pretrained: see :class:`BaseParallelStrategy`.
+        process_group_backend, timeout, pretrained, save_trainable_only: see :class:`BaseParallelStrategy`.
     """
 
     def __init__(
@@ -117,6 +117,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         pretrained: str | None = None,
+        save_trainable_only: bool = False,
         **lightning_kwargs: Any,
     ) -> None:
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
@@ -134,7 +135,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         for technique in self.techniques:
             technique.check(dims)
         super().__init__(dims, process_group_backend=process_group_backend, timeout=timeout, pretrained=pretrained,
-                         **lightning_kwargs)
+                         save_trainable_only=save_trainable_only, **lightning_kwargs)
 
     @property
     def pipeline(self) -> LivePipeline | None:
