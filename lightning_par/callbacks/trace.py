@@ -27,6 +27,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.autograd import DeviceType
+
 from lightning_par.callbacks.intervals import Interval, merge, subtract
 
 #: Every kind a communication can get, in the order the metrics list them (a fixed list, so every rank sends
@@ -90,25 +92,82 @@ class ClassifiedTrace:
 
 
 def events_from_profiler(prof: Any) -> list[TraceEvent]:
-    """Read a stopped ``torch.profiler.profile``'s events without building its FunctionEvent tree (slow)."""
-    from torch.autograd import DeviceType
+    """Read a stopped ``torch.profiler.profile``'s events without building its FunctionEvent tree (slow).
 
+    ``prof.events()`` would give the same events as FunctionEvents, but building that tree costs seconds on a
+    real window; the kineto results are read directly instead (private API, see ``kineto_events``).
+    """
+    return [ev for e in kineto_events(prof) if (ev := to_trace_event(e, kineto_activity(e))) is not None]
+
+
+def kineto_events(prof: Any) -> list[Any]:
+    """The raw ``torch._C._autograd._KinetoEvent`` list of a stopped profile.
+
+    Private API, checked on torch 2.11.0 and 2.13.0 (``prof.profiler.kineto_results.events()``, the list
+    ``prof.events()`` is built from); tests/test_trace_events.py fails loudly if it changes.
+    """
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     if results is None:
         raise ValueError(
             f"`prof` ({type(prof).__name__}) has no kineto results. Pass a stopped torch.profiler.profile "
             f"that recorded events."
         )
-    out = []
-    for e in results.events():
-        activity = e.activity_type()
-        if activity == "python_function":
-            continue
-        on_gpu = e.device_type() != DeviceType.CPU
-        track = (e.device_index(), e.device_resource_id()) if on_gpu else e.start_thread_id()
-        start = e.start_ns()
-        out.append(TraceEvent(e.name(), activity, track, start, start + e.duration_ns(), on_gpu, e.correlation_id()))
-    return out
+    return results.events()
+
+
+def to_trace_event(e: Any, activity: str) -> TraceEvent | None:
+    """One kineto event as a ``TraceEvent``; ``None`` for Python-function events (the analysis reads ops only)."""
+    if activity == "python_function":
+        return None
+    on_gpu = e.device_type() != DeviceType.CPU
+    track = (e.device_index(), e.device_resource_id()) if on_gpu else e.start_thread_id()
+    start = e.start_ns()
+    return TraceEvent(e.name(), activity, track, start, start + e.duration_ns(), on_gpu, e.correlation_id())
+
+
+def kineto_activity(e: Any) -> str:
+    """The profiler activity type of a kineto event (``cpu_op``, ``user_annotation``, ``kernel``, ...).
+
+    ``_KinetoEvent.activity_type()`` first appeared in torch 2.12 (pytorch PR #178086); older torch lacks it
+    (checked: 2.11.0 lacks it, 2.13.0 has it), so there the type is rebuilt from methods both have.
+    """
+    read = getattr(e, "activity_type", None)
+    return read() if read is not None else activity_without_activity_type(e)
+
+
+# kineto's names for the CUDA synchronization events it records on a GPU track (only with enable_cuda_sync_events)
+_CUDA_SYNC_NAMES = ("Stream Sync", "Event Sync", "Context Sync", "Device Sync", "Stream Wait Event")
+
+
+def activity_without_activity_type(e: Any) -> str:
+    """The activity type of a kineto event, from methods older torch has too (for torch < 2.12; checked on 2.11.0).
+
+    It agrees with ``activity_type()`` on every type the analysis reads (tests/test_trace_events.py compares
+    them on torch >= 2.12): ``is_user_annotation()`` is kineto's USER_ANNOTATION or GPU_USER_ANNOTATION; on a
+    GPU track the rest are kernels except kineto's ``Memcpy ...``/``Memset ...``/sync events; on the CPU, Python
+    calls and instant events (memory) are the only events without a correlation id, and CUDA runtime/driver
+    calls (recorded by CUPTI, not by torch) are named by their API: ``cuda*`` / ``cu[A-Z]*``.
+    """
+    name = e.name()
+    if e.device_type() != DeviceType.CPU:
+        if e.is_user_annotation():
+            return "gpu_user_annotation"
+        if name.startswith("Memcpy"):
+            return "gpu_memcpy"
+        if name.startswith("Memset"):
+            return "gpu_memset"
+        if name.startswith(_CUDA_SYNC_NAMES):
+            return "cuda_sync"
+        return "kernel"
+    if e.is_user_annotation():
+        return "user_annotation"
+    if e.correlation_id() == 0:
+        return "cpu_instant_event" if name.startswith("[") else "python_function"
+    if name.startswith("cuda"):
+        return "cuda_runtime"
+    if name.startswith("cu") and name[2:3].isupper():
+        return "cuda_driver"
+    return "cpu_op"
 
 
 def _gloo_op(name: str) -> str | None:
