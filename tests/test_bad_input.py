@@ -50,15 +50,28 @@ def test_bad_configuration_is_refused_before_launch(make, error, match):
         make()
 
 
-def test_16_mixed_is_refused():
-    # On CPU Lightning itself turns 16-mixed into bf16-mixed before the strategy sees it; on CUDA the plugin it
-    # builds is MixedPrecision("16-mixed"), which the strategy's conversion refuses (sharded fp16 loss scaling)
+def test_half_precision_choices():
+    """16-mixed is accepted with a scaler that agrees across ranks (its parity: test_precision16.py); what truly
+    cannot work is refused with the reason: 16-true (fp16 weights, no master copy, no loss scaling), and a
+    GradScaler subclass whose own logic the conversion would drop."""
+    import torch
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_par.strategies.precision import to_parallel_precision
+    from lightning_par.strategies.precision import ParallelGradScaler, ParallelMixedPrecision, to_parallel_precision
 
-    with pytest.raises(ValueError, match=r"precision='16-mixed' .* 'bf16-mixed' instead of '16-mixed'"):
-        to_parallel_precision(MixedPrecision("16-mixed", device="cpu"), "cuda")
+    plugin = _trainer(FSDP2Strategy(), plugins=[MixedPrecision("16-mixed", "cpu")]).precision_plugin
+    assert type(plugin) is ParallelMixedPrecision and type(plugin.scaler) is ParallelGradScaler
+    with pytest.raises(ValueError, match=r"precision='16-true' .* no fp32 master copy and no loss scaling.* Use "
+                                         r"'16-mixed'"):
+        _trainer(FSDP2Strategy(), precision="16-true")
+
+    class MyScaler(torch.amp.GradScaler):
+        pass
+
+    with pytest.raises(TypeError, match=r"scaler=MyScaler\(...\)\): lightning_par replaces the scaler"):
+        to_parallel_precision(MixedPrecision("16-mixed", "cpu", scaler=MyScaler("cpu")), "cpu")
+    with pytest.raises(TypeError, match=r"scaler=GradScaler: a plain GradScaler does not agree across ranks"):
+        ParallelMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
 
 
 def test_strategies_are_registered_by_name():

@@ -59,13 +59,15 @@ class PipelineAdapter:
         self.user_loss: Callable[..., torch.Tensor] = user_loss
         self.training_step_active = False
         self.loss_scale = 1.0  # 1 / accumulate_grad_batches: the schedule's backward must see Lightning's scaling
+        self.grad_scaler: torch.amp.GradScaler | None = None  # 16-mixed: the loss scaler, inside the schedule too
         self.pending: PipelineOutputs | None = None
         pipeline.loss_fn = self._micro_batch_loss
         module.forward = self.forward  # instance attributes: nn.Module.__call__ and the loop find these
         setattr(module, loss_method, self.loss)
 
     def _micro_batch_loss(self, outputs: torch.Tensor, targets: Any) -> torch.Tensor:
-        return self.user_loss(outputs, targets) * self.loss_scale
+        loss = self.user_loss(outputs, targets) * self.loss_scale
+        return loss if self.grad_scaler is None else self.grad_scaler.scale(loss)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -85,13 +87,15 @@ class PipelineAdapter:
             raise TypeError(f"{self.loss_method}(outputs, targets) takes exactly those two arguments, once per "
                             f"training_step, under pipeline parallelism.")
         outputs.used = True
-        return self.pipeline.train_step(outputs.args, targets) / self.loss_scale
+        loss = self.pipeline.train_step(outputs.args, targets) / self.loss_scale
+        return loss if self.grad_scaler is None else loss / self.grad_scaler.get_scale()
 
     def begin_training_step(self, accumulate_grad_batches: int, first_of_accumulation: bool) -> None:
         """``first_of_accumulation``: Lightning will zero the gradients in this step (after ``training_step``), so
         the ones still held belong to the previous optimizer step and must not be accumulated into."""
         self.training_step_active, self.pending = True, None
         self.loss_scale = 1.0 / accumulate_grad_batches
+        self.grad_scaler = getattr(self.module.trainer.precision_plugin, "scaler", None)
         if first_of_accumulation:
             for p in self.module.parameters():
                 p.grad = None
