@@ -7,31 +7,49 @@ import math
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torchmetrics.text import Perplexity
 
 from example_projects.gpt.model import GPT, GPT_TP_PLAN, GPTConfig
 from lightning_par.parallel.tensor_plan import prefix_plan
 
 
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``multiple`` (nanoGPT and Megatron pad theirs): tensor parallelism
+    splits the embedding and the head over the vocabulary, so ``tp`` must divide it."""
+    for name, value in (("vocab_size", vocab_size), ("vocab_multiple", multiple)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int (e.g. vocab_multiple=64 lets tp up to 64 "
+                             f"divide the vocabulary).")
+    return -(-vocab_size // multiple) * multiple
+
+
 class GPTModule(pl.LightningModule):
     """Character-level GPT. The model is built in ``configure_model`` so that strategies can create it on the meta
-    device and materialize only each rank's shards."""
+    device and materialize only each rank's shards.
+
+    ``vocab_multiple`` pads the model's vocabulary (embedding rows, head outputs) to a multiple of it, so that a
+    tensor-parallel size dividing it can split them; the extra logits are never targets and only learn to stay small.
+    """
 
     #: the tensor-parallel plan lightning_par strategies use when none is given (keys relative to this module)
     tp_plan = prefix_plan(GPT_TP_PLAN, "model")
 
     def __init__(self, vocab_size: int = 97, block_size: int = 128, n_layer: int = 4, n_head: int = 4,
                  n_embd: int = 128, dropout: float = 0.0, lr: float = 1e-3, weight_decay: float = 0.1,
-                 warmup_steps: int = 20, max_steps: int = 1000, adam_eps: float = 1e-8) -> None:
+                 warmup_steps: int = 20, max_steps: int = 1000, adam_eps: float = 1e-8,
+                 vocab_multiple: int = 1) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.padded_vocab_size = padded_vocab_size(vocab_size, vocab_multiple)
         self.model: GPT | None = None
         self.val_perplexity = Perplexity()
 
     def configure_model(self) -> None:
         if self.model is None:
             hp = self.hparams
-            self.model = GPT(GPTConfig(hp.vocab_size, hp.block_size, hp.n_layer, hp.n_head, hp.n_embd, hp.dropout))
+            config = GPTConfig(self.padded_vocab_size, hp.block_size, hp.n_layer, hp.n_head, hp.n_embd, hp.dropout)
+            self.model = GPT(config)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
@@ -49,6 +67,8 @@ class GPTModule(pl.LightningModule):
         x, y = batch
         logits = self(x).float()
         self.log("val/loss", self.loss(logits, y), sync_dist=True)
+        if isinstance(logits, DTensor):  # split over the vocabulary (loss_parallel=True): the metric needs all of it
+            logits = logits.full_tensor()
         self.val_perplexity.update(logits, y)
         self.log("val/perplexity", self.val_perplexity)
 
