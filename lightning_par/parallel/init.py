@@ -67,7 +67,10 @@ def materialize(root: nn.Module, device: torch.device, subtrees: Sequence[str] =
     modules = []
     for top in subtrees:
         sub = root.get_submodule(top) if top else root
-        if any(t.is_meta for t in list(sub.parameters()) + list(sub.buffers())):
-            sub.to_empty(device=device)
-            modules += [".".join(p for p in (top, n) if p) for n, m in sub.named_modules() if _owns_tensors(m)]
+        for name, module in sub.named_modules():
+            # module by module, never the whole tree: ``to_empty`` on a parent would also reach the states of any
+            # torchmetrics Metric below it (Metric._apply maps its states and reset values) and leave them garbage
+            if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
+                module.to_empty(device=device, recurse=False)
+                modules.append(".".join(p for p in (top, name) if p))
     return initialize(root, modules, seed) if modules else []

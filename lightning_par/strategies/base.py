@@ -62,7 +62,8 @@ _OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def _materialize_metric_defaults(module: nn.Module, device: torch.device) -> None:
     """torchmetrics metrics built under ``init_module(empty_init=True)`` keep their reset values on the meta device
-    (``Metric._defaults``, not a buffer, so ``to_empty`` misses them). Every built-in sum/count/mean state starts
+    (``Metric._defaults`` and states are no parameters or buffers, so materialization leaves them). Every built-in
+    sum/count/mean state starts
     at zero: materialize them as zeros and warn, since a custom metric might start elsewhere."""
     from torchmetrics import Metric
 
@@ -232,6 +233,18 @@ class BaseParallelStrategy(ParallelStrategy):
             # a process that exits with its gloo/NCCL group alive can abort in the group's thread destructors
             # ("terminate called without an active exception", exit code -6) after training succeeded
             atexit.register(_destroy_process_group)
+        if self.layout_known:
+            self.build_mesh()
+
+    @property
+    def layout_known(self) -> bool:
+        """Whether ``self.dims`` is final when the process group starts (it is not for a strategy that plans its
+        layout from the model: :class:`~lightning_par.strategies.auto.AutoParallelStrategy` builds the mesh in
+        ``setup``)."""
+        return True
+
+    def build_mesh(self) -> None:
+        """The DeviceMesh of ``self.dims``, handed to the LightningModule as ``self.device_mesh``."""
         self.dims.build_mesh(self.root_device.type)
         self.precision_plugin.pipeline_group = self.dims.mesh("pp").get_group() if self.dims.pp > 1 else None
         assert self.lightning_module is not None

@@ -8,6 +8,7 @@ from torch import nn
 from lightning_par.checks import check_bool, check_str_list
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.fsdp import apply_fsdp
+from lightning_par.planner.sheet import CostSheet, Transfer
 from lightning_par.techniques.technique import Target, Technique
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -31,14 +32,14 @@ class FullySharded(Technique):
         units = target.units(self.shard_units)  # resolved even when off: a bad pattern fails in every layout
         if not dims.fsdp_enabled:
             return
-        bf16_mixed = target.precision == "bf16-mixed"
-        apply_fsdp(
+        half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(target.precision)
+        apply_fsdp(  # mixed precision: half-precision all-gathers, fp32 reductions and master weights
             target.fsdp_root,
             dims.fsdp_mesh(),
             [target.module.get_submodule(fqn) for fqn in units],
             reshard_after_forward=self.reshard_after_forward,
-            param_dtype=torch.bfloat16 if bf16_mixed else None,
-            reduce_dtype=torch.float32 if bf16_mixed else None,
+            param_dtype=half,
+            reduce_dtype=torch.float32 if half is not None else None,
             cpu_offload=self.cpu_offload,
         )
         if target.fsdp_root is not None:
@@ -50,6 +51,45 @@ class FullySharded(Technique):
         zero = "ZeRO-3" if self.reshard_after_forward else "ZeRO-2-like"
         return (f"FSDP2 ({zero}{', HSDP' if dims.dp_replicate > 1 else ''}"
                 f"{', CPU offload' if self.cpu_offload else ''})")
+
+
+    def account(self, sheet: CostSheet) -> None:
+        """Parameters, gradients and optimizer state split over ``dp_shard x cp``; per unit and micro-batch an
+        all-gather before forward (and again before backward when resharding after forward) and a reduce-scatter of
+        its gradients after backward; HSDP adds an all-reduce of the gradient shards across replicas. Prefetching
+        hides them behind compute; the gathered units (two in flight) are extra device memory."""
+        dims = sheet.dims
+        if not dims.fsdp_enabled:
+            return
+        sheet.shard = dims.dp_shard * dims.cp
+        sheet.offload = self.cpu_offload
+        units = unit_bytes(sheet)
+        m = sheet.microbatches
+        gathered = [n * sheet.gather_scale for n in units]  # bf16-mixed all-gathers bf16 copies
+        gathers = m * (2 if self.reshard_after_forward else 1)
+        if sheet.shard > 1:
+            for nbytes, wire in zip(units, gathered):
+                sheet.transfers.append(Transfer("fsdp_all_gather", "dp_shard_cp", "all_gather", wire, gathers, True))
+                sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_shard_cp", "reduce_scatter", nbytes, m,
+                                                True))
+        if dims.dp_replicate > 1:
+            for nbytes in units:
+                sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_replicate", "all_reduce",
+                                                nbytes / sheet.shard, m, True))
+        sheet.buffer_bytes += 2 * max(gathered, default=0.0)
+
+
+def unit_bytes(sheet: CostSheet) -> list[float]:
+    """Bytes of each FSDP unit on the busiest pipeline rank, whole (before sharding), after tensor parallelism:
+    every block it runs, and the root (what it runs outside the blocks)."""
+    sections = max(sheet.rank_sections, key=len)
+    per_section: dict[str, float] = {}
+    for p in sheet.profile.params:
+        if p.section in sections:
+            split = sheet.tp if p.tp_dim is not None else 1
+            per_section[p.section] = per_section.get(p.section, 0.0) + p.numel * p.itemsize / split
+    root = per_section.pop("first", 0.0) + per_section.pop("last", 0.0)
+    return [*per_section.values(), *([root] if root else [])]
 
 
 def register_step_methods(module: nn.Module) -> None:
