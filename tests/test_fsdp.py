@@ -112,9 +112,12 @@ def test_training_reduces_the_loss(reference):
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_bf16_precisions(world2, reference, precision):
-    """bf16 keeps ~3 significant digits: the loss follows fp32 within 0.05; mixed keeps fp32 master weights."""
+    """bf16 keeps ~3 significant digits: the loss follows one process at the same precision within 0.05 (bf16-true
+    builds its weights in bf16, which draws other initial values than fp32: its reference is one bf16-true process);
+    mixed keeps fp32 master weights."""
     result = world2[0][precision]
-    assert max_loss_diff(result["losses"], reference["losses"]) <= 0.05
+    expected = reference if precision == "bf16-mixed" else fit_reference(precision=precision)
+    assert max_loss_diff(result["losses"], expected["losses"]) <= 0.05
     assert {w.dtype for w in result["weights"].values()} == {PRECISIONS[precision]}
     assert result["losses"][-1] < result["losses"][0] - 0.3
 

@@ -108,6 +108,7 @@ def fit(
 
 def fit_reference(
     max_steps: int = 10,
+    precision: str = "32-true",
     gradient_clip_val: float | None = None,
     module_cls: type[pl.LightningModule] = GPTModule,
     num_samples: int = 96,
@@ -121,9 +122,10 @@ def fit_reference(
         accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=[record], use_distributed_sampler=False, gradient_clip_val=gradient_clip_val,
-        accumulate_grad_batches=accumulate_grad_batches,
+        accumulate_grad_batches=accumulate_grad_batches, precision=precision,
     )
-    model = module_cls(**_model_kwargs(module_cls, model_overrides))
+    with trainer.init_module():  # bf16-true builds the weights in bf16, as the parallel run does
+        model = module_cls(**_model_kwargs(module_cls, model_overrides))
     data = token_dataset(num_samples)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)
     trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler))

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._IR import _modify_graph_op_device
 
+from lightning_par._compat import move_graph_to_device, pipeline_stage_class, without_function_modes
 from lightning_par.parallel.init import materialize
 from lightning_par.parallel.pipeline import (
     SCHEDULES,
@@ -152,19 +151,7 @@ def materialize_local(model: nn.Module, plan: StagePlan, local_stages: Sequence[
                          f"real weights (not on the meta device), or give them a reset_parameters().")
 
 
-@contextmanager
-def without_function_modes() -> Iterator[None]:
-    """Suspend the active TorchFunctionModes (they route ops to collectives, which a meta trace must not run).
-    Module-level state they keep (e.g. the context-parallel positions of this rank) stays: the trace bakes this
-    rank's values into its graph, which is right, because each rank traces for itself."""
-    modes = []
-    while torch._C._len_torch_function_stack() > 0:
-        modes.append(torch._C._pop_torch_function_stack())
-    try:
-        yield
-    finally:
-        for mode in reversed(modes):
-            torch._C._push_on_torch_function_stack(mode)
+_STAGE = pipeline_stage_class()
 
 
 @dataclass
@@ -282,7 +269,7 @@ class LivePipeline:
             layer_ids = [index[name] for name in self.plan.owners[sid] if name in index]
             submod = HFStage(self.model, self.hf, layer_ids, first=sid == 0, last=sid == self.plan.num_stages - 1,
                              shared=self.plan.shared)
-            stages.append(PipelineStage(submod, sid, self.plan.num_stages, self.device, group=self.group))
+            stages.append(_STAGE(submod, sid, self.plan.num_stages, self.device, group=self.group))
         return stages
 
     def _traced_stages(self, mb_args: tuple[Any, ...]) -> list[PipelineStage]:
@@ -296,8 +283,8 @@ class LivePipeline:
             submod = copy.deepcopy(pipe.get_stage_module(sid))
             for name in self.plan.owners[sid]:
                 _swap_in(submod, name, self.model.get_submodule(name), calls)
-            _modify_graph_op_device(submod, self.device)
-            stages.append(PipelineStage(submod, sid, self.plan.num_stages, self.device, group=self.group))
+            move_graph_to_device(submod, self.device)
+            stages.append(_STAGE(submod, sid, self.plan.num_stages, self.device, group=self.group))
         return stages
 
     def _micro_batch_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
@@ -341,6 +328,7 @@ class LivePipeline:
     # ---- running -----------------------------------------------------------------------------------------
     def train_step(self, args: tuple[Any, ...], target: Any) -> torch.Tensor:
         """Forward and backward of one batch through all stages; the mean micro-batch loss on every pp rank."""
+        args = _contiguous(args)
         compiled = self._compiled(args, train=True)
         losses: list[torch.Tensor] = []
         call_args = args if self.has_first_stage else ()
@@ -359,6 +347,7 @@ class LivePipeline:
     @torch.no_grad()
     def forward(self, args: tuple[Any, ...]) -> torch.Tensor:
         """Forward only; the last stage's output (micro-batches concatenated) on every pp rank."""
+        args = _contiguous(args)
         compiled = self._compiled(args, train=False)
         out = compiled.schedule.step(*(args if self.has_first_stage else ()))
         if not isinstance(out, torch.Tensor) and self.has_last_stage:
@@ -371,6 +360,12 @@ class LivePipeline:
                 out = torch.empty(meta[0][0], dtype=meta[0][1], device=self.device)
             dist.broadcast(out, self.last_rank, group=self.group)
         return out
+
+
+def _contiguous(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Stage inputs in contiguous memory: torch 2.11's stages compare the strides of the inputs they receive with
+    those they recorded (contiguous), and a batch's ``ids[:, :-1]`` is a strided view."""
+    return tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _swap_in(stage_module: nn.Module, name: str, real: nn.Module, calls: dict[str, tuple[int, bool]]) -> None:

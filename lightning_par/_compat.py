@@ -1,0 +1,64 @@
+"""The private torch and Lightning APIs lightning_par cannot avoid, each behind one small function.
+
+Each names the versions it was checked on; tests/test_compat.py calls every one of them, so a release that moves or
+changes one fails there, loudly, instead of deep inside a training run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+def train_dataloader_of(trainer: Any) -> Any:
+    """The training dataloader the Trainer will use, before its loop has set it up (``fit(model, loader)``,
+    ``LightningModule.train_dataloader`` or a datamodule's alike). Lightning 2.6: ``fit_loop._data_source``."""
+    source = trainer.fit_loop._data_source
+    loader = source.dataloader()
+    if loader is None:
+        raise ValueError("auto_parallel plans from one training batch, and the Trainer has no training dataloader: "
+                         "pass one to trainer.fit(...) or define train_dataloader().")
+    return loader
+
+
+@contextmanager
+def without_function_modes() -> Iterator[None]:
+    """Suspend the active TorchFunctionModes (e.g. the context-parallel attention routing, which a meta-device trace
+    must not run). torch 2.11-2.13: ``torch._C._len/_pop/_push_on_torch_function_stack``, no public equivalent."""
+    modes = []
+    while torch._C._len_torch_function_stack() > 0:
+        modes.append(torch._C._pop_torch_function_stack())
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+def pipeline_stage_class() -> type:
+    """``PipelineStage`` whose warm-up sends skip the stage's own rank. torch 2.11's schedules warm the p2p
+    connections up by sending to each neighbouring stage, also when it is on the same rank (the V-shaped schedule puts
+    stages 1 and 2 on one rank), which gloo cannot do ("Pair is not connected"); those stages hand activations on
+    locally anyway. Overrides the private ``_get_init_p2p_neighbors_ops`` (torch 2.11-2.13; 2.13 no longer calls it
+    by default)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        def _get_init_p2p_neighbors_ops(self) -> list:
+            me = dist.get_rank(self.group)
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != me]
+
+    return Stage
+
+
+def move_graph_to_device(graph_module: torch.nn.Module, device: torch.device) -> None:
+    """Point the device arguments of a traced stage's ops (``arange(..., device="meta")`` from the meta trace) at
+    ``device``. torch 2.11-2.13: ``torch.distributed.pipelining._IR._modify_graph_op_device``, what
+    ``Pipe.build_stage`` itself calls."""
+    from torch.distributed.pipelining._IR import _modify_graph_op_device
+
+    _modify_graph_op_device(graph_module, device)

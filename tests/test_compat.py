@@ -1,0 +1,72 @@
+"""Every private torch/Lightning API lightning_par uses (lightning_par/_compat.py), called once: a release that moves or
+changes one fails here, by name, rather than deep inside a training run."""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from lightning_par import _compat
+
+
+class _Count(TorchFunctionMode):
+    calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        _Count.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_function_modes_are_suspended_and_restored():
+    with _Count():
+        torch.ones(1) + 1
+        before = _Count.calls
+        with _compat.without_function_modes():
+            torch.ones(1) + 1
+        assert _Count.calls == before
+        torch.ones(1) + 1
+        assert _Count.calls > before
+
+
+def test_stage_warm_up_skips_its_own_rank():
+    from torch.distributed.pipelining import PipelineStage
+
+    stage = _compat.pipeline_stage_class()
+    assert issubclass(stage, PipelineStage)
+    assert callable(getattr(PipelineStage, "_get_init_p2p_neighbors_ops", None)), "the overridden method is gone"
+
+
+def test_graph_device_rewrite():
+    graph = torch.fx.symbolic_trace(lambda x: x + torch.arange(x.size(0), device="meta"))
+    _compat.move_graph_to_device(graph, torch.device("cpu"))
+    assert graph(torch.zeros(3)).device.type == "cpu"
+
+
+def test_train_dataloader_of_a_trainer():
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, max_steps=0, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    loader = DataLoader(list(range(4)), batch_size=2)
+
+    class Capture(pl.Callback):
+        def setup(self, trainer, pl_module, stage):
+            self.loader = _compat.train_dataloader_of(trainer)
+
+    capture = Capture()
+    trainer.callbacks.append(capture)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):
+            return self.w.sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer.fit(Tiny(), loader)
+    assert capture.loader is loader
