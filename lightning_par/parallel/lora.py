@@ -10,10 +10,9 @@ that path needs transformers to own the mesh, so here it is a plan):
 * base ``colwise`` (output sharded on features): ``lora_B`` colwise from a replicated input (each rank computes its
   output features), ``lora_A`` replicated (its input is the full ``x``; its gradient arrives all-reduced through
   ``lora_B``'s input, so every rank keeps the same copy).
-* base ``rowwise`` (input sharded on features, output reduced): ``lora_A`` rowwise (its r outputs are reduced, or
-  reduce-scattered to sequence shards under sequence parallelism, like the base's), ``lora_B`` replicated (under
-  sequence parallelism it sees this rank's tokens only, so its gradients are summed over the group, as torch's
-  ``SequenceParallel`` does for norms).
+* base ``rowwise`` (input sharded on features, output reduced): ``lora_A`` rowwise (its r outputs reduced),
+  ``lora_B`` replicated; under sequence parallelism B's output is then cut to this rank's sequence chunk, the layout
+  of the base's reduce-scattered output.
 
 Anything else (adapters on embeddings, on layers with a gathered or vocabulary-parallel style, DoRA's magnitude
 vector) is refused, naming the layer.
@@ -25,7 +24,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 
 def is_lora_layer(module: nn.Module) -> bool:
@@ -51,9 +50,14 @@ def lora_tp_entries(name: str, layer: nn.Module, style: Any, sequence_parallel: 
             entries[f"{name}.lora_B.{a}"] = ColwiseParallel(input_layouts=Replicate())
     elif style == "rowwise":
         for a in adapters:
-            entries[f"{name}.lora_A.{a}"] = "rowwise"
-            if sequence_parallel:  # B then runs on sequence shards: its replicated weights' gradients are summed
-                entries[f"{name}.lora_B.{a}"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+            if sequence_parallel:
+                # A's r outputs all-reduced (not reduce-scattered), B on the whole sequence, its output cut to this
+                # rank's chunk ("replicate": backward all-gathers the gradient, so B's copies stay equal). Cheap:
+                # r is small; and no sequence-sharded DTensor goes through a Linear (torch 2.11 cannot view it)
+                entries[f"{name}.lora_A.{a}"] = RowwiseParallel(output_layouts=Replicate())
+                entries[f"{name}.lora_B.{a}"] = "replicate"
+            else:
+                entries[f"{name}.lora_A.{a}"] = "rowwise"
     else:
         raise ValueError(
             f"tp_plan: {name!r} is a LoRA layer whose base layer is {style!r}; LoRA adapters can follow 'colwise' and "
