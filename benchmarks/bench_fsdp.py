@@ -63,6 +63,7 @@ from benchmarks.common import (  # noqa: E402
     summarize,
     write_json,
 )
+from lightning_par.planner.measure import state_bytes  # noqa: E402
 
 VARIANTS = ("lightning_par", "hand-written", "Lightning MP")
 REFERENCES = VARIANTS[1:]
@@ -101,31 +102,6 @@ def shard_blocks_and_root(root: Any, blocks: Iterable[Any], mesh: Any) -> None:
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(root, mesh=mesh)
-
-
-def local_bytes(tensor: Any) -> int:
-    """Bytes this rank holds for ``tensor``: its local shard if it is a DTensor."""
-    from torch.distributed.tensor import DTensor
-
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
-
-
-def state_bytes(params: Iterable[Any], optimizer: Any) -> dict[str, int]:
-    """Measured model state on this rank: parameters, gradients, optimizer state tensors."""
-    import torch
-
-    params = list(params)
-    optim = sum(local_bytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    out = {
-        "params": sum(local_bytes(p) for p in params),
-        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-        "optim": optim,
-        "param_numel": sum(p.numel() for p in params),  # global sizes (DTensor.numel is the full tensor's)
-        "param_tensors": len(params),
-    }
-    out["total"] = out["params"] + out["grads"] + out["optim"]
-    return out
 
 
 def run_ddp_baseline(cfg: dict[str, Any], rank: int, world: int) -> dict[str, int]:

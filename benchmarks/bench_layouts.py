@@ -34,7 +34,7 @@ one Trainer.fit of ``warmup + steps + 1 + 1 + window`` optimizer steps:
    backward of early micro-batches frees theirs while later ones run forward (1F1B: at most pp micro-batches in
    flight on the first stage), and a stage's received input (a leaf that requires grad, not a parameter)
    counts. After the probe's optimizer step, the model state this rank holds: parameters, gradients and AdamW
-   state, each ``DTensor.to_local()`` (``benchmarks.bench_fsdp.state_bytes``; under pp only this rank's
+   state, each ``DTensor.to_local()`` (``lightning_par.planner.measure.state_bytes``; under pp only this rank's
    stages);
 4. a ``CommOverlapMonitor`` window (1 profiled warm-up batch + ``--window`` measured batches, ``torch.profiler``):
    communication time per step by kind, total, exposed (not overlapped with compute) and the overlap ratio. The
@@ -80,7 +80,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_fsdp import module_kwargs, state_bytes  # noqa: E402
+from benchmarks.bench_fsdp import module_kwargs  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     NOISE_NOTE,
     format_table,
@@ -92,6 +92,7 @@ from benchmarks.common import (  # noqa: E402
     summarize,
     write_json,
 )
+from lightning_par.planner.measure import probe_callback, saved_activations, state_bytes  # noqa: E402
 
 WORLD = 4
 SEED = 0
@@ -140,68 +141,6 @@ def pp_stages_and_microbatches(spec: dict[str, Any]) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------------------------
 # what every rank runs
 # ---------------------------------------------------------------------------------------------------------------
-def saved_activations() -> Any:
-    """A ``saved_tensors_hooks`` context and a function returning the peak bytes of the tensors autograd saved for
-    backward that were alive at once: distinct storages (a storage counts from its first save until autograd
-    releases its last saved reference), parameters (and views of them) left out, DTensors by their local shard."""
-    import torch
-    from torch import nn
-    from torch.distributed.tensor import DTensor
-
-    live: dict[int, list[int]] = {}  # storage pointer -> [bytes, saved references alive]
-    state = {"now": 0, "peak": 0}
-
-    def storage(t: torch.Tensor) -> tuple[int, int]:
-        t = t._local_tensor if isinstance(t, DTensor) else t  # not to_local(): no autograd op inside a pack hook
-        s = t.untyped_storage()
-        return s.data_ptr(), s.nbytes()
-
-    def is_param(t: torch.Tensor) -> bool:
-        # decided per tensor, never by remembered parameter addresses: FSDP frees each block's all-gathered
-        # parameters (nn.Parameters too) after its forward and a later activation may be allocated at the same
-        # address. Not "a leaf that requires grad": a pipeline stage's received input is one, and is an activation
-        base = t._base if t._base is not None else t
-        return isinstance(t, nn.Parameter) or isinstance(base, nn.Parameter)
-
-    def release(ptr: int) -> None:
-        entry = live[ptr]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del live[ptr]
-            state["now"] -= entry[0]
-
-    class Saved:
-        """What autograd keeps instead of the tensor: freed with the graph node, after the backward that used it."""
-
-        __slots__ = ("tensor", "ptr")
-
-        def __init__(self, tensor: torch.Tensor, ptr: int) -> None:
-            self.tensor, self.ptr = tensor, ptr
-
-        def __del__(self) -> None:
-            release(self.ptr)
-
-    def pack(t: torch.Tensor) -> Any:
-        if is_param(t):
-            return t
-        ptr, nbytes = storage(t)
-        if ptr in live:
-            live[ptr][1] += 1
-        else:
-            live[ptr] = [nbytes, 1]
-            state["now"] += nbytes
-            state["peak"] = max(state["peak"], state["now"])
-        return Saved(t, ptr)
-
-    def unpack(saved: Any) -> torch.Tensor:
-        return saved.tensor if isinstance(saved, Saved) else saved
-
-    def peak() -> int:
-        return state["peak"]
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack), peak
-
-
 def memory_logger() -> Any:
     """A Lightning Logger keeping what is logged in a list (rank 0 is the only rank the monitors log on)."""
     from lightning.pytorch.loggers.logger import Logger
@@ -226,33 +165,6 @@ def memory_logger() -> Any:
             self.records.append((step, {k: float(v) for k, v in metrics.items()}))
 
     return MemoryLogger()
-
-
-def probe_callback(probe_step: int) -> Any:
-    """At ``probe_step``: saved-for-backward bytes over the whole batch, then the model state after its optimizer
-    step (gradients still present: Lightning zeroes them at the next step's start)."""
-    from lightning.pytorch.callbacks import Callback
-
-    class Probe(Callback):
-        def __init__(self) -> None:
-            self.ctx: Any = None
-            self.total: Any = None
-            self.activation_bytes: int | None = None
-            self.state: dict[str, int] | None = None
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if trainer.global_step == probe_step:
-                self.ctx, self.total = saved_activations()
-                self.ctx.__enter__()
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if self.ctx is not None:
-                self.ctx.__exit__(None, None, None)
-                self.ctx = None
-                self.activation_bytes = self.total()
-                self.state = state_bytes(pl_module.parameters(), trainer.optimizers[0])
-
-    return Probe()
 
 
 def token_data(cfg: dict[str, Any], steps: int) -> Any:

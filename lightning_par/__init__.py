@@ -3,7 +3,9 @@
 from lightning_par.checkpoint import consolidate_checkpoint, full_state_dict
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.context_routing import context_positions
+from lightning_par.planner.search import plan_layouts
 from lightning_par.pretrained import load_hf_weights, save_hf_pretrained
+from lightning_par.strategies.auto import AutoParallelStrategy
 from lightning_par.strategies.base import BaseParallelStrategy
 from lightning_par.strategies.nd import NDParallelStrategy
 from lightning_par.strategies.presets import (
@@ -17,6 +19,7 @@ from lightning_par.strategies.presets import (
 register_strategies()
 
 __all__ = [
+    "AutoParallelStrategy",
     "BaseParallelStrategy",
     "ContextParallelStrategy",
     "FSDP2Strategy",
@@ -28,6 +31,7 @@ __all__ = [
     "context_positions",
     "full_state_dict",
     "load_hf_weights",
+    "plan_layouts",
     "save_hf_pretrained",
 ]
 __version__ = "0.1.0"

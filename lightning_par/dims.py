@@ -117,6 +117,17 @@ class ParallelDims:
     def __str__(self) -> str:
         return self._describe(self.sizes())
 
+    def mesh_size(self, name: str) -> int:
+        """Size of a base or flattened mesh dimension, from the sizes alone (no mesh needed)."""
+        return math.prod(getattr(self, d) for d in FLAT_MESHES.get(name, (name,)))
+
+    def within_node(self, name: str, ranks_per_node: int) -> bool:
+        """Whether each group of mesh dimension ``name`` lies within one node of ``ranks_per_node`` consecutive
+        ranks: the mesh is row-major over MESH_DIM_NAMES, so a group spans its own size times the sizes of every
+        dimension inside it."""
+        outermost = MESH_DIM_NAMES.index(FLAT_MESHES.get(name, (name,))[0])
+        return math.prod(getattr(self, d) for d in MESH_DIM_NAMES[outermost:]) <= ranks_per_node
+
     # ---- mesh ----------------------------------------------------------------------------------------------
     def build_mesh(self, device_type: str, backend: str | None = None) -> DeviceMesh:
         """Build the world mesh over all five dims (size-1 dims included, so every name always resolves) and the

@@ -121,6 +121,17 @@ def block_fqns(model: nn.Module, block_list: str | None = None) -> tuple[str, li
     return block_fqn, [f"{block_fqn}.{name}" for name in container._modules]
 
 
+def even_cut(items: Sequence[str], parts: int) -> list[list[str]]:
+    """``items`` in ``parts`` consecutive runs as even as can be, the first runs taking the remainder."""
+    base, extra = divmod(len(items), parts)
+    out, i = [], 0
+    for k in range(parts):
+        n = base + (1 if k < extra else 0)
+        out.append(list(items[i:i + n]))
+        i += n
+    return out
+
+
 def plan_split(model: nn.Module, num_stages: int, split_points: Sequence[str] | None = None,
                block_list: str | None = None) -> list[str]:
     """FQNs of the blocks that begin stages 1..S-1: an even cut of the block list (the first stages take the
@@ -130,12 +141,7 @@ def plan_split(model: nn.Module, num_stages: int, split_points: Sequence[str] | 
         raise ValueError(f"num_stages={num_stages} is more than the {len(blocks)} blocks of {block_fqn!r}; "
                          f"use at most {len(blocks)} stages.")
     if split_points is None:
-        base, extra = divmod(len(blocks), num_stages)
-        starts, i = [], 0
-        for s in range(num_stages - 1):
-            i += base + (1 if s < extra else 0)
-            starts.append(blocks[i])
-        return starts
+        return [stage[0] for stage in even_cut(blocks, num_stages)[1:]]
     split_points = list(split_points)
     if len(split_points) != num_stages - 1:
         raise ValueError(f"split_points={split_points} gives {len(split_points) + 1} stages, but the layout needs "

@@ -75,6 +75,25 @@ _SHARDED_SIZE = {
 Plan = Mapping[str, "str | ParallelStyle"]
 
 
+#: which dimension of a parameter each attribute of ``_SHARDED_SIZE`` splits (Linear weight is (out, in), Embedding
+#: weight is (num, dim); a bias is split with the output features)
+_DIM_OF = {"out_features": {"weight": 0, "bias": 0}, "in_features": {"weight": 1},
+           "num_embeddings": {"weight": 0}, "embedding_dim": {"weight": 1}}
+
+
+def sharded_dims(resolved: Mapping[str, str | ParallelStyle]) -> dict[str, int]:
+    """``{parameter FQN: the dimension tensor parallelism splits}`` for a validated plan (``validate_tp_plan``'s
+    result); parameters not listed stay whole on every tp rank. The planner's view of what ``apply_tp`` does."""
+    out: dict[str, int] = {}
+    for fqn, style in resolved.items():
+        if isinstance(style, ParallelStyle):
+            style = {ColwiseParallel: "colwise", RowwiseParallel: "rowwise"}.get(type(style), "")
+        attr = _SHARDED_SIZE.get(style, (None,))[0]
+        for name, dim in _DIM_OF.get(attr, {}).items():
+            out[f"{fqn}.{name}"] = dim
+    return out
+
+
 def prefix_plan(plan: Plan, prefix: str) -> dict[str, str | ParallelStyle]:
     """Re-root a plan: ``prefix_plan(GPT_TP_PLAN, "model")`` for a LightningModule holding the GPT as ``self.model``."""
     prefix = prefix.strip(".")

@@ -34,16 +34,7 @@ from lightning_par.checks import check_optional_str
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.pipeline_live import LivePipeline
 from lightning_par.strategies.base import BaseParallelStrategy
-from lightning_par.techniques import (
-    ActivationCheckpointing,
-    Compile,
-    ContextParallel,
-    FullySharded,
-    PipelineParallel,
-    Target,
-    Technique,
-    TensorParallel,
-)
+from lightning_par.techniques import Target, Technique, build_recipe
 from lightning_par.techniques.fully_sharded import register_step_methods
 
 
@@ -122,15 +113,15 @@ class NDParallelStrategy(BaseParallelStrategy):
     ) -> None:
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
         # the recipe, in the order it is applied (see the module docstring)
-        self.pipeline_parallel = PipelineParallel(pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points,
-                                                  pp_loss_method)
-        self.tensor_parallel = TensorParallel(tp_plan, sequence_parallel, loss_parallel)
-        self.context_parallel = ContextParallel(cp_algorithm, cp_load_balance, cp_seq_dim)
-        self.activation_checkpointing = ActivationCheckpointing(activation_checkpointing)
-        self.compile = Compile(compile)
-        self.fully_sharded = FullySharded(shard_units, reshard_after_forward, cpu_offload)
-        self.techniques: tuple[Technique, ...] = (self.pipeline_parallel, self.tensor_parallel, self.context_parallel,
-                                                  self.activation_checkpointing, self.compile, self.fully_sharded)
+        self.techniques: tuple[Technique, ...] = build_recipe(
+            pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_stages_per_rank=pp_stages_per_rank,
+            pp_split_points=pp_split_points, pp_loss_method=pp_loss_method, tp_plan=tp_plan,
+            sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, cp_algorithm=cp_algorithm,
+            cp_load_balance=cp_load_balance, cp_seq_dim=cp_seq_dim, activation_checkpointing=activation_checkpointing,
+            compile=compile, shard_units=shard_units, reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload)
+        (self.pipeline_parallel, self.tensor_parallel, self.context_parallel, self.activation_checkpointing,
+         self.compile, self.fully_sharded) = self.techniques
         self.block_list = check_optional_str("block_list", block_list, "model.blocks")
         for technique in self.techniques:
             technique.check(dims)
@@ -147,8 +138,8 @@ class NDParallelStrategy(BaseParallelStrategy):
         for technique in self.techniques:
             technique.check(self.dims)
 
-    def setup_environment(self) -> None:
-        super().setup_environment()
+    def build_mesh(self) -> None:
+        super().build_mesh()
         for technique in self.techniques:
             technique.setup_environment(self.dims)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_par.strategies.auto import AutoParallelStrategy
 from lightning_par.strategies.nd import NDParallelStrategy
 
 
@@ -71,6 +72,7 @@ def register_strategies() -> None:
         ("context_parallel", ContextParallelStrategy, "lightning_par context parallelism (ring attention)"),
         ("pipeline_parallel", PipelineParallelStrategy, "lightning_par pipeline parallelism (torch pipelining)"),
         ("nd_parallel", NDParallelStrategy, "lightning_par N-D parallelism on one DeviceMesh"),
+        ("auto_parallel", AutoParallelStrategy, "lightning_par: the layout the planner predicts fastest"),
     ):
         if name not in StrategyRegistry:
             StrategyRegistry.register(name, cls, description=description)

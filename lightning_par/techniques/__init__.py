@@ -1,12 +1,34 @@
 """The parallel techniques, each one object: its options, its checks, how it applies itself to the modules of this
 rank, and what it needs while a step runs. ``NDParallelStrategy`` is their ordered list."""
 
+from collections.abc import Mapping
+from typing import Any
+
 from lightning_par.techniques.activation_checkpointing import ActivationCheckpointing, Compile
 from lightning_par.techniques.context_parallel import ContextParallel
 from lightning_par.techniques.fully_sharded import FullySharded
 from lightning_par.techniques.pipeline_parallel import PipelineParallel
 from lightning_par.techniques.technique import Target, Technique
 from lightning_par.techniques.tensor_parallel import TensorParallel
+
+
+def build_recipe(*, pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
+                 pp_stages_per_rank: int | None = None, pp_split_points: list[str] | None = None,
+                 pp_loss_method: str = "loss", tp_plan: Mapping[str, Any] | None = None,
+                 sequence_parallel: bool = False, loss_parallel: bool = False, cp_algorithm: str = "ring",
+                 cp_load_balance: bool = True, cp_seq_dim: int = 1, activation_checkpointing: bool = False,
+                 compile: bool = False, shard_units: list[str] | None = None, reshard_after_forward: bool = True,
+                 cpu_offload: bool = False) -> tuple[Technique, ...]:
+    """The engine's recipe: every technique with its options, in the order they are applied (and accounted)."""
+    return (
+        PipelineParallel(pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points, pp_loss_method),
+        TensorParallel(tp_plan, sequence_parallel, loss_parallel),
+        ContextParallel(cp_algorithm, cp_load_balance, cp_seq_dim),
+        ActivationCheckpointing(activation_checkpointing),
+        Compile(compile),
+        FullySharded(shard_units, reshard_after_forward, cpu_offload),
+    )
+
 
 __all__ = [
     "ActivationCheckpointing",
@@ -17,4 +39,5 @@ __all__ = [
     "Target",
     "Technique",
     "TensorParallel",
+    "build_recipe",
 ]

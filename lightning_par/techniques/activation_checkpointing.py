@@ -6,6 +6,7 @@ from lightning_par.checks import check_bool
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.checkpointing import apply_activation_checkpointing
 from lightning_par.parallel.context_routing import recompute_in_active_scope
+from lightning_par.planner.sheet import CostSheet
 from lightning_par.techniques.technique import Target, Technique
 
 
@@ -24,6 +25,11 @@ class ActivationCheckpointing(Technique):
 
     def describe(self, dims: ParallelDims) -> str | None:
         return "activation checkpointing" if self.enabled else None
+
+    def account(self, sheet: CostSheet) -> None:
+        """A block keeps only its input until backward, which recomputes its forward (one more forward pass) and
+        holds one block's activations at a time."""
+        sheet.activation_checkpointing = self.enabled
 
 
 class Compile(Technique):

@@ -12,8 +12,9 @@ from torch import nn
 
 from lightning_par.checks import check_identifier, check_positive_int, check_str_list
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.pipeline import SCHEDULES
+from lightning_par.parallel.pipeline import SCHEDULES, even_cut, stage_ids
 from lightning_par.parallel.pipeline_live import LivePipeline, materialize_local
+from lightning_par.planner.sheet import CostSheet, Transfer
 from lightning_par.strategies.pipeline_adapter import PipelineAdapter
 from lightning_par.techniques.technique import Target, Technique
 
@@ -90,7 +91,52 @@ class PipelineParallel(Technique):
                   if name in self.pipeline.plan.blocks]
         return f"stages {self.pipeline.stage_ids} (blocks {', '.join(blocks)})"
 
+    def account(self, sheet: CostSheet) -> None:
+        """Which sections each pp rank runs (the blocks cut evenly, the first stage also runs what comes before them,
+        the last what comes after), how many micro-batches' activations each holds at once under the schedule, the
+        schedule's bubble, and the stage-to-stage sends (activations forward, their gradients backward)."""
+        blocks = sheet.profile.blocks
+        p = sheet.dims.pp
+        if p == 1:
+            sheet.rank_sections, sheet.microbatches, sheet.inflight = [["first", *blocks, "last"]], 1, [1.0]
+            return
+        v = SCHEDULES[self.schedule].stages_per_rank or self.stages_per_rank or 2
+        m = self.microbatches or p * v
+        stages = even_cut(blocks, p * v)
+        stages[0].insert(0, "first")
+        stages[-1].append("last")
+        style = SCHEDULES[self.schedule].style
+        sheet.rank_sections = [[s for sid in stage_ids(r, p, v, style) for s in stages[sid]] for r in range(p)]
+        sheet.microbatches = m
+        sheet.inflight = [in_flight(self.schedule, r, p, v, m) for r in range(p)]
+        sheet.bubble = bubble_fraction(self.schedule, p, v, m)
+        activation = sheet.microbatch_tokens * sheet.profile.hidden_bytes * sheet.activation_scale
+        boundaries = max(sum(sid < p * v - 1 for sid in stage_ids(r, p, v, style)) for r in range(p))
+        sheet.transfers.append(Transfer("pp_send_recv", "pp", "send_recv", activation, 2 * boundaries * m, False))
+
     def restore_gradients(self) -> None:
         """In the strategy's ``backward``: hand back the gradients the schedule computed inside training_step."""
         assert self.adapter is not None
         self.adapter.restore_gradients()
+
+
+def in_flight(schedule: str, rank: int, pp: int, v: int, m: int) -> float:
+    """Micro-batches whose activations ``rank`` holds at once, in units of all its stages' activations of one
+    micro-batch: GPipe keeps all m; 1F1B at most pp - rank (the warm-up); the interleaved and zero-bubble
+    schedules run (v - 1) * pp + 2 * (pp - 1 - rank) stage-chunks ahead (torch's warm-up), out of m * v."""
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(m, pp - rank))
+    chunks = min(m * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1)
+    return chunks / v
+
+
+def bubble_fraction(schedule: str, pp: int, v: int, m: int) -> float:
+    """Share of the step a rank waits, textbook: (p - 1) / (m + p - 1) for GPipe and 1F1B, the interleaved
+    schedule divides the warm-up by v, the zero-bubble ones fill most of the rest with weight gradients (a third
+    of 1F1B's, the figure of their paper for a schedule whose weight and input gradients cost alike)."""
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) / (m + pp - 1)
+    interleaved = ((pp - 1) / v) / (m + (pp - 1) / v)
+    return interleaved if schedule == "interleaved_1f1b" else interleaved / 3

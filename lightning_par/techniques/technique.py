@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.modules import find_block_list, match_modules
+
+if TYPE_CHECKING:
+    from lightning_par.planner.sheet import CostSheet
 
 
 @dataclass
@@ -91,3 +94,7 @@ class Technique:
     def describe(self, dims: ParallelDims) -> str | None:
         """A few words for the start-up summary; None when the technique is off."""
         return None
+
+    def account(self, sheet: CostSheet) -> None:
+        """For the planner: write what this technique does to memory and communication into ``sheet`` (called in
+        the engine's order, with the layout's resolved sizes in ``sheet.dims``)."""

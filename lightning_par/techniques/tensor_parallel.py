@@ -13,6 +13,7 @@ from lightning_par.checks import check_bool
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.tensor import apply_tp, broadcast_replicated_parameters
 from lightning_par.parallel.tensor_plan import resolve_tp_plan, validate_tp_plan
+from lightning_par.planner.sheet import CostSheet, Transfer
 from lightning_par.techniques.technique import Target, Technique
 
 
@@ -54,6 +55,19 @@ class TensorParallel(Technique):
     def step_context(self, dims: ParallelDims) -> AbstractContextManager | None:
         # around backward too: its ops must see the DTensor gradients of the vocab-sharded logits
         return loss_parallel() if self.loss_parallel and dims.tp > 1 else None
+
+    def account(self, sheet: CostSheet) -> None:
+        """The plan's sharded parameters and the activations between a column- and a row-parallel layer split over
+        tp (the residual stream too under sequence parallelism, the logits under loss parallelism); per block and
+        micro-batch two all-reduces of the residual stream in forward and two in backward (sequence parallelism
+        moves the same bytes as all-gathers and reduce-scatters), which nothing hides."""
+        tp = sheet.dims.tp
+        if tp == 1:
+            return
+        sheet.tp, sheet.sequence_parallel, sheet.loss_parallel = tp, self.sequence_parallel, self.loss_parallel
+        blocks = max(sum(s not in ("first", "last") for s in r) for r in sheet.rank_sections)
+        residual = sheet.microbatch_tokens * sheet.profile.hidden_bytes * sheet.activation_scale
+        sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, 4 * blocks * sheet.microbatches, False))
 
     def describe(self, dims: ParallelDims) -> str | None:
         if dims.tp == 1:

@@ -1,0 +1,173 @@
+"""Plan a run without launching it: ``python -m lightning_par.plan``.
+
+For a Hugging Face model config (a ``config.json``, or a model type and sizes) or a LightningCLI project (module and
+data classes plus its YAML), on a world of any size, on a known device or on this machine:
+
+    python -m lightning_par.plan --hf-config llama --hf-override hidden_size=4096 num_hidden_layers=32 \\
+        --world 8 --device H100 --seq-len 8192 --batch 16 --precision bf16-mixed
+    python -m lightning_par.plan --module example_projects.gpt.lit.GPTModule \\
+        --datamodule example_projects.gpt.data.CharDataModule --config example_projects/gpt/configs/fsdp2.yaml \\
+        --world 4 --json plan.json --plot plan.png
+
+The model is built on the meta device (nothing allocated), traced once, and every valid layout is predicted and
+ranked; the table goes to stdout, ``--json`` writes every prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lightning_par.plan", description=__doc__.split("\n\n")[0])
+    model = p.add_argument_group("the model")
+    model.add_argument("--hf-config", help="a Hugging Face config.json (or its directory), or a model type (llama)")
+    model.add_argument("--hf-override", nargs="*", default=[], metavar="KEY=VALUE",
+                       help="config fields, e.g. hidden_size=4096 num_hidden_layers=32")
+    model.add_argument("--module", help="a LightningModule class path (LightningCLI project)")
+    model.add_argument("--datamodule", help="its LightningDataModule class path")
+    model.add_argument("--config", help="the LightningCLI YAML")
+    data = p.add_argument_group("the batch")
+    data.add_argument("--seq-len", type=int, help="tokens per sequence (Hugging Face models; default 4096)")
+    data.add_argument("--batch", type=int, help="sequences per step, the global batch (default: 1 per device)")
+    where = p.add_argument_group("where it runs")
+    where.add_argument("--world", type=int, required=True, help="devices in all")
+    where.add_argument("--gpus-per-node", type=int, default=8)
+    where.add_argument("--device", help="a known device (H100, H200, A100-80GB, B200, ...); default: this machine")
+    where.add_argument("--inter-link", default="ib-ndr400", help="the link between nodes (with --device)")
+    where.add_argument("--precision", default="bf16-mixed")
+    where.add_argument("--memory-budget", type=float, help="bytes per device (default: the device's memory)")
+    where.add_argument("--restrict", nargs="*", default=[], metavar="DIM=SIZES",
+                       help="allowed sizes, e.g. pp=1 tp=1,2,4")
+    out = p.add_argument_group("output")
+    out.add_argument("--top", type=int, default=15)
+    out.add_argument("--json", help="write every prediction here")
+    out.add_argument("--plot", help="write the plan's picture here (PNG)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from lightning_par.planner.profile import profile_model
+    from lightning_par.planner.search import plan_layouts
+
+    start = time.perf_counter()
+    if bool(args.hf_config) == bool(args.module):
+        raise SystemExit("pass either --hf-config (a Hugging Face model) or --module (a LightningCLI project)")
+    if args.hf_config:
+        module, batch = _hf_model(args)
+    else:
+        module, batch = _lightning_project(args)
+    global_batch = int(batch[0].shape[0])
+    profile = profile_model(module, batch)
+    hardware = _hardware(args, profile)
+    restrict = {k: [int(x) for x in v.split(",")] for k, v in (item.split("=", 1) for item in args.restrict)}
+    plan = plan_layouts(profile, batch, args.world, hardware, precision=args.precision, batch_is_global=True,
+                        memory_budget=args.memory_budget, restrict=restrict)
+    seconds = time.perf_counter() - start
+    print(f"{profile.name}: {sum(p.numel for p in profile.params) / 1e9:.3f} B parameters, global batch "
+          f"{global_batch} x {profile.seq_len} tokens, {args.world} devices ({hardware.source}); "
+          f"{len(plan.predictions)} layouts in {seconds:.1f} s")
+    print(plan.table(args.top))
+    if args.json:
+        Path(args.json).write_text(json.dumps({**plan.as_dict(), "seconds": seconds}, indent=1, default=str))
+    if args.plot:
+        from lightning_par.planner.picture import draw_plan
+
+        draw_plan(plan).savefig(args.plot, dpi=100)
+    return 0
+
+
+def _hardware(args: argparse.Namespace, profile: Any) -> Any:
+    from lightning_par.devices import known_hardware, precision_kind
+
+    if args.device:
+        return known_hardware(args.device, precision=precision_kind(args.precision) or "bf16",
+                              gpus_per_node=args.gpus_per_node, inter_link=args.inter_link)
+    from lightning_par.planner.probe import probe_hardware
+    from lightning_par.strategies.auto import _dtype, _matmul_shapes
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return probe_hardware(device, _dtype(args.precision), _matmul_shapes(profile), args.gpus_per_node)
+
+
+class _CausalLM(nn.Module):
+    """The planner's view of a Hugging Face causal LM: ``forward(x)`` gives logits, ``loss`` is cross-entropy."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x).logits
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters())
+
+
+def _hf_model(args: argparse.Namespace) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    overrides = {k: _value(v) for k, v in (item.split("=", 1) for item in args.hf_override)}
+    path = Path(args.hf_config)
+    if path.is_dir():
+        config = AutoConfig.from_pretrained(path, **overrides)
+    elif path.is_file():
+        fields = json.loads(path.read_text())
+        config = AutoConfig.for_model(fields.pop("model_type"), **{**fields, **overrides})
+    else:
+        config = AutoConfig.for_model(args.hf_config, **overrides)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    seq = args.seq_len or 4096
+    batch = args.batch or args.world
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return _CausalLM(model), (ids, ids)
+
+
+def _lightning_project(args: argparse.Namespace) -> tuple[nn.Module, Any]:
+    from lightning.pytorch.cli import LightningCLI
+
+    def load(path: str) -> type:
+        module, _, name = path.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    argv = [f"--config={args.config}"] if args.config else []
+    cli = LightningCLI(load(args.module), load(args.datamodule) if args.datamodule else None, run=False,
+                       args=argv + ["--trainer.devices=1", "--trainer.accelerator=cpu", "--trainer.logger=false",
+                                    "--trainer.strategy=auto", "--trainer.callbacks=[]"],
+                       save_config_callback=None)
+    module = cli.model
+    if hasattr(module, "configure_model"):
+        with torch.device("meta"):
+            module.configure_model()
+    datamodule = cli.datamodule
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    if args.batch:  # the global batch: the dataloader's per-device batch, repeated
+        batch = tuple(t[:1].expand(args.batch, *t.shape[1:]) if isinstance(t, torch.Tensor) else t for t in batch)
+    return module, batch
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Memory and step time of one layout, from the model's profile, the techniques' own accounts and the hardware.
+
+Memory is per rank, for the rank that needs the most: parameters, gradients and optimizer state (exact from the
+shapes and the sharding the layout applies), the activations autograd saves (the profile's trace, scaled to the
+layout's micro-batch and divided as tensor, context and sequence parallelism divide them, times the micro-batches a
+pipeline rank holds at once), and transient buffers (FSDP's gathered units).
+
+Step time is compute (the rank's forward FLOPs x 3, x 4 with activation checkpointing, over the hardware's
+achievable FLOP/s) plus the communication compute does not hide, stretched by the pipeline's bubble. A transfer
+takes the ring model's time on the link its mesh dimension spans (within a node or across nodes); an overlappable
+one hides behind compute up to ``OVERLAP`` of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lightning_par.dims import MESH_DIM_NAMES, ParallelDims
+from lightning_par.planner.profile import ModelProfile
+from lightning_par.planner.sheet import CostSheet, Transfer
+from lightning_par.techniques import build_recipe
+
+if TYPE_CHECKING:
+    from lightning_par.devices import Hardware
+
+#: the share of compute time that overlappable communication (FSDP prefetch, the CP ring) can hide behind: not all of
+#: it, since the first gather of a step and the last reduce-scatter have nothing to hide behind
+OVERLAP = 0.8
+#: device memory the planner keeps free for what it does not model (allocator slack, workspaces, NCCL buffers)
+RESERVE = 0.1
+_PRECISION = {  # activation bytes, FSDP all-gather bytes per parameter byte, gradient bytes per activation byte
+    "32-true": (1.0, 1.0, 1.0), "bf16-mixed": (0.5, 0.5, 2.0), "16-mixed": (0.5, 0.5, 2.0),
+    "bf16-true": (0.5, 1.0, 1.0),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to parallelize: the five sizes and the options that change cost. ``strategy_kwargs()`` is what
+    ``NDParallelStrategy`` takes to train it."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+    activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    cpu_offload: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def dims(self) -> ParallelDims:
+        return ParallelDims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp)
+
+    def strategy_kwargs(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
+        if self.pp > 1:
+            out.update(pp_schedule=self.pp_schedule, pp_microbatches=self.pp_microbatches)
+        for flag in ("activation_checkpointing", "sequence_parallel", "loss_parallel", "cpu_offload"):
+            if getattr(self, flag):
+                out[flag] = True
+        return out
+
+    def __str__(self) -> str:
+        sizes = " x ".join(f"{n}{getattr(self, n)}" for n in MESH_DIM_NAMES if getattr(self, n) > 1) or "1 rank"
+        extras = []
+        if self.pp > 1:
+            extras.append(f"{self.pp_schedule} m{self.pp_microbatches}")
+        extras += [name for flag, name in (("sequence_parallel", "SP"), ("loss_parallel", "LP"),
+                                           ("activation_checkpointing", "AC"), ("cpu_offload", "offload"))
+                   if getattr(self, flag)]
+        return sizes + (f" ({', '.join(extras)})" if extras else "")
+
+
+@dataclass
+class Prediction:
+    """What one layout costs, per rank (the largest rank for memory, the slowest for time), per optimizer step."""
+
+    layout: Layout
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    compute_s: float
+    comm_s: dict[str, float]  # exposed (not hidden by compute), per kind
+    comm_total_s: dict[str, float]  # all of it, per kind
+    bubble_s: float
+    step_s: float
+    tokens_per_s: float  # per device
+    budget: float | None  # device memory the layout may use (bytes), None: unknown
+    reason: str = ""
+    host_bytes: float = 0.0  # state kept in host memory (CPU offload)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_state(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def memory(self) -> float:
+        return self.model_state + self.activations + self.buffers
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.memory <= self.budget
+
+    @property
+    def over_by(self) -> float:
+        return 0.0 if self.budget is None else max(0.0, self.memory - self.budget)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "layout"}
+        out.update(layout=str(self.layout), strategy_kwargs=self.layout.strategy_kwargs(), model_state=self.model_state,
+                   memory=self.memory, fits=self.fits, over_by=self.over_by)
+        return out
+
+
+def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, precision: str) -> CostSheet:
+    """Every technique of the engine's recipe writes its share into one sheet, in the engine's order."""
+    act, gather, grad = _PRECISION.get(precision, (1.0, 1.0, 1.0))
+    sheet = CostSheet(layout.dims(), profile, batch, seq_len, activation_scale=act, gather_scale=gather,
+                      grad_scale=grad)
+    recipe = build_recipe(pp_schedule=layout.pp_schedule, pp_microbatches=layout.pp_microbatches,
+                          sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel,
+                          activation_checkpointing=layout.activation_checkpointing, cpu_offload=layout.cpu_offload)
+    for technique in recipe:
+        technique.account(sheet)
+    return sheet
+
+
+def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: int, seq_len: int,
+            precision: str = "32-true", memory_budget: float | None = None) -> Prediction:
+    """``batch``: samples per data-parallel rank per step; ``memory_budget``: bytes a device may use (default: the
+    hardware's memory less ``RESERVE``)."""
+    sheet = account(layout, profile, batch, seq_len, precision)
+    per_rank = [_rank_memory(sheet, r) for r in range(len(sheet.rank_sections))]
+    params, grads, optimizer, activations = max(per_rank, key=sum)
+    host = 0.0
+    if sheet.offload:
+        host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
+    compute = max(_rank_flops(sheet, r) for r in range(len(sheet.rank_sections))) / hardware.matmul_flops
+    total = {t.kind: 0.0 for t in sheet.transfers}
+    hidden = {t.kind: 0.0 for t in sheet.transfers}
+    for t in sheet.transfers:
+        seconds = _transfer_time(t, sheet.dims, hardware)
+        total[t.kind] += seconds
+        if t.overlappable:
+            hidden[t.kind] += seconds
+    hideable = OVERLAP * compute
+    overlapped = sum(hidden.values())
+    exposed = {}
+    for kind in total:
+        share = hidden[kind] / overlapped if overlapped else 0.0
+        exposed[kind] = total[kind] - hidden[kind] + share * max(0.0, overlapped - hideable)
+    busy = compute + sum(exposed.values())
+    step = busy / (1.0 - sheet.bubble)
+    budget = memory_budget if memory_budget is not None else (
+        hardware.memory_bytes * (1 - RESERVE) if hardware.memory_bytes else None)
+    tokens = batch * layout.dp * seq_len
+    recompute = max(_rank_activations(sheet, r)[1] for r in range(len(sheet.rank_sections)))
+    prediction = Prediction(layout, params, grads, optimizer, activations, sheet.buffer_bytes + recompute, compute,
+                            exposed, total,
+                            step - busy, step, tokens / step / layout.world_size, budget, host_bytes=host)
+    prediction.reason = _reason(prediction)
+    return prediction
+
+
+# ---- memory ----------------------------------------------------------------------------------------------------
+def _rank_memory(sheet: CostSheet, rank: int) -> tuple[float, float, float, float]:
+    """(parameters, gradients, optimizer state, saved activations) of pipeline rank ``rank``."""
+    sections = set(sheet.rank_sections[rank])
+    params = grads = optimizer = 0.0
+    for p in sheet.profile.params:
+        if p.section not in sections:
+            continue
+        local = _local_numel(p.shape, p.tp_dim, sheet.tp, sheet.shard)
+        params += local * p.itemsize
+        if p.trainable:
+            grads += local * p.itemsize
+            optimizer += local * sheet.profile.optimizer_bytes_per_element
+    kept, _ = _rank_activations(sheet, rank)
+    return params, grads, optimizer, kept
+
+
+def _local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, shard: int) -> float:
+    """Elements one rank keeps: tensor parallelism splits ``tp_dim`` evenly, FSDP2 splits dim 0 into ``shard``
+    chunks of ``ceil(rows / shard)`` (the largest rank's share, padding included)."""
+    dims = list(shape) or [1]
+    if tp_dim is not None:
+        dims[tp_dim] //= tp
+    dims[0] = math.ceil(dims[0] / shard)
+    return float(math.prod(dims))
+
+
+def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float]:
+    """(saved until backward, transient): with activation checkpointing a block keeps its input and backward
+    recomputes one block at a time, whose activations are the transient part."""
+    profile, scale = sheet.profile, sheet.token_scale * sheet.activation_scale
+    inflight = sheet.inflight[rank] if sheet.inflight else 1.0
+    tp, cp, sp, lp = sheet.tp, sheet.cp, sheet.sequence_parallel, sheet.loss_parallel
+    kept, peak_block = 0.0, 0.0
+    for name in sheet.rank_sections[rank]:
+        section = profile.sections[name]
+        full = section.saved.per_rank(tp, cp, sp, lp, scale)
+        if sheet.activation_checkpointing and name not in ("first", "last"):
+            kept += section.input_bytes * scale / (tp if sp else 1) / cp  # the block's input only
+            peak_block = max(peak_block, full)  # recomputed in backward, one block at a time
+        else:
+            kept += full
+    return kept * inflight, peak_block
+
+
+# ---- time ------------------------------------------------------------------------------------------------------
+def _rank_flops(sheet: CostSheet, rank: int) -> float:
+    """The rank's FLOPs in one step: forward x 3 (backward = 2 forward), + 1 forward with activation checkpointing."""
+    forward = 0.0
+    for name in sheet.rank_sections[rank]:
+        section = sheet.profile.sections[name]
+        forward += (section.flops * sheet.token_scale
+                    + section.attention_flops * sheet.token_scale * sheet.sequence_scale)
+    forward /= sheet.tp * sheet.cp
+    passes = 4 if sheet.activation_checkpointing else 3
+    return forward * passes * sheet.microbatches
+
+
+def _transfer_time(t: Transfer, dims: ParallelDims, hw: Hardware) -> float:
+    """The ring model of one transfer kind over the group of mesh dimension ``t.dim``, ``t.count`` times."""
+    n = dims.mesh_size(t.dim)
+    if n <= 1:
+        return 0.0
+    bandwidth, latency = (hw.intra_bandwidth, hw.intra_latency) if dims.within_node(t.dim, hw.gpus_per_node) else (
+        hw.inter_bandwidth, hw.inter_latency)
+    if t.collective == "all_reduce":
+        one = 2 * (n - 1) / n * t.nbytes / bandwidth + 2 * (n - 1) * latency
+    elif t.collective in ("all_gather", "reduce_scatter"):
+        one = (n - 1) / n * t.nbytes / bandwidth + (n - 1) * latency
+    else:  # one point-to-point message
+        one = t.nbytes / bandwidth + latency
+    return one * t.count
+
+
+def _reason(p: Prediction) -> str:
+    gib = 2**30
+    if p.budget is None:
+        memory = f"{p.memory / gib:.2f} GiB per device"
+    elif p.fits:
+        memory = f"fits: {p.memory / gib:.2f} of {p.budget / gib:.2f} GiB"
+    else:
+        memory = f"does not fit: {p.memory / gib:.2f} GiB, {p.over_by / gib:.2f} GiB over {p.budget / gib:.2f}"
+    parts = [f"compute {p.compute_s * 1e3:.1f} ms"]
+    worst = max(p.comm_s.items(), key=lambda kv: kv[1], default=None)
+    if worst and worst[1] > 0:
+        parts.append(f"exposed communication {sum(p.comm_s.values()) * 1e3:.1f} ms (most: {worst[0]})")
+    if p.bubble_s > 0:
+        parts.append(f"pipeline bubble {p.bubble_s * 1e3:.1f} ms")
+    return f"{memory}; step {p.step_s * 1e3:.1f} ms = " + " + ".join(parts)

@@ -1,0 +1,422 @@
+"""What a model costs, read off one forward on the meta device: the planner's input about the model.
+
+Nothing is allocated and nothing is hand-written per model. From a meta-device copy of the user's module and one
+example batch this records:
+
+* every parameter's shape, dtype and trainability, the block list, and the pipeline stage plan of any stage count
+  (the engine's own ``plan_stages`` / ``plan_hf_stages``);
+* the forward FLOPs of each block and of what runs before and after the blocks (torch's ``FlopCounterMode``
+  formulas), attention apart from the rest (it grows with the square of the sequence);
+* the tensors autograd saves for backward (``saved_tensors_hooks``), per block and outside the blocks, each sorted
+  by how tensor parallelism lays it out: produced downstream of a column-parallel layer and before the row-parallel
+  one that reduces it (``sharded``: split over tp), the input a column-parallel layer saves (``gathered``: whole,
+  also under sequence parallelism), or the residual stream (``residual``: whole, split over tp under sequence
+  parallelism). The sort follows the model's own tensor-parallel plan, propagated op by op through the trace;
+* the bytes of optimizer state per parameter element, by running the module's own ``configure_optimizers`` for one
+  step on meta gradients.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode  # the documented home of the base class (torch 2.13)
+from torch.utils.flop_counter import flop_registry
+
+from lightning_par.parallel.hf import outermost_hf_models
+from lightning_par.parallel.modules import find_block_list
+from lightning_par.parallel.tensor_plan import resolve_tp_plan, sharded_dims, validate_tp_plan
+
+_aten = torch.ops.aten
+#: attention kernels: their FLOPs grow with the square of the sequence
+ATTENTION_OPS = {
+    _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_efficient_attention,
+    _aten._scaled_dot_product_cudnn_attention, _aten._scaled_dot_product_flash_attention_for_cpu,
+}
+_FORMULAS: dict[Any, Callable[..., int]] = {
+    **flop_registry,
+    _aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[_aten._scaled_dot_product_flash_attention],
+}
+#: styles whose module's output is split over tp (the math downstream is sharded until a row-parallel layer)
+SHARDING_STYLES = ("colwise", "local_colwise")
+#: styles whose module's output is whole again (reduced or gathered)
+REDUCING_STYLES = ("rowwise", "rowwise_rep", "colwise_rep", "local_rowwise", "vocab_parallel_embedding",
+                   "embedding_rowwise", "embedding_colwise")
+#: styles whose module saves its (whole) input for the weight gradient
+GATHERING_STYLES = ("colwise", "colwise_rep", "vocab_parallel_head", "local_colwise")
+
+
+@dataclass
+class SavedBytes:
+    """Bytes autograd saves for backward at the traced (batch, sequence), by tensor-parallel layout."""
+
+    sharded: int = 0
+    gathered: int = 0
+    residual: int = 0
+    vocab: int = 0  # downstream of a vocabulary-parallel head: split over tp under loss parallelism
+
+    def add(self, kind: str, nbytes: int) -> None:
+        setattr(self, kind, getattr(self, kind) + nbytes)
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.gathered + self.residual + self.vocab
+
+    def per_rank(self, tp: int, cp: int, sequence_parallel: bool, loss_parallel: bool, scale: float = 1.0) -> float:
+        """This rank's share for a layout, ``scale`` times the traced tokens."""
+        residual = self.residual / tp if sequence_parallel else self.residual
+        vocab = self.vocab / tp if loss_parallel else self.vocab
+        return scale * (self.sharded / tp + self.gathered + residual + vocab) / cp
+
+
+@dataclass
+class Section:
+    """One block, or what runs before (``first``) or after (``last``) the blocks."""
+
+    flops: float = 0.0  # forward, without attention
+    attention_flops: float = 0.0  # forward attention kernels
+    saved: SavedBytes = field(default_factory=SavedBytes)
+    input_bytes: int = 0  # the block's input (what activation checkpointing keeps)
+    kv_bytes: int = 0  # keys and values entering attention (what context parallelism passes around the ring)
+
+
+@dataclass
+class ParamInfo:
+    fqn: str
+    shape: tuple[int, ...]
+    itemsize: int
+    trainable: bool
+    section: str  # the block it belongs to, or "first" / "last" (registered before / after the block list)
+    tp_dim: int | None  # the dimension tensor parallelism splits (None: whole on every tp rank)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class ModelProfile:
+    """The model's costs at the traced micro-batch (``batch`` samples of ``seq_len`` tokens)."""
+
+    name: str
+    params: list[ParamInfo]
+    block_list: str
+    blocks: list[str]
+    sections: dict[str, Section]  # "first", each block FQN, "last"
+    batch: int
+    seq_len: int
+    hidden_bytes: int  # one token's residual-stream activation (bytes), what stages hand on
+    optimizer_bytes_per_element: float  # optimizer state per trainable parameter element
+    tp_plan: dict[str, Any]  # the resolved plan (module FQN -> style) on the whole model, or {} without one
+    meta_module: nn.Module = field(repr=False)  # the meta copy: stage plans and tp checks are read from it
+    tp_source_plan: dict[str, Any] = field(default_factory=dict)  # the plan as given (globs), validated per tp
+    tp_checks: dict[tuple[int, bool], bool] = field(default_factory=dict, repr=False)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+    def param_bytes(self, trainable_only: bool = False) -> int:
+        return sum(p.numel * p.itemsize for p in self.params if p.trainable or not trainable_only)
+
+
+# ---- the trace -------------------------------------------------------------------------------------------------
+def _cdata(t: torch.Tensor) -> int:
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+class _StorageMap:
+    """Values keyed by a tensor's storage, forgotten when that storage dies (its address is then reused)."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[StorageWeakRef, Any]] = {}
+
+    def set(self, t: torch.Tensor, value: Any) -> None:
+        ref = StorageWeakRef(t.untyped_storage())
+        self._items[ref.cdata] = (ref, value)
+
+    def get(self, t: torch.Tensor) -> Any:
+        item = self._items.get(_cdata(t))
+        return None if item is None or item[0].expired() else item[1]
+
+    def pop(self, t: torch.Tensor) -> None:
+        self._items.pop(_cdata(t), None)
+
+
+class _Trace(TorchDispatchMode):
+    """Counts FLOPs per section and propagates the tensor-parallel layout of every tensor, op by op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.section = "first"
+        self.sections: dict[str, Section] = {"first": Section()}
+        self.layout = _StorageMap()  # storage -> "sharded" or "vocab" (absent: whole)
+        self.in_attention = False
+        self.saved = _StorageMap()  # saved tensors stay alive until backward: their storages are not reused meanwhile
+        self.params: set[int] = set()
+        self.gathered_inputs = _StorageMap()
+
+    def record_saved(self, t: torch.Tensor, nbytes: int | None = None) -> None:
+        """One tensor autograd keeps for backward (each storage once; parameters are not activations)."""
+        if _cdata(t) in self.params or self.saved.get(t) is not None:
+            return
+        self.saved.set(t, self.section)
+        kind = self.layout.get(t) or ("gathered" if self.gathered_inputs.get(t) else "residual")
+        self.sections[self.section].saved.add(kind, nbytes if nbytes is not None else t.untyped_storage().nbytes())
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.in_attention:  # attention's own saves are the fused kernel's, recorded by _AttentionMarker
+            self.record_saved(t)
+        return t
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        key = getattr(func, "_overloadpacket", func)
+        formula = _FORMULAS.get(key)
+        if formula is not None:
+            flops = float(formula(*args, **kwargs, out_val=out))
+            sec = self.sections[self.section]
+            if key in ATTENTION_OPS or self.in_attention:
+                sec.attention_flops += flops
+            else:
+                sec.flops += flops
+        inputs = {self.layout.get(a) for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        layout = "sharded" if "sharded" in inputs else "vocab" if "vocab" in inputs else None
+        if layout is not None:
+            for o in torch.utils._pytree.tree_leaves(out):
+                if isinstance(o, torch.Tensor):
+                    self.layout.set(o, layout)
+        return out
+
+
+class _AttentionMarker(TorchFunctionMode):
+    """Marks the ops of ``F.scaled_dot_product_attention`` as attention. On meta it decomposes into plain matmuls,
+    which would save the (seq x seq) probabilities; the fused kernels a real run uses (flash, memory-efficient, CPU
+    flash) save q, k, v, the output and one fp32 log-sum-exp per query and head: those are recorded instead."""
+
+    def __init__(self, trace: _Trace) -> None:
+        super().__init__()
+        self.trace = trace
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        key, value = args[1], args[2]
+        self.trace.sections[self.trace.section].kv_bytes += (
+            key.numel() * key.element_size() + value.numel() * value.element_size())
+        self.trace.in_attention = True
+        try:
+            # laid out as the fused kernels return it, (batch, seq, heads, dim) in memory: the usual
+            # ``out.transpose(1, 2).contiguous()`` after attention is then a view, as in a real run
+            out = func(*args, **(kwargs or {})).transpose(1, 2).contiguous().transpose(1, 2)
+        finally:
+            self.trace.in_attention = False
+        if torch.is_grad_enabled():
+            for t in (args[0], key, value, out):
+                self.trace.record_saved(t)
+            query = args[0]
+            lse = query.numel() // query.size(-1) * 4  # (batch, heads, seq) in fp32
+            self.trace.sections[self.trace.section].saved.add(self.trace.layout.get(query) or "residual", lse)
+        return out
+
+
+def _mark(saved: _StorageMap, args: tuple) -> None:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            saved.set(a, True)
+
+
+def _set_layout(trace: _Trace, out: Any, layout: str | None) -> None:
+    for o in torch.utils._pytree.tree_leaves(out):
+        if isinstance(o, torch.Tensor):
+            if layout is None:
+                trace.layout.pop(o)
+            else:
+                trace.layout.set(o, layout)
+
+
+def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = None,
+                  tp_plan: dict[str, Any] | None = None, step: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+                  share: tuple[Any, ...] = ()) -> ModelProfile:
+    """Trace ``module`` (real or meta; it is copied to meta) on one ``batch`` (one micro-batch's worth; its tensors
+    are only looked at for shapes). ``step(module, batch)`` returns the loss; default: the module's
+    ``training_step``, else ``loss(forward(x), y)``, else cross-entropy of ``forward(x)`` against ``y``."""
+    from lightning_par.parallel.pipeline import meta_clone
+
+    model = meta_clone(module, share=share)
+    _plan_attention(model)
+    block_fqn, container = find_block_list(model, block_list)
+    blocks = [f"{block_fqn}.{n}" for n in container._modules]
+    try:
+        source_plan = resolve_tp_plan(model, tp_plan)
+        resolved = validate_tp_plan(model, source_plan, 1)
+    except ValueError:
+        source_plan, resolved = {}, {}
+    meta_batch = torch.utils._pytree.tree_map(
+        lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, batch)
+    trace = _Trace()
+    trace.params = {_cdata(p) for p in model.parameters()}
+    hidden_bytes = 0
+
+    hooks = []
+    for i, name in enumerate(blocks):
+        def enter(_m: nn.Module, args: tuple, kwargs: dict, _name: str = name) -> None:
+            nonlocal hidden_bytes
+            trace.section = _name
+            sec = trace.sections.setdefault(_name, Section())
+            first = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+            if isinstance(first, torch.Tensor):
+                sec.input_bytes = first.untyped_storage().nbytes()
+                hidden_bytes = first.numel() * first.element_size()
+
+        def leave(_m: nn.Module, _args: tuple, _out: Any, _last: bool = i == len(blocks) - 1) -> None:
+            if _last:
+                trace.section = "last"
+                trace.sections.setdefault("last", Section())
+        hooks.append(model.get_submodule(name).register_forward_pre_hook(enter, with_kwargs=True))
+        hooks.append(model.get_submodule(name).register_forward_hook(leave))
+    for name, style in resolved.items():
+        style_name = style if isinstance(style, str) else type(style).__name__
+        sub = model.get_submodule(name)
+        if style_name in GATHERING_STYLES:
+            hooks.append(sub.register_forward_pre_hook(lambda _m, args: _mark(trace.gathered_inputs, args)))
+        layout = ("sharded" if style_name in SHARDING_STYLES
+                  else "vocab" if style_name == "vocab_parallel_head" else None)
+        if layout is not None or style_name in REDUCING_STYLES:
+            hooks.append(sub.register_forward_hook(
+                lambda _m, _a, out, _layout=layout: _set_layout(trace, out, _layout)))
+    try:
+        with ExitStack() as stack, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(trace.pack, lambda t: t))
+            stack.enter_context(trace)
+            stack.enter_context(_AttentionMarker(trace))
+            try:
+                loss = _run_step(model, meta_batch, step)
+            except Exception as e:  # noqa: BLE001 - any failure of the user's code on meta tensors
+                raise ValueError(
+                    f"The planner could not trace {type(module).__name__} on the meta device ({type(e).__name__}: "
+                    f"{e}). It runs one forward and loss on a meta copy of the model and the batch: the model's "
+                    f"forward must not read tensor values (no `if x.sum() > 0`, no `.item()`), and the batch must be "
+                    f"what training_step receives (inputs, targets). Pass a `step=fn(module, batch) -> loss` that "
+                    f"computes the loss without reading values.") from e
+            del loss
+    finally:
+        for h in hooks:
+            h.remove()
+    sample = next(t for t in torch.utils._pytree.tree_leaves(meta_batch) if isinstance(t, torch.Tensor))
+    sections = {k: trace.sections.get(k, Section()) for k in ("first", *blocks, "last")}
+    tp_dims = sharded_dims(resolved)
+    named = list(model.named_parameters())
+    first_block = next((i for i, (n, _) in enumerate(named) if n.startswith(block_fqn + ".")), len(named))
+    return ModelProfile(
+        name=type(module).__name__,
+        params=[ParamInfo(n, tuple(p.shape), p.element_size(), p.requires_grad,
+                          _section(n, blocks, "first" if i < first_block else "last"), tp_dims.get(_clean(n)))
+                for i, (n, p) in enumerate(named)],
+        block_list=block_fqn, blocks=blocks, sections=sections, batch=int(sample.shape[0]),
+        seq_len=int(sample.shape[1]) if sample.ndim > 1 else 1,
+        hidden_bytes=hidden_bytes // max(1, int(sample.shape[0]) * (int(sample.shape[1]) if sample.ndim > 1 else 1)),
+        optimizer_bytes_per_element=_optimizer_bytes(model), tp_plan=resolved, meta_module=model,
+        tp_source_plan=source_plan)
+
+
+def _clean(fqn: str) -> str:
+    return ".".join(seg for seg in fqn.split(".") if seg not in ("_checkpoint_wrapped_module", "_orig_mod"))
+
+
+def _section(fqn: str, blocks: list[str], outside: str) -> str:
+    """The block holding parameter ``fqn``, else ``outside`` ("first"/"last": registered before/after the block
+    list, as the pipeline cuts)."""
+    return next((block for block in blocks if fqn.startswith(block + ".")), outside)
+
+
+def _run_step(model: nn.Module, batch: Any, step: Callable[[nn.Module, Any], torch.Tensor] | None) -> torch.Tensor:
+    if step is not None:
+        return step(model, batch)
+    x, y = batch[0], batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
+    loss_method = getattr(model, "loss", None)
+    if callable(loss_method) and y is not None:
+        return loss_method(model(x), y)
+    training_step = getattr(model, "training_step", None)
+    if callable(training_step):
+        out = training_step(batch, 0)
+        return out["loss"] if isinstance(out, dict) else out
+    logits = model(x)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def _optimizer_bytes(model: nn.Module) -> float:
+    """Optimizer state bytes per trainable parameter element, from one step of the module's own optimizer on meta
+    gradients (AdamW: 8 in fp32). Falls back to Adam's 8 when the module configures none that runs on meta."""
+    configure = getattr(model, "configure_optimizers", None)
+    if not callable(configure):
+        return 8.0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optimizer = configure()
+            optimizer = _first_optimizer(optimizer)
+            trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+            for p in trainable:
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            numel = sum(p.numel() for p in trainable)
+            state = sum(t.numel() * t.element_size() for p in trainable for t in optimizer.state[p].values()
+                        if isinstance(t, torch.Tensor) and t.numel() == p.numel())
+            for p in trainable:
+                p.grad = None
+        return state / max(1, numel)
+    except Exception:  # noqa: BLE001 - an optimizer that cannot run on meta: assume Adam
+        return 8.0
+
+
+def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, dict):
+        return _first_optimizer(configured["optimizer"])
+    if isinstance(configured, (list, tuple)) and configured:
+        return _first_optimizer(configured[0])
+    raise TypeError(f"configure_optimizers returned {type(configured).__name__}")
+
+
+# ---- Hugging Face models on the meta device --------------------------------------------------------------------
+PLAN_ATTENTION = "lightning_par_plan"
+
+
+def _plan_attention(model: nn.Module) -> None:
+    """Hugging Face models build their mask with data-dependent checks, which meta tensors cannot answer: give the
+    copy an attention that needs no mask (causal and windows are the kernel's business, as under the engine)."""
+    hf_models = outermost_hf_models(model)
+    if not hf_models:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PLAN_ATTENTION, _mask_free_attention)
+    for _, hf in hf_models:
+        hf.set_attn_implementation(PLAN_ATTENTION)
+
+
+def _mask_free_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                         **kwargs: Any) -> tuple[torch.Tensor, None]:
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, is_causal=getattr(module, "is_causal", True), scale=scaling,
+        enable_gqa=query.size(1) != key.size(1))
+    return out.transpose(1, 2).contiguous(), None
+
+

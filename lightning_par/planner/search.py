@@ -1,0 +1,201 @@
+"""Every valid layout of a model on a world, predicted and ranked: ``plan_layouts``.
+
+Validity is the engine's own: the same checks a strategy runs before any collective (tensor-parallel plans validated
+for each tp, pipeline layouts for each schedule, sequence lengths for context parallelism), so a layout the planner
+names is one ``NDParallelStrategy(**layout.strategy_kwargs())`` accepts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from lightning_par.parallel.pipeline import validate_pipeline
+from lightning_par.parallel.tensor_plan import validate_tp_plan
+from lightning_par.planner.predict import Layout, Prediction, predict
+from lightning_par.planner.profile import ModelProfile, profile_model
+
+if TYPE_CHECKING:
+    from lightning_par.devices import Hardware
+
+SIZES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "zbv")
+
+
+@dataclass
+class Plan:
+    """Layouts ranked: those that fit first, fastest (most tokens per second per device) first; then those that do
+    not fit, closest to fitting first."""
+
+    predictions: list[Prediction]
+    profile: ModelProfile
+    hardware: Hardware
+    world_size: int
+    batch: int  # samples per data-parallel rank per step (batch_is_global: the global batch)
+    seq_len: int
+    precision: str
+    skipped: dict[str, int] = field(default_factory=dict)  # why candidate layouts were left out, with counts
+
+    @property
+    def best(self) -> Prediction:
+        return self.predictions[0]
+
+    @property
+    def fitting(self) -> list[Prediction]:
+        return [p for p in self.predictions if p.fits]
+
+    def require_fit(self) -> Prediction:
+        """The best layout; a ``ValueError`` naming the smallest memory that would fit, and with which layout, when
+        none fits the budget."""
+        best = self.best
+        if best.fits:
+            return best
+        smallest = min(self.predictions, key=lambda p: p.memory)
+        gib = 2**30
+        raise ValueError(
+            f"No layout of {self.profile.name} fits memory_budget={best.budget / gib:.2f} GiB per device on "
+            f"{self.world_size} devices: the smallest needs {smallest.memory / gib:.2f} GiB ({smallest.layout}). "
+            f"Raise the budget to at least that, use more devices, a smaller batch or sequence, or allow CPU offload.")
+
+    def table(self, top: int = 10) -> str:
+        gib = 2**30
+        rows = [f"{'#':>3}  {'layout':<44} {'state GiB':>9} {'act GiB':>8} {'total GiB':>9} {'step ms':>9} "
+                f"{'tok/s/dev':>10}  reason"]
+        for i, p in enumerate(self.predictions[:top], 1):
+            rows.append(f"{i:>3}  {str(p.layout):<44} {p.model_state / gib:>9.3f} {p.activations / gib:>8.3f} "
+                        f"{p.memory / gib:>9.3f} {p.step_s * 1e3:>9.2f} {p.tokens_per_s:>10.0f}  {p.reason}")
+        return "\n".join(rows)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.profile.name, "world_size": self.world_size, "hardware": vars(self.hardware),
+                "batch": self.batch, "seq_len": self.seq_len, "precision": self.precision, "skipped": self.skipped,
+                "layouts": [p.as_dict() for p in self.predictions]}
+
+
+def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_size: int, hardware: Hardware, *,
+                 precision: str = "32-true", batch_is_global: bool = True, memory_budget: float | None = None,
+                 restrict: Mapping[str, Iterable[int]] | None = None, activation_checkpointing: Iterable[bool] = (
+                     False, True), schedules: Iterable[str] = PIPELINE_SCHEDULES, allow_offload: bool = False,
+                 block_list: str | None = None) -> Plan:
+    """Predict and rank every valid layout of ``module`` on ``world_size`` devices of ``hardware``.
+
+    Args:
+        module: the LightningModule (or any module; built on the meta device is fine), or a ready profile.
+        example_batch: one batch: the global batch (``batch_is_global=True``) or one data-parallel rank's.
+        hardware: measured (``planner.probe.probe_hardware``) or from the table (``devices.known_hardware``).
+        memory_budget: bytes per device a layout may use (default: the hardware's memory less a reserve).
+        restrict: sizes allowed per dimension, e.g. ``{"pp": [1], "tp": [1, 2]}``.
+        allow_offload: also consider CPU offload (otherwise only when nothing else fits).
+    """
+    profile = module if isinstance(module, ModelProfile) else profile_model(module, example_batch,
+                                                                            block_list=block_list)
+    batch, seq_len = profile.batch, profile.seq_len
+    candidates, skipped = enumerate_layouts(profile, world_size, hardware.gpus_per_node, batch, batch_is_global,
+                                            restrict or {}, tuple(activation_checkpointing), tuple(schedules))
+    if not candidates:
+        raise ValueError(_no_layout_message(profile, world_size, skipped))
+
+    def run(layouts: list[Layout]) -> list[Prediction]:
+        return [predict(layout, profile, hardware, batch // layout.dp if batch_is_global else batch, seq_len,
+                        precision, memory_budget) for layout in layouts]
+
+    predictions = run(candidates)
+    if allow_offload or not any(p.fits for p in predictions):
+        predictions += run([replace(layout, cpu_offload=True) for layout in candidates
+                            if layout.dp_shard * layout.dp_replicate * layout.cp > 1])
+    predictions.sort(key=lambda p: (not p.fits, p.over_by, -p.tokens_per_s))
+    return Plan(predictions, profile, hardware, world_size, batch, seq_len, precision, skipped)
+
+
+def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, batch: int, batch_is_global: bool,
+                      restrict: Mapping[str, Iterable[int]], checkpointing: tuple[bool, ...],
+                      schedules: tuple[str, ...]) -> tuple[list[Layout], dict[str, int]]:
+    """The layouts the engine would accept; ``skipped`` counts the candidates left out, by reason."""
+    allowed = {k: set(v) for k, v in restrict.items()}
+    unknown = set(allowed) - set(SIZES)
+    if unknown:
+        raise ValueError(f"restrict={dict(restrict)!r}: {sorted(unknown)} are not layout dimensions; use {SIZES}.")
+    skipped: dict[str, int] = {}
+
+    def skip(reason: str) -> None:
+        skipped[reason] = skipped.get(reason, 0) + 1
+
+    blocks = len(profile.blocks)
+    has_attention = any(s.kv_bytes for s in profile.sections.values())
+    out = []
+    for sizes in _factorizations(world_size, len(SIZES)):
+        dims = dict(zip(SIZES, sizes))
+        if any(k in allowed and v not in allowed[k] for k, v in dims.items()):
+            skip("restricted")
+            continue
+        dp = dims["dp_replicate"] * dims["dp_shard"]
+        if dims["dp_replicate"] > 1 and dims["dp_shard"] * dims["cp"] * dims["tp"] < per_node:
+            skip("replicas smaller than a node (use dp_shard)")
+            continue
+        if dims["tp"] > 1 and (dims["tp"] > per_node or not _tp_ok(profile, dims["tp"], False)):
+            skip("tp does not fit the model or a node")
+            continue
+        if dims["cp"] > 1 and (not has_attention or profile.seq_len % (2 * dims["cp"])):
+            skip("sequence not divisible by 2 x cp")
+            continue
+        if batch_is_global and batch % dp:
+            skip("global batch not divisible by dp")
+            continue
+        local = batch // dp if batch_is_global else batch
+        sp = dims["tp"] > 1 and dims["pp"] == 1 and _tp_ok(profile, dims["tp"], True)
+        lp = sp and "vocab_parallel_head" in {s for s in profile.tp_plan.values() if isinstance(s, str)}
+        for ac in checkpointing:
+            base = Layout(**dims, activation_checkpointing=ac, sequence_parallel=sp, loss_parallel=lp)
+            if dims["pp"] == 1:
+                out.append(base)
+                continue
+            for schedule in schedules:
+                if schedule in ("interleaved_zb", "zbv") and dims["dp_shard"] * dims["dp_replicate"] * dims["cp"] > 1:
+                    skip("zero-bubble schedule with FSDP")
+                    continue
+                for m in _microbatches(dims["pp"], local):
+                    try:
+                        validate_pipeline(schedule, dims["pp"], m, blocks, None, local)
+                    except ValueError:
+                        skip("pipeline does not fit the blocks or the batch")
+                        continue
+                    out.append(replace(base, pp_schedule=schedule, pp_microbatches=m))
+    return out, skipped
+
+
+def _microbatches(pp: int, local_batch: int) -> list[int]:
+    """A few micro-batch counts: one per stage up to eight per stage, those that divide the batch."""
+    return [m for m in (pp, 2 * pp, 4 * pp, 8 * pp) if m <= local_batch and local_batch % m == 0]
+
+
+@cache
+def _factorizations(n: int, parts: int) -> tuple[tuple[int, ...], ...]:
+    if parts == 1:
+        return ((n,),)
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return tuple((d, *rest) for d in divisors for rest in _factorizations(n // d, parts - 1))
+
+
+def _tp_ok(profile: ModelProfile, tp: int, sequence_parallel: bool) -> bool:
+    """Whether the model's plan validates for ``tp`` (the engine's own check), cached on the profile."""
+    key = (tp, sequence_parallel)
+    if key not in profile.tp_checks:
+        try:
+            validate_tp_plan(profile.meta_module, profile.tp_source_plan, tp, sequence_parallel=sequence_parallel)
+            profile.tp_checks[key] = bool(profile.tp_source_plan)
+        except (ValueError, TypeError):
+            profile.tp_checks[key] = False
+    return profile.tp_checks[key]
+
+
+def _no_layout_message(profile: ModelProfile, world_size: int, skipped: dict[str, int]) -> str:
+    reasons = ", ".join(f"{k} ({v})" for k, v in sorted(skipped.items(), key=lambda kv: -kv[1]))
+    return (f"No layout of {profile.name} fits a world of {world_size}: {reasons or 'no candidates'}. Choose a world "
+            f"size whose factors the model allows (heads and widths divisible by tp, {len(profile.blocks)} blocks "
+            f"for pp, sequence {profile.seq_len} divisible by 2 x cp, batch divisible by dp), or relax `restrict`.")
+
+

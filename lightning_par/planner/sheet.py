@@ -1,0 +1,71 @@
+"""The cost sheet of one layout: what each technique does to memory, compute and communication, filled in by the
+techniques themselves (``Technique.account``), in the engine's order, so the planner predicts from the same place
+the engine applies from.
+
+Everything is per rank and per optimizer step, for the rank that needs the most (memory) or takes the longest
+(time). Bytes are bytes; times come later, from the hardware (``planner/predict``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_par.dims import ParallelDims
+from lightning_par.planner.profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One kind of communication in a step: ``count`` messages of ``nbytes`` each sends per rank over the group of
+    the mesh dimension ``dim``, by ``collective`` (its time model), hidden behind compute when ``overlappable``."""
+
+    kind: str  # the CommOverlapMonitor's kinds: fsdp_all_gather, fsdp_reduce_scatter, tp, cp, pp_send_recv, ...
+    dim: str  # a ParallelDims mesh name: "tp", "cp", "dp_shard_cp", "dp_replicate", "pp"
+    collective: str  # "all_reduce", "all_gather", "reduce_scatter", "send_recv"
+    nbytes: float  # the whole tensor of one message (an all-gather's output, an all-reduce's input)
+    count: float
+    overlappable: bool
+
+
+@dataclass
+class CostSheet:
+    """Filled by ``Technique.account`` in order. Sections are the profile's: "first", each block, "last"."""
+
+    dims: ParallelDims
+    profile: ModelProfile
+    batch: int  # samples per data-parallel rank per step
+    seq_len: int
+    # pipeline parallelism: the sections each pp rank runs, its micro-batches, and how many of their activations
+    # are alive at once (in micro-batch x stage units, per pp rank)
+    rank_sections: list[list[str]] = field(default_factory=list)
+    microbatches: int = 1
+    inflight: list[float] = field(default_factory=list)
+    bubble: float = 0.0
+    # how parameters and activations are divided (tensor, context, data parallelism)
+    tp: int = 1
+    cp: int = 1
+    shard: int = 1  # FSDP's shard group size (dp_shard x cp); 1: parameters whole on each rank
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    activation_checkpointing: bool = False
+    offload: bool = False  # parameters, gradients and optimizer state in host memory
+    transfers: list[Transfer] = field(default_factory=list)
+    buffer_bytes: float = 0.0  # transient device memory beyond state and saved activations (gathered FSDP units)
+    # precision, relative to the profile (traced in the model's own dtype, fp32 for the usual model)
+    activation_scale: float = 1.0  # bf16 activations: 0.5
+    gather_scale: float = 1.0  # what FSDP all-gathers per parameter byte (bf16-mixed: 0.5)
+    grad_scale: float = 1.0  # gradients kept in fp32 against activations (bf16: 2)
+
+    @property
+    def microbatch_tokens(self) -> float:
+        """Tokens of one micro-batch on this rank (after the context-parallel split)."""
+        return self.batch * self.seq_len / self.microbatches / self.cp
+
+    @property
+    def token_scale(self) -> float:
+        """One micro-batch on one rank, in units of the profile's traced micro-batch (before tp/cp)."""
+        return (self.batch / self.microbatches) * self.seq_len / self.profile.tokens
+
+    @property
+    def sequence_scale(self) -> float:
+        return self.seq_len / self.profile.seq_len

@@ -1,0 +1,172 @@
+"""AutoParallelStrategy: the layout chosen by the planner, at setup, then trained by the engine.
+
+Every rank profiles the model on the meta device, probes the hardware (a second or two of matmuls and collectives,
+all ranks together) or takes it from the table of known devices, and ranks every valid layout; rank 0's choice is
+broadcast so that every rank builds the same mesh. The start-up output names the choice with its predicted memory
+and step time next to the runner-up; ``plot_dir`` also writes the plan's picture (and logs it to TensorBoard).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_par._compat import train_dataloader_of
+from lightning_par.checks import check_bool
+from lightning_par.dims import ParallelDims
+from lightning_par.planner.predict import Layout
+from lightning_par.planner.search import SIZES, Plan, plan_layouts
+from lightning_par.strategies.nd import NDParallelStrategy
+from lightning_par.techniques import build_recipe
+
+_OWN = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "pp_schedule", "pp_microbatches", "sequence_parallel",
+        "loss_parallel", "activation_checkpointing", "cpu_offload")
+
+
+class AutoParallelStrategy(NDParallelStrategy):
+    """Chooses the layout (``pp x dp_replicate x dp_shard x cp x tp``, schedule, micro-batches, activation
+    checkpointing, offload) that the planner predicts fastest among those that fit, and trains it.
+
+    Args:
+        memory_budget: bytes (or a string such as ``"20GiB"``) one device may use; default: the device's memory
+            less 10 %. On CPU there is no default: every layout fits.
+        restrict: sizes allowed per dimension, e.g. ``{"pp": [1], "tp": [1, 2]}``.
+        activation_checkpointing: force it on or off (default: the planner decides).
+        device: plan for a known device (``lightning_par.devices``) instead of measuring this machine.
+        gpus_per_node: ranks per node (default: the devices per node the Trainer was given).
+        plot_dir: write the plan's picture there (and to a TensorBoard logger).
+        **kwargs: every other ``NDParallelStrategy`` option (``pretrained``, ``block_list``, ``tp_plan``, ...).
+    """
+
+    def __init__(self, memory_budget: float | str | None = None, restrict: Mapping[str, Iterable[int]] | None = None,
+                 activation_checkpointing: bool | None = None, device: str | None = None,
+                 gpus_per_node: int | None = None, plot_dir: str | None = None, **kwargs: Any) -> None:
+        given = sorted(set(kwargs) & set(_OWN))
+        if given:
+            raise ValueError(f"AutoParallelStrategy chooses {given} itself; restrict the sizes it may choose with "
+                             f"restrict={{'tp': [1, 2]}} (or use NDParallelStrategy to set the layout by hand).")
+        self.memory_budget = _parse_bytes(memory_budget)
+        self.restrict = {k: [int(x) for x in v] for k, v in (restrict or {}).items()}
+        unknown = set(self.restrict) - set(SIZES)
+        if unknown:
+            raise ValueError(f"restrict={dict(restrict or {})!r}: {sorted(unknown)} are not layout dimensions; use "
+                             f"{SIZES}.")
+        if activation_checkpointing is not None:
+            check_bool("activation_checkpointing", activation_checkpointing)
+        self.force_checkpointing = activation_checkpointing
+        if device is not None:
+            from lightning_par.devices import lookup_device
+
+            lookup_device(device)  # an unknown name fails here, on every rank, before anything is launched
+        self.plan_device, self.gpus_per_node, self.plot_dir = device, gpus_per_node, plot_dir
+        self._options = {k: v for k, v in kwargs.items() if k in _RECIPE_OPTIONS}
+        self.plan: Plan | None = None
+        super().__init__(dp_shard=-1, **kwargs)
+
+    @property
+    def layout_known(self) -> bool:
+        return False  # chosen in setup, once the model and the data exist
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.plan = self._plan(trainer)
+        layout = self._agree(self.plan.require_fit().layout)
+        self.dims = ParallelDims(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.pp).resolve(
+            self.num_nodes * self.num_processes)
+        self.techniques = build_recipe(**{**self._options, **_recipe_options(layout)})
+        (self.pipeline_parallel, self.tensor_parallel, self.context_parallel, self.activation_checkpointing,
+         self.compile, self.fully_sharded) = self.techniques
+        self.build_mesh()
+        rank_zero_info(self._summary())
+        if self.plot_dir is not None:
+            from lightning_par.planner.picture import save_plan_picture
+
+            save_plan_picture(self.plan, self.plot_dir, trainer)
+        super().setup(trainer)
+
+    def _plan(self, trainer: pl.Trainer) -> Plan:
+        from lightning_par.devices import known_hardware
+
+        module = self.lightning_module
+        assert module is not None
+        batch = next(iter(train_dataloader_of(trainer)))
+        per_node = self.gpus_per_node or self.num_processes
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        if self.plan_device is not None:
+            hardware = known_hardware(self.plan_device, precision=_kind(precision), gpus_per_node=per_node)
+        else:
+            from lightning_par.planner.probe import probe_hardware
+            from lightning_par.planner.profile import profile_model
+
+            profile = profile_model(module, batch, block_list=self.block_list, share=(trainer,))
+            hardware = probe_hardware(self.root_device, _dtype(precision), _matmul_shapes(profile), per_node)
+        checkpointing = (False, True) if self.force_checkpointing is None else (self.force_checkpointing,)
+        return plan_layouts(module if self.plan_device is not None else profile, batch,
+                            self.num_nodes * self.num_processes, hardware, precision=precision,
+                            batch_is_global=False, memory_budget=self.memory_budget, restrict=self.restrict,
+                            activation_checkpointing=checkpointing, block_list=self.block_list)
+
+    def _agree(self, layout: Layout) -> Layout:
+        """Rank 0's choice on every rank (every rank plans alike, but measured numbers may differ in the last
+        digit: one small broadcast makes the mesh the same everywhere)."""
+        if not dist.is_initialized():
+            return layout
+        box = [asdict(layout)]
+        dist.broadcast_object_list(box, src=0)
+        return Layout(**box[0])
+
+    def _summary(self) -> str:
+        assert self.plan is not None
+        best = self.plan.best
+        lines = [f"lightning_par auto_parallel: chose {best.layout} out of {len(self.plan.predictions)} layouts "
+                 f"({self.plan.hardware.source})", f"  chosen:    {best.reason}"]
+        if len(self.plan.predictions) > 1:
+            second = self.plan.predictions[1]
+            lines.append(f"  runner-up: {second.layout}: {second.reason}")
+        return "\n".join(lines)
+
+
+_RECIPE_OPTIONS = ("pp_stages_per_rank", "pp_split_points", "pp_loss_method", "tp_plan", "cp_algorithm",
+                   "cp_load_balance", "cp_seq_dim", "compile", "shard_units", "reshard_after_forward")
+
+
+def _recipe_options(layout: Layout) -> dict[str, Any]:
+    return {"pp_schedule": layout.pp_schedule, "pp_microbatches": layout.pp_microbatches,
+            "sequence_parallel": layout.sequence_parallel, "loss_parallel": layout.loss_parallel,
+            "activation_checkpointing": layout.activation_checkpointing, "cpu_offload": layout.cpu_offload}
+
+
+def _matmul_shapes(profile: Any) -> list[tuple[int, int, int]]:
+    """The model's own matmul sizes for the throughput probe: its residual width by 4x that, at the traced tokens."""
+    width = max(1, profile.hidden_bytes // 4)
+    tokens = max(1, min(profile.tokens, 4096))
+    return [(tokens, width, 4 * width), (tokens, 4 * width, width)]
+
+
+def _kind(precision: str) -> str:
+    return "bf16" if precision.startswith("bf16") else "fp16" if precision.startswith("16") else "fp32"
+
+
+def _dtype(precision: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(_kind(precision), torch.float32)
+
+
+def _parse_bytes(value: float | str | None) -> float | None:
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+        return value  # type: ignore[return-value]
+    if isinstance(value, str):
+        units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "b": 1}
+        text = value.strip().lower().replace(" ", "")
+        for unit in sorted(units, key=len, reverse=True):
+            if text.endswith(unit):
+                try:
+                    return float(text[: -len(unit)]) * units[unit]
+                except ValueError:
+                    break
+    raise ValueError(f"memory_budget={value!r} must be a positive number of bytes or a size such as '20GiB'.")
+

@@ -1,0 +1,36 @@
+"""What tests/test_planner.py runs in each process: one training step per layout, measuring the model state each rank
+holds and the peak bytes autograd saves, for the planner's predictions to be compared with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers import fit
+
+from lightning_par import NDParallelStrategy
+from lightning_par.planner.measure import probe_callback
+
+
+def measure(layouts: dict[str, dict[str, Any]], world: int, module_cls: type,
+            model_kwargs: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for name, kwargs in layouts.items():
+        probe = probe_callback(1)
+        dp = kwargs.get("dp_replicate", 1) * kwargs.get("dp_shard", 1)
+        fit(NDParallelStrategy(**kwargs), devices=world, dp_size=dp, max_steps=2, callbacks=[probe],
+            module_cls=module_cls, **model_kwargs)
+        out[name] = {"state": probe.state, "activations": probe.activation_bytes}
+    return out
+
+
+def auto_then_by_hand(tmp: str) -> dict[str, Any]:
+    """AutoParallelStrategy on the tiny GPT (4 blocks), then the layout it chose, by hand: the same run."""
+    from lightning_par import AutoParallelStrategy
+
+    auto = AutoParallelStrategy(plot_dir=f"{tmp}/plan")
+    out = {"auto": fit(auto, devices=2, dp_size=2, max_steps=4, n_layer=4)}
+    chosen = auto.plan.best.layout
+    out["chosen"] = str(chosen)
+    out["by_hand"] = fit(NDParallelStrategy(**chosen.strategy_kwargs()), devices=2, dp_size=2, max_steps=4,
+                         n_layer=4)
+    return out

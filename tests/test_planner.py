@@ -1,0 +1,214 @@
+"""The planner: every layout it names is one the engine accepts; its memory predictions against the real sharded
+tensors and saved activations of those layouts (world 4); AutoParallelStrategy training the layout it chose in
+parity with the same layout by hand; the CLI; the picture; and what is refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hf_models import HFCausalLM
+from launch import launch
+from planner_workers import auto_then_by_hand, measure
+from torch import nn
+from workers import GLOBAL_BATCH, TINY_GPT
+
+from example_projects.gpt.lit import GPTModule
+from lightning_par import AutoParallelStrategy, NDParallelStrategy, plan_layouts
+from lightning_par.devices import Hardware, known_hardware
+from lightning_par.planner.predict import Layout, predict
+from lightning_par.planner.profile import profile_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = Hardware("cpu", 2e10, None, 4, 2e9, 2e-5, 2e9, 2e-5, "a fixed stand-in for tests")
+LAYOUTS = {  # world 4, the tiny GPT with 4 blocks: one of each technique and their mixes
+    "dp_shard4": dict(dp_shard=4),
+    "hsdp_2x2": dict(dp_replicate=2, dp_shard=2),
+    "tp4_sp_lp": dict(dp_shard=1, tp=4, sequence_parallel=True, loss_parallel=True),
+    "dp2_x_tp2": dict(dp_shard=2, tp=2),
+    "cp4": dict(dp_shard=1, cp=4),
+    "dp2_x_cp2": dict(dp_shard=2, cp=2),
+    "pp4_1f1b": dict(dp_shard=1, pp=4, pp_schedule="1f1b", pp_microbatches=4),
+    "pp2_x_dp2": dict(dp_shard=2, pp=2, pp_schedule="1f1b", pp_microbatches=2),
+    "pp2_x_tp2_interleaved": dict(dp_shard=1, pp=2, tp=2, pp_schedule="interleaved_1f1b", pp_microbatches=4),
+    "dp4_ac": dict(dp_shard=4, activation_checkpointing=True),
+    "dp2_x_tp2_ac": dict(dp_shard=2, tp=2, activation_checkpointing=True),
+}
+
+
+def gpt(n_layer: int = 4) -> GPTModule:
+    module = GPTModule(**{**TINY_GPT, "n_layer": n_layer})
+    module.configure_model()
+    return module
+
+
+def batch(n: int = GLOBAL_BATCH, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.zeros(n, seq, dtype=torch.long)
+    return ids, ids
+
+
+# ---- enumeration and validity (one process) ---------------------------------------------------------------------
+@pytest.mark.parametrize("world", [4, 8])
+def test_every_named_layout_is_one_the_engine_accepts(world):
+    plan = plan_layouts(gpt(), batch(), world, CPU)
+    assert len(plan.predictions) >= 10
+    names = {str(p.layout) for p in plan.predictions}
+    assert len(names) == len(plan.predictions), "a layout listed twice"
+    for p in plan.predictions:
+        layout = p.layout
+        assert layout.world_size == world
+        strategy = NDParallelStrategy(**layout.strategy_kwargs())
+        for technique in strategy.techniques:
+            technique.check(layout.dims().resolve(world))
+        assert GLOBAL_BATCH % layout.dp == 0 and 16 % (2 * layout.cp) == 0
+    # every dimension appears; the tiny GPT's 4 heads allow tp <= 4
+    for dim in ("dp_shard", "tp", "cp", "pp"):
+        assert any(getattr(p.layout, dim) > 1 for p in plan.predictions), dim
+
+
+def test_restrict_and_the_reasons_for_what_was_left_out():
+    plan = plan_layouts(gpt(), batch(), 4, CPU, restrict={"pp": [1], "tp": [1]})
+    assert {(p.layout.pp, p.layout.tp) for p in plan.predictions} == {(1, 1)}
+    assert plan.skipped["restricted"] > 0
+    with pytest.raises(ValueError, match=r"restrict=.*\['dp'\] are not layout dimensions"):
+        plan_layouts(gpt(), batch(), 4, CPU, restrict={"dp": [2]})
+
+
+def test_ranking_fitting_first_and_fastest_first():
+    budget = 200_000.0  # bytes: below a full replica's model state (about 850 kB for the tiny GPT with AdamW)
+    plan = plan_layouts(gpt(), batch(), 4, CPU, memory_budget=budget)
+    fits = [p.fits for p in plan.predictions]
+    assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
+    fitting = plan.fitting
+    assert [p.tokens_per_s for p in fitting] == sorted((p.tokens_per_s for p in fitting), reverse=True)
+    assert plan.best.memory <= budget and plan.best is fitting[0]
+    with pytest.raises(ValueError, match=r"No layout of GPTModule fits memory_budget=.* the smallest needs .* GiB \("):
+        plan_layouts(gpt(), batch(), 4, CPU, memory_budget=1000.0).require_fit()
+
+
+def test_profile_counts_the_gpt_as_the_formula_does():
+    """Forward FLOPs of a block: 2 x tokens x (12 d^2) for the matmuls, 4 x tokens x seq x d for attention."""
+    profile = profile_model(gpt(), batch())
+    d, tokens, seq = 32, GLOBAL_BATCH * 16, 16
+    block = profile.sections[profile.blocks[0]]
+    assert block.flops == 2 * tokens * 12 * d * d
+    assert block.attention_flops == 4 * tokens * seq * d
+    assert profile.optimizer_bytes_per_element == 8  # AdamW, fp32: two moments
+
+
+@pytest.mark.parametrize("device, memory", [("H100", 80e9), ("H200", 141e9), ("A100-80GB", 80e9)])
+def test_known_devices_plan_a_llama_8b_shape(device, memory):
+    """The same model class at a real size on a cluster this machine is not: planned from the table, quickly."""
+    hardware = known_hardware(device, gpus_per_node=8)
+    assert abs(hardware.memory_bytes - memory) / memory < 0.1
+    with torch.device("meta"):
+        module = HFCausalLM("llama", hidden_size=1024, intermediate_size=3584, num_hidden_layers=8,
+                            num_attention_heads=8, num_key_value_heads=8, vocab_size=32000)
+    ids = torch.zeros(16, 2048, dtype=torch.long, device="meta")
+    plan = plan_layouts(module, (ids, ids), 16, hardware, precision="bf16-mixed")
+    assert plan.best.fits and plan.best.tokens_per_s > 0
+    assert any(p.layout.tp > 1 for p in plan.predictions) and all(p.layout.tp <= 8 for p in plan.predictions)
+
+
+# ---- predictions against measurements (world 4) -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def measured():
+    return launch(4, measure, LAYOUTS, 4, GPTModule, {"n_layer": 4}, timeout=900)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_memory_predictions_match_the_real_sharded_tensors(measured, name):
+    """Model state (parameters, gradients, AdamW state: local shards) within 2 %; saved activations within 15 %."""
+    layout = Layout(**LAYOUTS[name])
+    p = predict(layout, profile_model(gpt(), batch()), CPU, GLOBAL_BATCH // layout.dp, 16)
+    state = max(rank[name]["state"]["total"] for rank in measured)
+    activations = max(rank[name]["activations"] for rank in measured)
+    assert abs(p.model_state - state) / state <= 0.02, (p.model_state, state)
+    assert abs(p.activations - activations) / activations <= 0.15, (p.activations, activations)
+
+
+# ---- the strategy --------------------------------------------------------------------------------------------
+def test_auto_parallel_trains_its_choice_in_parity_with_the_same_layout_by_hand(tmp_path):
+    results = launch(2, auto_then_by_hand, str(tmp_path), timeout=600)
+    auto, by_hand = results[0]["auto"], results[0]["by_hand"]
+    assert auto["losses"] == by_hand["losses"]
+    assert all(torch.equal(auto["weights"][k], by_hand["weights"][k]) for k in by_hand["weights"])
+    assert results[0]["chosen"] == results[1]["chosen"]  # every rank built the same mesh
+    assert (tmp_path / "plan" / "plan.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("kwargs, error, pattern", [
+    (dict(tp=2), ValueError, r"AutoParallelStrategy chooses \['tp'\] itself"),
+    (dict(restrict={"dp": [1]}), ValueError, r"\['dp'\] are not layout dimensions"),
+    (dict(memory_budget="lots"), ValueError, r"memory_budget='lots' must be a positive number of bytes"),
+    (dict(device="TPU-v9"), ValueError, r"TPU-v9"),
+])
+def test_auto_parallel_refuses_bad_options_at_construction(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        AutoParallelStrategy(**kwargs)
+
+
+def test_auto_parallel_is_registered():
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="auto_parallel", logger=False)
+    assert isinstance(trainer.strategy, AutoParallelStrategy)
+
+
+# ---- bad models and worlds -----------------------------------------------------------------------------------
+class NoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class DataDependent(GPTModule):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.sum() > 0:  # needs the values: a meta-device trace cannot answer
+            return self.model(idx)
+        return self.model(idx + 1)
+
+
+def test_bad_models_and_worlds_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"NoBlocks has no nn.ModuleList .* name the shard units"):
+        plan_layouts(NoBlocks(), (torch.zeros(2, 16), torch.zeros(2, 16)), 2, CPU)
+    with pytest.raises(ValueError, match=r"could not trace DataDependent on the meta device"):
+        module = DataDependent(**TINY_GPT)
+        module.configure_model()
+        plan_layouts(module, batch(), 2, CPU)
+    with pytest.raises(ValueError, match=r"No layout of GPTModule fits a world of 5: .*Choose a world size"):
+        plan_layouts(gpt(), batch(), 5, CPU)
+
+
+# ---- the command line ----------------------------------------------------------------------------------------
+def test_cli_plans_a_hugging_face_config_on_a_big_cluster(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "vocab_size": 32000, "hidden_size": 1024,
+                                  "intermediate_size": 3584, "num_hidden_layers": 8, "num_attention_heads": 8,
+                                  "num_key_value_heads": 8}))
+    out = subprocess.run([sys.executable, "-m", "lightning_par.plan", "--hf-config", str(config), "--world", "1024",
+                          "--device", "H100", "--seq-len", "4096", "--batch", "1024", "--json",
+                          str(tmp_path / "plan.json"), "--plot", str(tmp_path / "plan.png"), "--top", "5"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "1024 devices" in out.stdout and "layouts in" in out.stdout
+    record = json.loads((tmp_path / "plan.json").read_text())
+    assert record["world_size"] == 1024 and len(record["layouts"]) > 50
+    best = record["layouts"][0]
+    assert best["fits"] and best["memory"] <= best["budget"]
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+def test_cli_plans_a_lightning_cli_project():
+    out = subprocess.run([sys.executable, "-m", "lightning_par.plan", "--module", "example_projects.gpt.lit.GPTModule",
+                          "--datamodule", "example_projects.gpt.data.CharDataModule", "--config",
+                          "example_projects/gpt/configs/fsdp2.yaml", "--world", "4", "--device", "A100-80GB",
+                          "--batch", "32", "--top", "3"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "GPTModule" in out.stdout and "global batch 32 x 128 tokens, 4 devices" in out.stdout
