@@ -1,4 +1,5 @@
-"""Model FLOPs per batch for MFU, counted or taken from a Hugging Face model, and the peak FLOP/s of known GPUs.
+"""Model FLOPs per batch for MFU, counted or taken from a Hugging Face model. The peak FLOP/s of known GPUs live in
+:mod:`lightning_par.devices` (re-exported here: ``PEAK_FLOPS``, ``lookup_peak_flops``, ``precision_kind``).
 
 What is counted, and why (the definition PaLM's appendix B gives and torchtitan and Megatron-LM use):
 
@@ -25,7 +26,6 @@ attention term): :func:`hf_training_flops` uses it when the LightningModule hold
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # where torch docume
 from torch.utils.flop_counter import flop_registry  # FlopCounterMode's table; public name, not in __all__ (2.13)
 from torch.utils.module_tracker import ModuleTracker
 
+from lightning_par.devices import PEAK_FLOPS, lookup_peak_flops, precision_kind  # noqa: F401 - re-exported
 from lightning_par.parallel.hf import outermost_hf_models
 
 #: FLOPs of a training batch per forward FLOP: forward + backward (2 x forward).
@@ -200,64 +201,3 @@ SOURCE_TEXT = {
     "counted": "counted on batch {batch} (torch FlopCounterMode formulas: this rank's forward ops x 3, backward "
     "and recomputation left out)",
 }
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# peak FLOP/s
-# ---------------------------------------------------------------------------------------------------------------
-#: Dense (no sparsity) peak FLOP/s of one GPU by precision, keyed by a regex on ``torch.cuda.get_device_name()``;
-#: the first match wins. Datasheets print the tensor-core figures *with* 2:4 sparsity, marked with an asterisk: the
-#: dense figure is half, rounded down to a whole TFLOP/s (1,979* -> 989). bf16/fp16: tensor cores with fp32
-#: accumulate; tf32: tensor cores; fp32: CUDA cores.
-PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
-    # Blackwell, HGX B200 / GB200 NVL72 datasheets (per GPU, dense bf16); other precisions not tabulated here
-    (r"GB200", {"bf16": 2.5e15, "fp16": 2.5e15}),
-    (r"B200", {"bf16": 2.25e15, "fp16": 2.25e15}),
-    # H200 datasheet (nvdam.widen.net/s/nb5zzzsjdf/hpc-datasheet-sc23-h200-datasheet-3002446): SXM bf16/fp16
-    # 1,979*, tf32 989*, fp32 67; NVL bf16/fp16 1,671*, tf32 835*, fp32 60
-    (r"H200 NVL", {"bf16": 835e12, "fp16": 835e12, "tf32": 417e12, "fp32": 60e12}),
-    (r"GH200|H200", {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12}),
-    # H100 datasheet (resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet): SXM bf16/fp16
-    # 1,979*, tf32 989*, fp32 67; PCIe 1,513*, 756*, 51; NVL 1,671*, 835*, 60 (per GPU)
-    (r"H100.*PCIe|H100.*HBM2e", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}),
-    (r"H100 NVL", {"bf16": 835e12, "fp16": 835e12, "tf32": 417e12, "fp32": 60e12}),
-    (r"H100|H800", {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12}),
-    # A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf), SXM and PCIe alike: bf16/fp16 312,
-    # tf32 156, fp32 19.5
-    (r"A100|A800", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
-    # L40S datasheet (NVIDIA L40S product datasheet): bf16/fp16 362.05 (733*), tf32 183 (366*), fp32 91.6
-    (r"L40S", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
-    # L4 datasheet and nvidia-ada-gpu-architecture-whitepaper-v2.1.pdf: bf16/fp16 242*, tf32 120*, fp32 30.3
-    (r"\bL4\b", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
-    # A10 datasheet (a10-datasheet.pdf): bf16/fp16 125 (250*), tf32 62.5 (125*), fp32 31.2. NVIDIA publishes none
-    # for AWS's A10G: the A10's figures, as Lightning's throughput table also uses
-    (r"\bA10G?\b", {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
-    # T4 datasheet (t4-tensor-core-datasheet-951643.pdf): fp16 mixed 65, fp32 8.1; Turing has no bf16 or tf32
-    (r"\bT4\b", {"fp16": 65e12, "fp32": 8.1e12}),
-    # V100 datasheet (volta-v100-datasheet-update-us-1165301-r5.pdf): tensor (fp16) 125 / 112 / 130 and fp32
-    # 15.7 / 14 / 16.4 for SXM2 / PCIe / V100S PCIe; Volta has no bf16 or tf32
-    (r"V100S", {"fp16": 130e12, "fp32": 16.4e12}),
-    (r"V100.*PCIE", {"fp16": 112e12, "fp32": 14e12}),
-    (r"V100", {"fp16": 125e12, "fp32": 15.7e12}),
-)
-
-
-def precision_kind(precision: str | None) -> str | None:
-    """The table's column for a Trainer ``precision``: bf16, fp16, tf32 or fp32 (32-bit matmuls use TF32 tensor
-    cores only when ``torch.set_float32_matmul_precision`` allows it), None for others (fp64, fp8)."""
-    p = str(precision or "")
-    if p.startswith("bf16"):
-        return "bf16"
-    if p.startswith("16"):
-        return "fp16"
-    if p.startswith("32"):
-        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    return None
-
-
-def lookup_peak_flops(device_name: str, precision: str = "bf16") -> float | None:
-    """Dense peak FLOP/s of a known GPU for ``precision`` ("bf16", "fp16", "tf32", "fp32"), else None."""
-    for pattern, peaks in PEAK_FLOPS:
-        if re.search(pattern, device_name, flags=re.IGNORECASE):
-            return peaks.get(precision)
-    return None

@@ -1,0 +1,279 @@
+"""Measure the hardware on the spot, in a few seconds: matmul throughput at the model's shapes and all-reduce
+bandwidth and latency over each group the layouts would communicate in. The result is a
+:class:`~lightning_par.devices.Hardware`, the same on every rank, so that every rank plans the same.
+
+Under ``torch.distributed`` every rank measures at the same time, so ranks that share a CPU or a GPU measure what
+each of them gets (4 processes on 2 cores: about half of what one process alone gets), which is what a layout of
+that many ranks will get too. Each probe keeps within its ``seconds`` budget: matmul shapes too large for it are
+cut along ``m`` (the token dimension; the inner dimensions, which set the efficiency, stay), and the collective
+probe sizes its repetitions from a first timing every member agrees on.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_par.devices import Hardware
+
+Shape = tuple[int, int, int]
+
+#: all-reduce message sizes in bytes (small: latency, the two larger: bandwidth), per device type. Accelerator links
+#: need large messages before bandwidth dominates (NVLink: 256 MiB take about 1 ms against tens of us of latency).
+CPU_SIZES = (1 << 10, 1 << 20, 1 << 22)
+ACCELERATOR_SIZES = (1 << 12, 1 << 24, 1 << 28)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _check_seconds(seconds: float) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+        raise ValueError(f"seconds={seconds!r} must be a positive number (the probe's time budget).")
+    return float(seconds)
+
+
+def _check_shapes(shapes: Sequence[Shape]) -> list[Shape]:
+    ok = isinstance(shapes, Sequence) and len(shapes) > 0 and all(
+        isinstance(s, Sequence) and len(s) == 3 and all(isinstance(d, int) and not isinstance(d, bool) and d > 0
+                                                        for d in s) for s in shapes)
+    if not ok:
+        raise ValueError(f"shapes={shapes!r} must be a non-empty list of (m, k, n) positive ints: the matmuls "
+                         "(m x k) @ (k x n) of the model, e.g. [(batch * seq, d_model, 4 * d_model)].")
+    return [tuple(s) for s in shapes]
+
+
+def _fit_to_budget(shapes: list[Shape], device: torch.device, dtype: torch.dtype, seconds: float) -> list[Shape]:
+    """Cut ``m`` of the shapes whose one matmul would take more than a fifth of the budget over their number (a
+    warm-up and a few timed rounds must fit). The speed is estimated on square matmuls grown from 256 until one
+    takes a two-hundredth of the budget (or reaches 4096, where accelerators run near their best): small ones
+    underestimate it, so the cut errs on the short side."""
+    size = 256
+    while True:
+        a = torch.ones(size, size, device=device, dtype=dtype)
+        torch.matmul(a, a)
+        _sync(device)
+        start = time.perf_counter()
+        torch.matmul(a, a)
+        _sync(device)
+        took = max(time.perf_counter() - start, 1e-9)
+        if took >= seconds / 200 or size >= 4096:
+            break
+        size *= 2
+    estimate = 2 * size**3 / took
+    per_shape = seconds / (5 * len(shapes))
+    return [(max(1, min(m, int(per_shape * estimate / (2 * k * n)))), k, n) for m, k, n in shapes]
+
+
+def probe_matmul(device: torch.device, dtype: torch.dtype, shapes: Sequence[Shape], seconds: float = 1.0) -> float:
+    """Achieved FLOP/s of ``torch.matmul`` at the model's shapes, ``(m x k) @ (k x n)`` each, run in turn for about
+    ``seconds`` (warm-up included in the budget, excluded from the figure; accelerator work synchronized)."""
+    seconds = _check_seconds(seconds)
+    device = torch.device(device)
+    begin = time.perf_counter()
+    shapes = _fit_to_budget(_check_shapes(shapes), device, dtype, seconds)
+    # constant operands: a matmul's speed does not depend on the values, and 1/sqrt(k) keeps fp16 sums finite
+    operands = [(torch.full((m, k), k**-0.5, device=device, dtype=dtype),
+                 torch.full((k, n), k**-0.5, device=device, dtype=dtype)) for m, k, n in shapes]
+    outputs = [torch.matmul(a, b) for a, b in operands]  # warm-up: allocations, library handles, kernel choice
+    _sync(device)
+    flops_per_round = sum(2 * m * k * n for m, k, n in shapes)
+    deadline = begin + seconds
+    rounds, start = 0, time.perf_counter()
+    while True:
+        for (a, b), out in zip(operands, outputs):
+            torch.matmul(a, b, out=out)
+        _sync(device)
+        rounds += 1
+        now = time.perf_counter()
+        if now >= deadline:
+            return rounds * flops_per_round / (now - start)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# collectives
+# ---------------------------------------------------------------------------------------------------------------
+def fit_ring(n: int, sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s per hop) of the ring model ``t = latency * 2(n-1) + bytes * 2(n-1)/n /
+    bandwidth`` from all-reduce times at two or more sizes: a straight line ``t = a + b * bytes`` fitted to relative
+    errors (so the small message sets ``a`` and the large ones ``b``). Noise that makes ``b`` or ``a`` non-positive
+    falls back to the largest message as all bandwidth, or the smallest as all latency."""
+    if n < 2:
+        return math.inf, 0.0
+    t = [max(float(x), 1e-9) for x in times]
+    w = [1 / x**2 for x in t]
+    sw = sum(w)
+    sx = sum(wi * si for wi, si in zip(w, sizes))
+    sy = sum(wi * ti for wi, ti in zip(w, t))
+    sxx = sum(wi * si * si for wi, si in zip(w, sizes))
+    sxy = sum(wi * si * ti for wi, si, ti in zip(w, sizes, t))
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    if not slope > 0:
+        slope = t[-1] / sizes[-1]
+    fixed = (sy - slope * sx) / sw
+    if not fixed > 0:
+        fixed = t[0]
+    hops = 2 * (n - 1)
+    return hops / n / slope, fixed / hops
+
+
+def _member(group: dist.ProcessGroup | None) -> bool:
+    return dist.get_rank(group) >= 0
+
+
+def _time_all_reduce(
+    group: dist.ProcessGroup | None, device: torch.device, sizes: Sequence[int], budget: float
+) -> list[float]:
+    """Median seconds of one all-reduce per size over this group. The repetitions come from a first timing that
+    the members agree on (their maximum), so that every member runs the same number of collectives."""
+    buffers = [torch.zeros(max(1, size // 4), dtype=torch.float32, device=device) for size in sizes]
+    dist.all_reduce(buffers[0], group=group)  # connection set-up, not timed
+    first = []
+    for buf in buffers:
+        _sync(device)
+        start = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        _sync(device)
+        first.append(time.perf_counter() - start)
+    agreed = torch.tensor(first, dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    medians = []
+    for buf, once in zip(buffers, agreed.tolist()):
+        reps = int(min(50, max(3, budget / len(sizes) / max(once, 1e-9))))
+        samples = []
+        for _ in range(reps):
+            _sync(device)
+            start = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            _sync(device)
+            samples.append(time.perf_counter() - start)
+        medians.append(statistics.median(samples))
+    return medians
+
+
+def probe_collectives(
+    groups: dict[str, dist.ProcessGroup | None],
+    device: torch.device,
+    seconds: float = 2.0,
+    sizes: Sequence[int] | None = None,
+) -> dict[str, tuple[float, float]]:
+    """Collective over the default group: ``{name: (bandwidth bytes/s, latency s per hop)}`` of each named group,
+    fitted to the ring model (:func:`fit_ring`) from all-reduce times at three message sizes.
+
+    Every rank passes the same names (a name may stand for a different group on each rank, e.g. "intra" for the
+    ranks of its own node; groups of one name run at the same time, as they would in training; a rank outside a
+    name's group contributes nothing). The median time per size is taken per rank, then the maximum over all ranks
+    (one all-reduce), so the result is the slowest group's and identical on every rank. A group of one rank
+    communicates nothing: ``(inf, 0.0)``."""
+    seconds = _check_seconds(seconds)
+    if not dist.is_initialized():
+        raise ValueError("probe_collectives needs an initialized process group (torch.distributed.init_process_group"
+                         "); with one process there is nothing to measure.")
+    if not isinstance(groups, dict) or not groups or not all(isinstance(k, str) for k in groups):
+        raise ValueError(f"groups={groups!r} must be a non-empty dict of name -> ProcessGroup (None: the world).")
+    device = torch.device(device)
+    sizes = tuple(sizes or (CPU_SIZES if device.type == "cpu" else ACCELERATOR_SIZES))
+    if len(sizes) < 2 or any(not isinstance(s, int) or s < 4 for s in sizes) or list(sizes) != sorted(set(sizes)):
+        raise ValueError(f"sizes={sizes!r} must be two or more increasing message sizes in bytes (>= 4).")
+    names = sorted(groups)
+    rows = []
+    for name in names:  # the same order on every rank
+        group = groups[name]
+        n = dist.get_world_size(group) if _member(group) else 0
+        times = [0.0] * len(sizes)
+        if n > 1:
+            times = _time_all_reduce(group, device, sizes, seconds / len(names))
+        rows.append([float(n), *times])
+    worst = torch.tensor(rows, dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {name: fit_ring(int(row[0]), sizes, row[1:]) for name, row in zip(names, worst.tolist())}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# everything the planner needs
+# ---------------------------------------------------------------------------------------------------------------
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _memory_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return None  # host memory is shared and rarely the limit: the planner does not check fit
+
+
+def _node_groups(gpus_per_node: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(this rank's node, this rank's peers of the same local rank on the other nodes); collective: every rank
+    builds every group, in the same order. One node: (the world, None)."""
+    world = dist.get_world_size()
+    if world <= gpus_per_node:
+        return None, None
+    intra, _ = dist.new_subgroups(group_size=gpus_per_node)
+    peers = [list(range(local, world, gpus_per_node)) for local in range(gpus_per_node)]
+    inter, _ = dist.new_subgroups_by_enumeration(peers)
+    return intra, inter
+
+
+def probe_hardware(
+    device: torch.device,
+    dtype: torch.dtype,
+    shapes: Sequence[Shape],
+    gpus_per_node: int | None = None,
+    matmul_seconds: float = 1.0,
+    comm_seconds: float = 2.0,
+    sizes: Sequence[int] | None = None,
+) -> Hardware:
+    """The :class:`Hardware` of this machine, measured: the matmul probe on every rank at once (the mean of the
+    ranks' figures) and, under ``torch.distributed`` with more than one rank, the collective probe over the ranks
+    of a node and, with several nodes, over the ranks of one local rank across nodes. Collective when distributed:
+    call it on every rank. ``gpus_per_node``: the ranks per node (default ``LOCAL_WORLD_SIZE``, else all ranks on
+    one node; under ``torch.distributed`` the result says at most the world size). With one node the inter-node
+    figures repeat the intra-node ones; with one process both are ``inf`` bandwidth and 0 latency: nothing was
+    measured, so a plan for more devices from one process needs the links from elsewhere (``known_hardware``)."""
+    device = torch.device(device)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    world = dist.get_world_size() if distributed else 1
+    if gpus_per_node is None:
+        gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node={gpus_per_node!r} must be a positive int (the ranks on each node).")
+    if world > gpus_per_node and world % gpus_per_node:
+        raise ValueError(f"gpus_per_node={gpus_per_node} does not divide the world size {world}: every node must "
+                         "hold the same number of ranks.")
+    if distributed:
+        dist.barrier()  # all ranks multiply at the same time
+    flops = probe_matmul(device, dtype, shapes, matmul_seconds)
+    name = _device_name(device)
+    memory = _memory_bytes(device)
+    what = f"measured on this machine: matmul {_name(dtype)} at {len(shapes)} shape{'s' if len(shapes) > 1 else ''}"
+    if not distributed:
+        return Hardware(name, flops, memory, gpus_per_node, math.inf, 0.0, math.inf, 0.0,
+                        f"{what}, 1 rank; no communication")
+    # the mean over ranks: what each gets on average. On a shared CPU the ranks' shares of one second differ by up
+    # to 7x (4 processes on 2 busy cores, measured), so the minimum would be one rank's unlucky second.
+    mean = torch.tensor([flops / world], dtype=torch.float64, device=device)
+    dist.all_reduce(mean)
+    intra, inter = _node_groups(gpus_per_node)
+    groups = {"intra": intra} if inter is None else {"intra": intra, "inter": inter}
+    measured = probe_collectives(groups, device, comm_seconds, sizes)
+    intra_bw, intra_lat = measured["intra"]
+    inter_bw, inter_lat = measured.get("inter", measured["intra"])
+    nodes = "one node: inter-node = intra-node" if inter is None else f"{world // gpus_per_node} nodes"
+    source = f"{what}, mean of {world} ranks running at once; all_reduce ring fit, {dist.get_backend()} ({nodes})"
+    return Hardware(name, float(mean.item()), memory, min(gpus_per_node, world), intra_bw, intra_lat, inter_bw,
+                    inter_lat, source)

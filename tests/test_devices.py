@@ -1,0 +1,257 @@
+"""The hardware tables (lightning_par.devices) and the on-the-spot probe (lightning_par.planner.probe)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from launch import launch
+
+import lightning_par.callbacks.flops as flops
+from lightning_par.devices import (
+    DEFAULT_EFFICIENCY,
+    DEVICES,
+    LINKS,
+    PEAK_FLOPS,
+    GiB,
+    Hardware,
+    known_hardware,
+    lookup_device,
+    lookup_link,
+    lookup_peak_flops,
+)
+from lightning_par.planner.probe import fit_ring, probe_collectives, probe_hardware, probe_matmul
+
+PRE_AMPERE = {"T4", "V100S", "V100-PCIe-32GB", "V100-PCIe-16GB", "V100-SXM2-32GB", "V100-SXM2-16GB"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tables
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(DEVICES))
+def test_every_device_has_dense_peaks_memory_and_a_known_link(name):
+    spec = DEVICES[name]
+    assert spec.name == name and spec.source
+    assert spec.peak_flops["fp16"] > 1e13
+    assert ("bf16" in spec.peak_flops) == (name not in PRE_AMPERE)  # Turing and Volta have no bf16 tensor cores
+    assert all(kind in ("bf16", "fp16", "tf32", "fp32") for kind in spec.peak_flops)
+    if "tf32" in spec.peak_flops:  # dense figures: tf32 tensor cores run at half the bf16 rate on every chip here
+        assert spec.peak_flops["tf32"] == pytest.approx(spec.peak_flops["bf16"] / 2, rel=0.02)
+    assert 16 * GiB <= spec.memory_bytes <= 192 * GiB and spec.memory_bytes % (GiB // 4) == 0
+    assert 3e11 <= spec.memory_bandwidth <= 8e12
+    assert spec.intra_link in LINKS
+
+
+@pytest.mark.parametrize(
+    "torch_name, key",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100-SXM"),
+        ("NVIDIA H100 PCIe", "H100-PCIe"),
+        ("NVIDIA H100 NVL", "H100-NVL"),
+        ("NVIDIA H800", "H800"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA H200 NVL", "H200-NVL"),
+        ("NVIDIA GH200 480GB", "GH200"),
+        ("NVIDIA GH200 144G HBM3e", "GH200-144GB"),
+        ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+        ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+        ("NVIDIA A100 80GB PCIe", "A100-80GB-PCIe"),
+        ("NVIDIA A100-PCIE-40GB", "A100-40GB-PCIe"),
+        ("NVIDIA A800-SXM4-80GB", "A800"),
+        ("NVIDIA B200", "B200"),
+        ("NVIDIA GB200", "GB200"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA A10G", "A10"),
+        ("Tesla T4", "T4"),
+        ("Tesla V100-SXM2-16GB", "V100-SXM2-16GB"),
+        ("Tesla V100-SXM2-32GB", "V100-SXM2-32GB"),
+        ("Tesla V100-PCIE-32GB", "V100-PCIe-32GB"),
+        ("Tesla V100S-PCIE-32GB", "V100S"),
+        ("h100-sxm", "H100-SXM"),  # a key, any case
+        ("a100-40gb", "A100-40GB"),
+    ],
+)
+def test_lookup_by_torch_name_or_key(torch_name, key):
+    assert lookup_device(torch_name) is DEVICES[key]
+
+
+def test_datasheet_figures_of_the_main_devices():
+    h100, a100 = lookup_device("H100-SXM"), lookup_device("A100-40GB")
+    assert h100.peak_flops["bf16"] == 989e12 and h100.memory_bytes == 80 * GiB and h100.memory_bandwidth == 3.35e12
+    assert a100.peak_flops["bf16"] == 312e12 and a100.memory_bytes == 40 * GiB and a100.memory_bandwidth == 1.555e12
+    assert lookup_device("H200").memory_bytes == 141 * GiB and lookup_device("B200").peak_flops["bf16"] == 2.25e15
+    assert lookup_link("nvlink4").bandwidth == 450e9 and lookup_link("nvlink3").bandwidth == 300e9
+    assert lookup_link("ib-ndr400").bandwidth == 50e9 and lookup_link("ib-hdr200").bandwidth == 25e9
+    assert lookup_link("pcie5").bandwidth == 64e9
+
+
+def test_unknown_names_are_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"device='TPU v5'.*known:.*'H100-SXM'.*Hardware\(device="):
+        lookup_device("TPU v5")
+    with pytest.raises(TypeError, match="device=3"):
+        lookup_device(3)
+    with pytest.raises(ValueError, match=r"link='nvlink9'.*known:.*'ib-ndr400'.*'nvlink4'"):
+        lookup_link("nvlink9")
+
+
+def test_the_peak_table_of_the_flops_callbacks_is_this_one():
+    assert flops.PEAK_FLOPS is PEAK_FLOPS and flops.lookup_peak_flops is lookup_peak_flops
+    assert lookup_peak_flops("NVIDIA H100 80GB HBM3", "tf32") == 494e12 and lookup_peak_flops("Some CPU") is None
+
+
+def test_known_hardware_is_peak_times_efficiency_and_the_table_links():
+    hw = known_hardware("NVIDIA H100 80GB HBM3")
+    assert hw.device == "H100-SXM" and hw.gpus_per_node == 8 and hw.memory_bytes == 80 * GiB
+    assert hw.matmul_flops == pytest.approx(989e12 * DEFAULT_EFFICIENCY)
+    assert (hw.intra_bandwidth, hw.intra_latency) == (450e9, 3.4e-6)  # NVLink 4
+    assert (hw.inter_bandwidth, hw.inter_latency) == (50e9, 14e-6)  # NDR 400 Gb/s per GPU
+    assert hw.source == "table: H100-SXM bf16 x 0.45, nvlink4, ib-ndr400"
+
+    a100 = known_hardware("A100-80GB", precision="tf32", gpus_per_node=4, inter_link="ib-hdr200", efficiency=0.5)
+    assert a100.matmul_flops == pytest.approx(78e12) and a100.gpus_per_node == 4
+    assert (a100.intra_bandwidth, a100.inter_bandwidth) == (300e9, 25e9)
+
+    shared = known_hardware("L40S", inter_link="eth-100", nics_per_node=2)  # 2 NICs for 8 GPUs
+    assert shared.intra_bandwidth == 32e9 and shared.inter_bandwidth == pytest.approx(12.5e9 / 4)
+    bridged = known_hardware("H100-PCIe", intra_link="nvlink4")
+    assert bridged.intra_bandwidth == 450e9 and "nvlink4" in bridged.source
+
+
+def test_known_hardware_bad_input():
+    with pytest.raises(ValueError, match=r"precision='bf16': T4 has dense peaks for \['fp16', 'fp32'\]"):
+        known_hardware("T4")
+    with pytest.raises(ValueError, match=r"efficiency=1.5 must be in \(0, 1\]"):
+        known_hardware("H100-SXM", efficiency=1.5)
+    with pytest.raises(ValueError, match="gpus_per_node=0"):
+        known_hardware("H100-SXM", gpus_per_node=0)
+    with pytest.raises(ValueError, match="nics_per_node=0"):
+        known_hardware("H100-SXM", nics_per_node=0)
+    with pytest.raises(ValueError, match="link='ib-foo'"):
+        known_hardware("H100-SXM", inter_link="ib-foo")
+
+
+def test_hardware_by_hand_is_checked_and_summarized():
+    hw = Hardware("mine", 1e14, None, 4, 1e11, 2e-6, 1e10, 1e-5, "by hand")
+    assert hw.summary() == ("mine: 100 TFLOP/s, memory unknown, 4 per node; intra-node 100 GB/s, 2 us/hop; "
+                            "inter-node 10 GB/s, 10 us/hop (by hand)")
+    with pytest.raises(ValueError, match=r"intra_bandwidth=-1.0 must be a positive number"):
+        Hardware("mine", 1e14, None, 4, -1.0, 2e-6, 1e10, 1e-5, "by hand")
+    with pytest.raises(ValueError, match=r"memory_bytes=1.5 must be a positive int"):
+        Hardware("mine", 1e14, 1.5, 4, 1e11, 2e-6, 1e10, 1e-5, "by hand")
+    with pytest.raises(ValueError, match=r"inter_latency=inf must be a finite number"):
+        Hardware("mine", 1e14, None, 4, 1e11, 2e-6, 1e10, math.inf, "by hand")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# probe, one process
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_fit_recovers_bandwidth_and_latency(n):
+    bandwidth, latency = 3e9, 2e-5
+    sizes = [1 << 10, 1 << 20, 1 << 22]
+    times = [latency * 2 * (n - 1) + s * 2 * (n - 1) / n / bandwidth for s in sizes]
+    assert fit_ring(n, sizes, times) == pytest.approx((bandwidth, latency), rel=1e-9)
+    assert fit_ring(1, sizes, times) == (math.inf, 0.0)
+    noisy = fit_ring(n, sizes, [times[0], times[2], times[2]])  # a flat top: no slope between the large sizes
+    assert noisy[0] > 0 and noisy[1] > 0
+
+
+def _hand_timed_flops(m: int, k: int, n: int, seconds: float) -> float:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    torch.matmul(a, b)
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.matmul(a, b)
+        reps += 1
+    return reps * 2 * m * k * n / (time.perf_counter() - start)
+
+
+def test_probe_matmul_measures_what_a_hand_timed_matmul_gets():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        by_hand = _hand_timed_flops(256, 512, 384, 0.3)
+        start = time.perf_counter()
+        probed = probe_matmul(torch.device("cpu"), torch.float32, [(256, 512, 384)], seconds=0.3)
+        took = time.perf_counter() - start
+        again = _hand_timed_flops(256, 512, 384, 0.3)
+    finally:
+        torch.set_num_threads(threads)
+    assert 0.5 < probed / max(by_hand, again) and probed / min(by_hand, again) < 2
+    assert took < 0.6  # the budget, warm-up included (one round of slack)
+
+
+def test_probe_matmul_cuts_shapes_too_large_for_the_budget():
+    start = time.perf_counter()
+    probed = probe_matmul(torch.device("cpu"), torch.float32, [(1 << 22, 256, 256)], seconds=0.2)  # 550 GFLOP
+    assert time.perf_counter() - start < 1.0 and probed > 1e8
+
+
+def test_probe_bad_input():
+    with pytest.raises(ValueError, match=r"shapes=\[\] must be a non-empty list of \(m, k, n\)"):
+        probe_matmul(torch.device("cpu"), torch.float32, [])
+    with pytest.raises(ValueError, match=r"shapes=\[\(0, 4, 4\)\]"):
+        probe_matmul(torch.device("cpu"), torch.float32, [(0, 4, 4)])
+    with pytest.raises(ValueError, match="seconds=0 must be a positive number"):
+        probe_matmul(torch.device("cpu"), torch.float32, [(4, 4, 4)], seconds=0)
+    with pytest.raises(ValueError, match="needs an initialized process group"):
+        probe_collectives({"world": None}, torch.device("cpu"))
+
+
+def test_probe_hardware_one_process_sends_nothing():
+    hw = probe_hardware(torch.device("cpu"), torch.float32, [(64, 64, 64)], matmul_seconds=0.1)
+    assert hw.matmul_flops > 1e7 and hw.memory_bytes is None and hw.gpus_per_node == 1
+    assert math.isinf(hw.intra_bandwidth) and hw.intra_latency == 0.0 and "1 rank" in hw.source
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# probe, 2 and 4 processes (gloo on loopback)
+# ---------------------------------------------------------------------------------------------------------------
+SHAPES = [(256, 512, 384)]
+
+
+def _probe_worker(gpus_per_node: int) -> dict:
+    dist.init_process_group("gloo")
+    cpu = torch.device("cpu")
+
+    def alone() -> float | None:  # rank 0 alone; the others wait in the barrier (blocked on a socket, not spinning)
+        dist.barrier()
+        flops = probe_matmul(cpu, torch.float32, SHAPES, seconds=0.4) if dist.get_rank() == 0 else None
+        dist.barrier()
+        return flops
+
+    before = alone()
+    start = time.perf_counter()
+    hw = probe_hardware(cpu, torch.float32, SHAPES, gpus_per_node=gpus_per_node, matmul_seconds=0.4,
+                        comm_seconds=0.6)
+    took = time.perf_counter() - start
+    after = alone()  # the machine is shared with other work: one process alone, before and after
+    world = probe_collectives({"world": None}, cpu, seconds=0.3)
+    return {"alone": None if before is None else max(before, after), "hw": hw, "took": took, "world": world}
+
+
+def _check_link(bandwidth: float, latency: float) -> None:
+    assert 1e7 < bandwidth < 1e11 and 1e-6 < latency < 1e-1
+
+
+@pytest.mark.parametrize("world_size, gpus_per_node", [(2, 2), (4, 2)])
+def test_probe_on_gloo_is_the_same_on_every_rank(world_size, gpus_per_node):
+    results = launch(world_size, _probe_worker, gpus_per_node, timeout=120)
+    hw = results[0]["hw"]
+    assert all(r["hw"] == hw for r in results) and all(r["world"] == results[0]["world"] for r in results)
+    assert hw.gpus_per_node == gpus_per_node and hw.memory_bytes is None
+    _check_link(hw.intra_bandwidth, hw.intra_latency)
+    _check_link(hw.inter_bandwidth, hw.inter_latency)
+    _check_link(*results[0]["world"]["world"])
+    if world_size == 2:
+        assert (hw.inter_bandwidth, hw.inter_latency) == (hw.intra_bandwidth, hw.intra_latency)  # one node
+        assert "one node" in hw.source
+    else:
+        assert "2 nodes" in hw.source
+        # 4 processes on 2 cores: each gets about half of what one process alone gets
+        assert hw.matmul_flops < 0.8 * results[0]["alone"], (hw.matmul_flops, results[0]["alone"])
+    assert max(r["took"] for r in results) < 6.0  # 0.4 s matmul + 0.6 s collectives + group set-up, on busy cores
