@@ -44,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--world", type=int, required=True, help="devices in all")
     where.add_argument("--gpus-per-node", type=int, default=8)
     where.add_argument("--device", help="a known device (H100, H200, A100-80GB, B200, ...); default: this machine")
-    where.add_argument("--inter-link", default="ib-ndr400", help="the link between nodes (with --device)")
+    where.add_argument("--intra-link", help="the link within a node (default: the device's own; pcie4 on this "
+                       "machine)")
+    where.add_argument("--inter-link", default="ib-ndr400", help="the link between nodes")
     where.add_argument("--precision", default="bf16-mixed")
     where.add_argument("--memory-budget", type=float, help="bytes per device (default: the device's memory)")
     where.add_argument("--restrict", nargs="*", default=[], metavar="DIM=SIZES",
@@ -89,16 +91,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _hardware(args: argparse.Namespace, profile: Any) -> Any:
-    from lightning_par.devices import known_hardware, precision_kind
+    """A known device from the table; else this machine's matmul throughput, measured here, with the links from the
+    table (one process cannot measure a link; the planner under ``auto_parallel`` measures them)."""
+    from dataclasses import replace
+
+    from lightning_par.devices import known_hardware, lookup_link, precision_kind
 
     if args.device:
         return known_hardware(args.device, precision=precision_kind(args.precision) or "bf16",
-                              gpus_per_node=args.gpus_per_node, inter_link=args.inter_link)
+                              gpus_per_node=args.gpus_per_node, inter_link=args.inter_link,
+                              intra_link=args.intra_link)
     from lightning_par.planner.probe import probe_hardware
     from lightning_par.strategies.auto import _dtype, _matmul_shapes
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    return probe_hardware(device, _dtype(args.precision), _matmul_shapes(profile), args.gpus_per_node)
+    measured = probe_hardware(device, _dtype(args.precision), _matmul_shapes(profile))
+    intra, inter = lookup_link(args.intra_link or "pcie4"), lookup_link(args.inter_link)
+    return replace(measured, gpus_per_node=args.gpus_per_node, intra_bandwidth=intra.bandwidth,
+                   intra_latency=intra.latency, inter_bandwidth=inter.bandwidth, inter_latency=inter.latency,
+                   source=f"{measured.source}; links from the table: {intra.name}, {inter.name}")
 
 
 class _CausalLM(nn.Module):
