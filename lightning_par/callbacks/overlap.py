@@ -9,6 +9,17 @@ batch's end (on a GPU, to the last kernel's end). Between windows the monitor on
 
 The summary is one ``all_gather`` at the end of each window, in ``on_train_batch_end`` on every rank; the window
 boundaries depend only on ``trainer.global_step`` and batch counts, which every rank shares.
+
+On a GPU the window's CUDA activities come from CUPTI, and kineto leaves CUPTI attached to the process after the
+profiler stops unless the environment says ``TEARDOWN_CUPTI=1`` (kineto reads it when tracing stops; off by
+default in torch up to 2.13 at least). Attached, CUPTI keeps intercepting kernel launches: torch's own reports
+measure training 10-20 % slower for the rest of the run (pytorch issue #144455, PR #146604, kineto PR #1539). That
+is the likeliest cause of the 20 % the three monitors cost a launch-bound step on an H100 (``shared/GPU_FACTS.md``),
+as their hooks take ~15 us per step (``benchmarks/bench_callbacks.py``); ``benchmarks/bench_gpu.py`` measures the steps
+before and after a window on a GPU. So the monitor asks for the teardown before each CUDA window
+(``teardown_cupti``). A value the user or torch set is kept: torch sets ``0`` itself where CUDA graphs with
+CUDA < 12.6 make the teardown crash. Windows are hundreds of steps apart, so the teardown of one has long finished
+when the next starts (kineto once crashed on back-to-back sessions).
 """
 
 from __future__ import annotations
@@ -92,6 +103,9 @@ class CommOverlapMonitor(RankSummaryCallback):
             intervals to rank 0 with one extra ``all_gather_object`` per window).
         rules: extra ``(annotation substring, kind)`` pairs, tried before the defaults, to name communication
             issued inside your own ``torch.profiler.record_function`` ranges (kinds: ``trace.COMM_KINDS``).
+        teardown_cupti: on CUDA, detach CUPTI when each window ends (sets ``TEARDOWN_CUPTI=1`` unless the
+            environment already has a value), so that kernel launches after the window run at full speed; see the
+            module docstring. ``False`` leaves kineto's default.
     """
 
     def __init__(
@@ -103,6 +117,7 @@ class CommOverlapMonitor(RankSummaryCallback):
         export_trace_dir: str | None = None,
         log_timeline: bool = False,
         rules: Sequence[tuple[str, str]] = (),
+        teardown_cupti: bool = True,
     ) -> None:
         super().__init__(None)
         check_positive_int("every_n_steps", every_n_steps)
@@ -120,6 +135,9 @@ class CommOverlapMonitor(RankSummaryCallback):
         self.start_step = start_step
         self.export_trace_dir = export_trace_dir
         self.log_timeline = bool(log_timeline)
+        if not isinstance(teardown_cupti, bool):
+            raise TypeError(f"`teardown_cupti` must be True or False, got {teardown_cupti!r}.")
+        self.teardown_cupti = teardown_cupti
         self.rules = tuple(rules) + DEFAULT_CONTEXT_RULES
         classify([], self.rules)  # validates the rules now, before any training
         self._prof: Any = None
@@ -173,6 +191,8 @@ class CommOverlapMonitor(RankSummaryCallback):
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self._gpu:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
+                if self.teardown_cupti:
+                    request_cupti_teardown()
             self._prof = torch.profiler.profile(activities=activities)
             self._prof.start()
 
@@ -261,6 +281,20 @@ class CommOverlapMonitor(RankSummaryCallback):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self._active:
             self._stop()
+
+
+#: kineto's switch (read when a trace stops): "1" detaches CUPTI from the process, anything else leaves it attached
+CUPTI_TEARDOWN_ENV = "TEARDOWN_CUPTI"
+
+
+def request_cupti_teardown() -> bool:
+    """Ask kineto to detach CUPTI when the next CUDA trace stops, unless the environment already decides it.
+
+    Returns whether the request is in force (``TEARDOWN_CUPTI=1``). Process-wide: later profiler sessions in this
+    process (the user's too) also detach CUPTI when they stop, which only makes their after-trace steps faster.
+    """
+    os.environ.setdefault(CUPTI_TEARDOWN_ENV, "1")
+    return os.environ[CUPTI_TEARDOWN_ENV] == "1"
 
 
 def timeline_figure(ranks: Sequence[dict[str, Any]]) -> Any:

@@ -175,7 +175,9 @@ def _gloo_op(name: str) -> str | None:
 
 
 def _is_nccl_kernel(ev: TraceEvent) -> bool:
-    return ev.on_gpu and ev.activity == "kernel" and ev.name.startswith("nccl")
+    """NCCL's kernels: ``ncclDevKernel_*`` / ``ncclKernel_*``, and the one it runs for a reduction over a single
+    rank (``oneRankReduce<...>``, e.g. an AVG all-reduce at world size 1)."""
+    return ev.on_gpu and ev.activity == "kernel" and (ev.name.startswith("nccl") or "oneRankReduce" in ev.name)
 
 
 def _is_enqueue(name: str) -> bool:
@@ -190,6 +192,7 @@ def _family(name: str) -> str:
     """The collective an op, gloo annotation or NCCL kernel name stands for."""
     n = name.lower().replace("_", "")
     for key, fam in (
+        ("onerankreduce", "all_reduce"),  # NCCL's one-rank reduction kernel (reduce-type collectives at world 1)
         ("sendrecv", "p2p"),
         ("send", "p2p"),
         ("recv", "p2p"),

@@ -30,7 +30,7 @@ class FullySharded(Technique):
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
         units = target.units(self.shard_units)  # resolved even when off: a bad pattern fails in every layout
-        if not dims.fsdp_enabled:
+        if not dims.fsdp_enabled and not self.cpu_offload:  # one rank: nothing to shard, unless offloading
             return
         half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(target.precision)
         apply_fsdp(  # mixed precision: half-precision all-gathers, fp32 reductions and master weights

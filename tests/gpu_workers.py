@@ -1,0 +1,566 @@
+"""What tests/test_gpu.py runs in its launched processes (``launch`` pickles these by name), and the hand-written loop
+every strategy is compared with.
+
+Each run takes ``device``: ``"cuda"`` in the GPU tests; ``"cpu"`` in tests/test_gpu_helpers.py, which checks on any
+machine that the hand-written loop does what Lightning does (same batches, optimizer, schedule, precision), so that a
+difference on a GPU points at the GPU path, not at the harness.
+
+The hand-written loop starts from the weights the strategy run had when training started and trains on the batches
+it saw, in the same order: parity then checks the training math (forward, backward, optimizer, precision), not
+initialization or sampling, whose random numbers differ between CPU and CUDA generators.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from workers import GLOBAL_BATCH, SEED, TINY_GPT, token_dataset
+
+from example_projects.gpt.lit import GPTModule
+from lightning_par import FSDP2Strategy, NDParallelStrategy, full_state_dict
+
+STEPS = 10
+STRATEGIES = {"FSDP2Strategy": FSDP2Strategy, "NDParallelStrategy": NDParallelStrategy}
+
+#: Weights' dtype after training, by precision (mixed keeps fp32 master weights).
+WEIGHT_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.float32, "bf16-true": torch.bfloat16}
+
+
+def _cpu(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in weights.items()}
+
+
+class Recorder(Callback):
+    """The weights when training starts, every batch (on the CPU), every step's loss, and the dtype the model's
+    logits came out in (what the precision really ran the matmuls in)."""
+
+    def __init__(self) -> None:
+        self.initial: dict[str, torch.Tensor] = {}
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.losses: list[float] = []
+        self.logits_dtypes: set[str] = set()
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.initial = _cpu(full_state_dict(pl_module))
+        pl_module.model.head.register_forward_hook(lambda mod, args, out: self.logits_dtypes.add(str(out.dtype)))
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.batches.append(tuple(t.detach().cpu().clone() for t in batch))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"].detach().float()))
+
+
+def strategy_fit(strategy: Any, precision: str = "32-true", device: str = "cuda", max_steps: int = STEPS,
+                 callbacks: tuple[Callback, ...] = (), ckpt_dir: str | None = None, ckpt_every: int | None = None,
+                 resume_from: str | None = None, num_samples: int = 96) -> dict[str, Any]:
+    """The tiny GPT trained by Lightning under ``strategy`` on one device (world size 1: NCCL on CUDA)."""
+    pl.seed_everything(SEED, verbose=False)
+    record = Recorder()
+    all_callbacks: list[Callback] = [record, *callbacks]
+    if ckpt_every:
+        all_callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=ckpt_every, save_top_k=-1,
+                                             filename="{step}"))
+    trainer = pl.Trainer(
+        accelerator=device, devices=1, strategy=strategy, precision=precision, max_steps=max_steps, logger=False,
+        enable_checkpointing=bool(ckpt_every), enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=all_callbacks,
+        default_root_dir=ckpt_dir or os.getcwd(),
+    )
+    with trainer.init_module():
+        model = GPTModule(**TINY_GPT)
+    trainer.fit(model, DataLoader(token_dataset(num_samples), batch_size=GLOBAL_BATCH, shuffle=True),
+                ckpt_path=resume_from)
+    return {"losses": record.losses, "batches": record.batches, "initial": record.initial,
+            "weights": _cpu(full_state_dict(model)), "global_step": trainer.global_step,
+            "devices": sorted({str(p.device) for p in model.parameters()}), "logits_dtypes": record.logits_dtypes}
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def precision_context(precision: str, device: str) -> contextlib.AbstractContextManager:
+    """What Lightning's plugin wraps ``training_step`` in: autocast for bf16-mixed, bf16 as the default dtype for
+    bf16-true (Lightning's HalfPrecision), nothing for 32-true."""
+    if precision == "bf16-mixed":
+        return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+    if precision == "bf16-true":
+        return _default_dtype(torch.bfloat16)
+    if precision == "32-true":
+        return contextlib.nullcontext()
+    raise ValueError(f"precision={precision!r}: the hand-written loop knows 32-true, bf16-mixed and bf16-true.")
+
+
+def hand_loop(initial: dict[str, torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str,
+              device: str = "cuda", compile_blocks: bool = False) -> dict[str, Any]:
+    """The same training written by hand: the GPT from ``initial``, the module's own optimizer and LR schedule, one
+    optimizer step per batch, the loss as ``training_step`` computes it."""
+    module = GPTModule(**TINY_GPT)
+    module.configure_model()
+    if precision == "bf16-true":
+        module.to(torch.bfloat16)
+    module.load_state_dict(initial)
+    module.to(device)
+    if compile_blocks:
+        for block in module.model.blocks:
+            block.compile()
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    losses = []
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with precision_context(precision, device):
+            loss = module.loss(module(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        losses.append(float(loss.detach().float()))
+    return {"losses": losses, "weights": _cpu(module.state_dict())}
+
+
+def run_parity(cases: dict[str, tuple[str, dict[str, Any], str]], device: str = "cuda") -> dict[str, Any]:
+    """For each case ``name -> (strategy class name, its kwargs, precision)``: the strategy run and the hand-written
+    loop (compiled per block where the strategy compiles), plus a 32-true hand loop from the same start (to show
+    that a bf16 run really ran in bf16).
+
+    On CUDA both run with deterministic algorithms (``CUBLAS_WORKSPACE_CONFIG`` must be in the environment before
+    CUDA starts; the test's launch sets it): the same kernels on the same inputs then give the same bits, as on the
+    CPU, and what is left to differ is the GPU path of the strategy."""
+    if torch.device(device).type == "cuda":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    out = {}
+    for name, (cls, kwargs, precision) in cases.items():
+        run = strategy_fit(STRATEGIES[cls](**kwargs), precision, device=device)
+        hand = hand_loop(run["initial"], run["batches"], precision, device, compile_blocks=kwargs.get("compile", False))
+        fp32 = hand_loop(_fp32(run["initial"]), run["batches"], "32-true", device) if precision != "32-true" else None
+        out[name] = {"run": {k: v for k, v in run.items() if k != "batches"}, "hand": hand, "hand_fp32": fp32}
+    return out
+
+
+def _fp32(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), f"parameter names differ: {sorted(set(a) ^ set(b))}"
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------------
+CKPT_SAMPLES = 40  # 5 steps per epoch: checkpoints every 3 steps fall mid-epoch
+
+
+def run_checkpointed(ckpt_dir: str, device: str = "cuda") -> dict[str, Any]:
+    run = strategy_fit(FSDP2Strategy(), device=device, ckpt_dir=ckpt_dir, ckpt_every=3, num_samples=CKPT_SAMPLES)
+    return {k: v for k, v in run.items() if k != "batches"}
+
+
+def run_resumed(path: str, device: str = "cuda") -> dict[str, Any]:
+    """In a new process (new NCCL group): resume from ``path`` and train to step 10."""
+    run = strategy_fit(FSDP2Strategy(), device=device, resume_from=path, num_samples=CKPT_SAMPLES)
+    return {k: v for k, v in run.items() if k != "batches"}
+
+
+# ---- the monitors on a GPU ----------------------------------------------------------------------------------------
+class _Square(nn.Module):
+    """One width x width layer (a block list of one, as lightning_par's strategies expect a model to have)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / math.sqrt(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weight)
+
+
+class Matmuls(pl.LightningModule):
+    """A GPU-bound step (the one layer applied ``depth`` times to width x width rows: ~0.1 TFLOP per matmul at 4096),
+    or an idle one (a tiny op, then the host sleeps): NVML's busy percentage must tell them apart. ``ballast_step``:
+    that batch also allocates ``BALLAST`` bytes for a moment, so the allocator's peak of that interval is known (the
+    step's own tensors: ~0.6 GiB at width 4096)."""
+
+    BALLAST = 2 << 30
+
+    def __init__(self, busy: bool, width: int = 4096, depth: int = 6, ballast_step: int | None = None) -> None:
+        super().__init__()
+        self.busy, self.depth, self.ballast_step = busy, depth, ballast_step
+        self.blocks = nn.ModuleList([_Square(width)])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        layer = self.blocks[0]
+        x = batch[0].repeat(layer.weight.size(0) // batch[0].size(0), 1)
+        if batch_idx == self.ballast_step:
+            ballast = torch.empty(self.BALLAST, dtype=torch.uint8, device=self.device)
+            ballast.fill_(1)
+            del ballast
+        if not self.busy:
+            time.sleep(0.02)
+            return (layer.weight[:1, :1] * x[:1, :1]).sum()
+        for _ in range(self.depth):
+            x = layer(x)
+        return x.pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+
+class _Rows(Dataset):
+    def __init__(self, n: int, width: int) -> None:
+        self.x = torch.randn(n, width, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor]:
+        return (self.x[i],)
+
+
+class DeviceProbe(Callback):
+    """At the monitors' logging steps, right after them: what CUDA itself says (free/total memory, allocated)."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.readings: dict[int, dict[str, float]] = {}
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step % self.every == 0:
+            free, total = torch.cuda.mem_get_info()
+            self.readings[step] = {"used": float(total - free), "allocated": float(torch.cuda.memory_allocated())}
+
+
+def forbid_syncs(callbacks: list[Callback], every: int) -> None:
+    """Run each callback's per-batch hooks under ``torch.cuda.set_sync_debug_mode("error")``, except at logging
+    steps: a device synchronization there raises, naming the hook."""
+    for cb in callbacks:
+        for hook in ("on_train_batch_start", "on_train_batch_end"):
+            inner = getattr(cb, hook)
+
+            def guarded(trainer: Any, *args: Any, _inner: Any = inner, _hook: str = hook, _cb: Any = cb) -> Any:
+                logging = trainer.global_step % every == 0 and _hook == "on_train_batch_end"
+                torch.cuda.set_sync_debug_mode("default" if logging else "error")
+                try:
+                    return _inner(trainer, *args)
+                except RuntimeError as err:
+                    raise RuntimeError(f"{type(_cb).__name__}.{_hook} at step {trainer.global_step}: {err}") from err
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+
+            setattr(cb, hook, guarded)
+
+
+def run_monitors(log_dir: str, busy: bool, steps: int = 60, every: int = 10, ballast_step: int | None = 23,
+                 check_syncs: bool = False) -> dict[str, Any]:
+    """The three monitors on one GPU under FSDP2Strategy (NCCL, world 1), logged to CSV; returns the logged metrics
+    ({name: {step: value}}) and the probe's readings."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_par.callbacks import CommOverlapMonitor, DeviceUtilizationMonitor, MemoryMonitor
+
+    monitors = [DeviceUtilizationMonitor(log_every_n_steps=every, nvml_interval_s=0.02),
+                MemoryMonitor(log_every_n_steps=every),
+                CommOverlapMonitor(start_step=steps + 10, every_n_steps=1000)]  # no window: only its per-batch check
+    if check_syncs:
+        forbid_syncs(monitors, every)
+    probe = DeviceProbe(every)
+    trainer = pl.Trainer(accelerator="cuda", devices=1, strategy=FSDP2Strategy(), max_steps=steps,
+                         logger=CSVLogger(log_dir, name="csv", version=0), callbacks=[*monitors, probe],
+                         log_every_n_steps=every, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    width = 4096
+    trainer.fit(Matmuls(busy, width, ballast_step=ballast_step),
+                DataLoader(_Rows(steps * 8, width), batch_size=8, drop_last=True))
+    return {"metrics": read_csv(str(Path(log_dir) / "csv" / "version_0" / "metrics.csv")), "probe": probe.readings,
+            "nvml_sees_this_process": _nvml_sees_this_process()}
+
+
+def _nvml_sees_this_process() -> bool:
+    """Whether NVML lists this process on its GPU (not in some containers): then MemoryMonitor's "outside the
+    allocator" comes from NVML, independently of ``mem_get_info``; else it falls back to ``mem_get_info`` itself."""
+    try:
+        import pynvml
+
+        from lightning_par.callbacks.nvml import nvml_handle
+
+        pynvml.nvmlInit()
+        handle = nvml_handle(pynvml, torch.cuda.current_device())
+        return any(p.pid == os.getpid() for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+    except Exception:  # noqa: BLE001 - no NVML at all: the fallback was used
+        return False
+
+
+def read_csv(path: str) -> dict[str, dict[int, float]]:
+    import csv
+
+    out: dict[str, dict[int, float]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            for k, v in row.items():
+                if k != "step" and v != "":
+                    out.setdefault(k, {})[int(row["step"])] = float(v)
+    return out
+
+
+# ---- a CUDA trace at NCCL world size 1 ----------------------------------------------------------------------------
+COMM_ELEMENTS = 1 << 24  # 64 MiB of fp32: the all-reduce is long enough to measure
+
+
+class ComputeThenAllReduce(pl.LightningModule):
+    """Matmuls, then an all-reduce (AVG) of a large buffer each step: compute and communication in one trace."""
+
+    def __init__(self, width: int = 2048) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Square(width)])
+        self.buffer: torch.Tensor | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = batch[0].repeat(self.blocks[0].weight.size(0) // batch[0].size(0), 1)
+        for _ in range(4):
+            x = self.blocks[0](x)
+        if self.buffer is None:
+            self.buffer = torch.ones(COMM_ELEMENTS, device=self.device)
+        dist.all_reduce(self.buffer, op=dist.ReduceOp.AVG)
+        return x.pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+
+def gpu_work_of_all_reduce(op: Any) -> list[tuple[str, str]]:
+    """(name, activity) of the GPU events launched from inside one NCCL all_reduce with ``op`` at world size 1,
+    matched by correlation id to the launches made inside it."""
+    from lightning_par.callbacks.trace import events_from_profiler
+
+    buf = torch.ones(COMM_ELEMENTS, device="cuda")
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        with torch.profiler.record_function("probe::all_reduce"):
+            dist.all_reduce(buf, op=op)
+        torch.cuda.synchronize()
+    events = events_from_profiler(prof)
+    probe = next(e for e in events if e.name == "probe::all_reduce")
+    launched = {e.correlation for e in events if not e.on_gpu and e.activity in ("cuda_runtime", "cuda_driver")
+                and e.track == probe.track and probe.start <= e.start <= probe.end and e.correlation}
+    return sorted({(e.name, e.activity) for e in events if e.on_gpu and e.correlation in launched})
+
+
+def run_trace(export_dir: str) -> dict[str, Any]:
+    """A profiling window over compute + all_reduce steps under FSDP2Strategy (NCCL, world 1)."""
+    from lightning_par.callbacks import CommOverlapMonitor
+
+    monitor = CommOverlapMonitor(start_step=3, every_n_steps=100, window_steps=3, warmup_steps=1,
+                                 export_trace_dir=export_dir)
+    trainer = pl.Trainer(accelerator="cuda", devices=1, strategy=FSDP2Strategy(), max_steps=8, logger=False,
+                         callbacks=[monitor], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(ComputeThenAllReduce(), DataLoader(_Rows(64, 2048), batch_size=8))
+    return {"values": monitor.last_values, "exported": monitor.exported,
+            "avg_launches": gpu_work_of_all_reduce(dist.ReduceOp.AVG),
+            "sum_launches": gpu_work_of_all_reduce(dist.ReduceOp.SUM)}
+
+
+# ---- what the monitors cost a launch-bound step, and whether a profiling window slows the steps after it --------
+class StepClock(Callback):
+    """Wall time between consecutive batch starts: everything the loop does, monitors included."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.starts.append(time.perf_counter())
+
+    def times(self) -> list[float]:
+        return [b - a for a, b in zip(self.starts, self.starts[1:])]
+
+
+LAUNCH_BOUND_GPT = dict(TINY_GPT, n_layer=12, n_embd=256, n_head=4, block_size=64)
+CLOCK_STEPS, WINDOW_AT = 200, 50  # the window: batches 50-53 (1 warm-up + 3 measured)
+
+
+def run_step_clock(monitors: bool, teardown_cupti: bool = True, device: str = "cuda") -> dict[str, Any]:
+    """A launch-bound GPT (12 small blocks, ~600 kernels a step) for ``CLOCK_STEPS`` steps, with the three monitors
+    (one profiling window at ``WINDOW_AT``) or none; each batch's wall time."""
+    from lightning_par.callbacks import CommOverlapMonitor, DeviceUtilizationMonitor, MemoryMonitor
+
+    clock = StepClock()
+    callbacks: list[Callback] = [clock]
+    if monitors:
+        callbacks += [DeviceUtilizationMonitor(log_every_n_steps=20), MemoryMonitor(log_every_n_steps=20),
+                      CommOverlapMonitor(start_step=WINDOW_AT, every_n_steps=1000, teardown_cupti=teardown_cupti)]
+    pl.seed_everything(SEED, verbose=False)
+    trainer = pl.Trainer(accelerator=device, devices=1, strategy=FSDP2Strategy(), max_steps=CLOCK_STEPS,
+                         logger=False, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, log_every_n_steps=20)
+    model = GPTModule(**{**LAUNCH_BOUND_GPT, "max_steps": CLOCK_STEPS})
+    data = token_dataset(CLOCK_STEPS * GLOBAL_BATCH, seq_len=64)
+    trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=True))
+    return {"times": clock.times(), "teardown_env": os.environ.get("TEARDOWN_CUPTI")}
+
+
+def median_ms(times: list[float], lo: int, hi: int) -> float:
+    return 1e3 * statistics.median(times[lo:hi])
+
+
+# ---- context parallelism: the fused per-block CUDA kernel against the math path ------------------------------------
+def emulated_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, cp: int,
+                          causal: bool, load_balance: bool) -> tuple[torch.Tensor, ...]:
+    """Context-parallel attention of ``cp`` ranks emulated in one process, block by block exactly as
+    ``parallel/context.py`` computes it (its ``_block_forward``, ``_merge``, ``_block_backward`` and block plan),
+    with the K/V exchange replaced by indexing. Returns the full (out, dq, dk, dv), joined from the shards."""
+    from lightning_par.parallel import context as ctx
+    from lightning_par.parallel.context_sharding import block_plan, join_shards, shard_sequence
+
+    scale = 1.0 / math.sqrt(q.size(-1))
+    shard = [[shard_sequence(t, 2, r, cp, load_balance) for r in range(cp)] for t in (q, k, v, dout)]
+    qs, ks, vs, dos = shard
+    n = qs[0].size(2)
+    outs, lses = [], []
+    for rank in range(cp):
+        acc = ctx._acc(qs[rank])
+        out = qs[rank].new_zeros((*qs[rank].shape[:3], vs[rank].size(-1)), dtype=acc)
+        lse = qs[rank].new_full(qs[rank].shape[:3], float("-inf"), dtype=acc)
+        for src in range(cp):
+            blk = block_plan(rank, src, cp, n, causal, load_balance)
+            if blk is None:
+                continue
+            o, m = ctx._block_forward(qs[rank][:, :, blk.q], ks[src][:, :, blk.kv], vs[src][:, :, blk.kv], scale,
+                                      blk.causal)
+            ctx._merge(out, lse, blk.q, o, m)
+        outs.append(out.to(q.dtype))  # what the autograd Function saves and returns
+        lses.append(lse)
+    dqs = [torch.zeros_like(x, dtype=ctx._acc(x)) for x in qs]
+    dks = [torch.zeros_like(x, dtype=ctx._acc(x)) for x in ks]
+    dvs = [torch.zeros_like(x, dtype=ctx._acc(x)) for x in vs]
+    for rank in range(cp):
+        for src in range(cp):
+            blk = block_plan(rank, src, cp, n, causal, load_balance)
+            if blk is None:
+                continue
+            r, c = blk.q, blk.kv
+            gq, gk, gv = ctx._block_backward(dos[rank][:, :, r], qs[rank][:, :, r], ks[src][:, :, c], vs[src][:, :, c],
+                                             outs[rank][:, :, r], lses[rank][:, :, r], scale, blk.causal)
+            dqs[rank][:, :, r] += gq
+            dks[src][:, :, c] += gk
+            dvs[src][:, :, c] += gv
+    return tuple(join_shards(parts, 2, load_balance) for parts in (outs, dqs, dks, dvs))
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                        causal: bool) -> tuple[torch.Tensor, ...]:
+    """Plain attention in fp64 (the math formula, GQA by repeating K/V heads): (out, dq, dk, dv)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    g = q.size(1) // k.size(1)
+    kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = (q @ kk.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    out = torch.softmax(s, dim=-1) @ vv
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+CP_CASES = [  # (cp, causal, load_balance, q heads, kv heads, global sequence length)
+    (1, True, False, 8, 8, 512),
+    (2, True, True, 8, 8, 1024),
+    (4, True, True, 8, 2, 1024),
+    (2, False, False, 8, 8, 512),
+    (4, True, False, 4, 4, 512),
+]
+
+
+def cp_kernel_errors(fused: bool, device: str, dtypes: tuple[torch.dtype, ...],
+                     cases: list[tuple[int, bool, bool, int, int, int]] = CP_CASES) -> dict[str, float]:
+    """Largest error of (out, dq, dk, dv) against fp64 attention, relative to the reference's largest magnitude, for
+    every case (default ``CP_CASES``) and dtype; ``fused`` switches ``USE_FUSED_CUDA_KERNELS``."""
+    from lightning_par.parallel import context as ctx
+
+    before, ctx.USE_FUSED_CUDA_KERNELS = ctx.USE_FUSED_CUDA_KERNELS, fused
+    errors = {}
+    try:
+        for dtype in dtypes:
+            for cp, causal, lb, h, hkv, seq in cases:
+                g = torch.Generator(device=device).manual_seed(0)
+                q = torch.randn(2, h, seq, 64, device=device, generator=g).to(dtype)
+                k, v = (torch.randn(2, hkv, seq, 64, device=device, generator=g).to(dtype) for _ in range(2))
+                dout = torch.randn(2, h, seq, 64, device=device, generator=g).to(dtype)
+                got = emulated_cp_attention(q, k, v, dout, cp, causal, lb)
+                want = reference_attention(q, k, v, dout, causal)
+                err = max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
+                errors[f"{str(dtype)[6:]}/cp{cp}/{'causal' if causal else 'full'}/{'lb' if lb else 'plain'}/"
+                       f"h{h}kv{hkv}/s{seq}"] = err
+    finally:
+        ctx.USE_FUSED_CUDA_KERNELS = before
+    return errors
+
+
+def cp_kernel_seconds(fused: bool, dtype: torch.dtype = torch.bfloat16, seq: int = 4096, repeats: int = 10) -> float:
+    """Median seconds of one emulated cp=2 causal forward + backward on the GPU (fused kernel or math path)."""
+    from lightning_par.parallel import context as ctx
+
+    before, ctx.USE_FUSED_CUDA_KERNELS = ctx.USE_FUSED_CUDA_KERNELS, fused
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, dout = (torch.randn(4, 16, seq, 128, device="cuda", generator=g).to(dtype) for _ in range(4))
+        times = []
+        for _ in range(repeats + 2):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            emulated_cp_attention(q, k, v, dout, 2, True, True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[2:])
+    finally:
+        ctx.USE_FUSED_CUDA_KERNELS = before
+
+
+def run_cp_kernels() -> dict[str, Any]:
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    return {"math": cp_kernel_errors(False, "cuda", dtypes), "fused": cp_kernel_errors(True, "cuda", dtypes),
+            "seconds": {"math": cp_kernel_seconds(False), "fused": cp_kernel_seconds(True)}}
+
+
+def run_cp_attention_world1(fused: bool) -> dict[str, float]:
+    """The public ``context_parallel_attention`` (autograd Function, one process = cp 1) against torch's SDPA, bf16."""
+    import torch.nn.functional as F
+
+    from lightning_par.parallel import context as ctx
+
+    before, ctx.USE_FUSED_CUDA_KERNELS = ctx.USE_FUSED_CUDA_KERNELS, fused
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        base = [torch.randn(2, 8, 256, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)]
+        dout = torch.randn(2, 8, 256, 64, device="cuda", generator=g).to(torch.bfloat16)
+        results = []
+        for attn in (lambda q, k, v: ctx.context_parallel_attention(q, k, v, is_causal=True),
+                     lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)):
+            q, k, v = (t.clone().requires_grad_() for t in base)
+            out = attn(q, k, v)
+            out.backward(dout)
+            results.append((out.detach(), q.grad, k.grad, v.grad))
+        want = reference_attention(*base, dout, causal=True)
+        return {name: max(float((a.double() - w).abs().max() / w.abs().max()) for a, w in zip(res, want))
+                for name, res in zip(("ours", "sdpa"), results)}
+    finally:
+        ctx.USE_FUSED_CUDA_KERNELS = before
