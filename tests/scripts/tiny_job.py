@@ -5,7 +5,9 @@ checkpoint, resume, and write rank 0's final weights to a file.
 """
 
 import argparse
+import atexit
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,6 +45,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--layout", default=None, help="NDParallelStrategy sizes as JSON; default FSDP2 over 2")
     parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--linger-rank", type=int, default=-1, help="this rank stays on after training ...")
+    parser.add_argument("--linger", type=float, default=0.0, help="... for this many seconds, then writes the time")
+    parser.add_argument("--linger-file", default=None)
     args = parser.parse_args()
     if args.layout:
         sizes = json.loads(args.layout)
@@ -57,6 +62,16 @@ def main() -> None:
     )
     if args.out and result["weights"]:
         torch.save(result, args.out)
+    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) == args.linger_rank:
+        # registered after the strategy's exit handler, so it runs before it (atexit is last in, first out): this
+        # rank is still busy when its peers reach the end of their script
+        atexit.register(_linger, args.linger, args.linger_file)
+
+
+def _linger(seconds: float, path: str | None) -> None:
+    time.sleep(seconds)
+    if path:
+        Path(path).write_text(repr(time.time()))
 
 
 if __name__ == "__main__":
