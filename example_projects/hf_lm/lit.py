@@ -114,7 +114,8 @@ class HFCausalLMModule(pl.LightningModule):
         decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]  # matrices and embeddings
         no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]  # norms and biases
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [group for group in ({"params": decay, "weight_decay": hp.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}) if group["params"]],
             lr=hp.lr, betas=(0.9, 0.95), eps=hp.adam_eps,
         )
 

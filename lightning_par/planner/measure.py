@@ -44,6 +44,9 @@ def saved_activations() -> tuple[AbstractContextManager, Callable[[], int]]:
 
     def storage(t: torch.Tensor) -> tuple[int, int]:
         t = t._local_tensor if isinstance(t, DTensor) else t  # not to_local(): no autograd op inside a pack hook
+        wait = getattr(t, "trigger_wait", None)
+        if callable(wait):  # a functional collective's AsyncCollectiveTensor has no storage: count its result's
+            t = wait()
         s = t.untyped_storage()
         return s.data_ptr(), s.nbytes()
 

@@ -83,22 +83,32 @@ def _materialize_metric_defaults(module: nn.Module, device: torch.device) -> Non
         )
 
 
-def _warn_frozen_in_optimizers(model: nn.Module, optimizers: list[Optimizer], device: torch.device) -> None:
-    """Frozen parameters handed to an optimizer get no gradient, hence no update and no state from torch's
-    optimizers: harmless, but almost always a mistake (``self.parameters()`` instead of the trainable ones), and an
-    optimizer that updates parameters without gradients would change them. Name them; refuse an optimizer that has
-    nothing to train (every rank sees the same: the check runs before the first step, on every rank)."""
+def _check_optimizers(model: nn.Module, optimizers: list[Optimizer], device: torch.device) -> None:
+    """Before the first step, the same verdict on every rank (one small all-reduce per optimizer; a pipeline stage may
+    see what another does not):
+
+    * an optimizer with nothing to train is refused;
+    * an empty parameter group is refused: torch's sharded optimizer state (flattened by FQN) cannot be loaded back
+      into it, so its checkpoints could not be resumed;
+    * frozen parameters handed to an optimizer are named in a warning: they get no gradient, hence no update and no
+      state from torch's optimizers (harmless, but almost always ``self.parameters()`` where the trainable ones were
+      meant, and an optimizer that updates parameters without gradients would change them)."""
     names = {id(p): n for n, p in model.named_parameters()}
     for i, optimizer in enumerate(optimizers):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         frozen = [names.get(id(p), "?") for p in params if not p.requires_grad]
-        trains = torch.tensor(float(len(frozen) < len(params)), device=device)
-        if dist.is_initialized():  # a pipeline stage may hold only frozen weights: ask whether any rank trains
-            dist.all_reduce(trains, op=dist.ReduceOp.MAX)
-        if not trains:
+        empty = [j for j, group in enumerate(optimizer.param_groups) if not group["params"]]
+        flags = torch.tensor([float(len(frozen) < len(params)), float(bool(empty))], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if not flags[0]:
             raise ValueError(f"optimizer {i} ({type(optimizer).__name__}) was given only frozen parameters "
                              f"(requires_grad=False, e.g. {frozen[:3]}): nothing would train. Pass the trainable "
                              f"ones: `[p for p in self.parameters() if p.requires_grad]`.")
+        if flags[1]:
+            raise ValueError(f"optimizer {i} ({type(optimizer).__name__}) has an empty parameter group (on this rank: "
+                             f"{empty or 'none, on another rank'}): its checkpoints could not be resumed. Leave empty "
+                             f"groups out (e.g. a no-decay group when only matrices train, as under LoRA).")
         if frozen:
             rank_zero_warn(f"optimizer {i} ({type(optimizer).__name__}) was given {len(frozen)} frozen parameters "
                            f"(requires_grad=False, e.g. {frozen[:3]}). They get no gradient, so torch's optimizers "
@@ -296,7 +306,7 @@ class BaseParallelStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
-            _warn_frozen_in_optimizers(self.model, self.optimizers, self.root_device)
+            _check_optimizers(self.model, self.optimizers, self.root_device)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -313,7 +323,10 @@ class BaseParallelStrategy(ParallelStrategy):
         return ""
 
     def _materialize(self, module: nn.Module) -> None:
-        missing = materialize(module, self._materialization_device())
+        # one seed on every rank (rank 0's): the copies of a replicated tensor (tensor parallelism) start equal, and
+        # each module's values depend on its name, not on what was initialized before it
+        seed = self.broadcast(torch.initial_seed()) % 2**31
+        missing = materialize(module, self._materialization_device(), seed=seed)
         if missing:
             rank_zero_warn(f"Modules of type {missing} were created on the meta device and have no reset_parameters() "
                            f"to initialize them: their tensors hold uninitialized memory. Give them a "
