@@ -9,6 +9,12 @@ Step time is compute (the rank's forward FLOPs x 3, x 4 with activation checkpoi
 achievable FLOP/s) plus the communication compute does not hide, stretched by the pipeline's bubble. A transfer
 takes the ring model's time on the link its mesh dimension spans (within a node or across nodes); an overlappable
 one hides behind compute up to ``OVERLAP`` of it.
+
+Ranks on one CPU (``Hardware.device`` "cpu ...", as ``planner.probe`` names them) differ in two ways, both
+measured at world 4 on 2 cores (benchmarks/bench_planner.py): gloo moves and reduces the bytes on the same cores
+that compute, so nothing overlaps; and the ranks share those cores (the probe measured each rank's throughput with
+all of them busy), so what one rank leaves idle in a pipeline bubble the others use: the step is the busiest rank's
+work, not stretched by the bubble.
 """
 
 from __future__ import annotations
@@ -159,14 +165,15 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
         total[t.kind] += seconds
         if t.overlappable:
             hidden[t.kind] += seconds
-    hideable = OVERLAP * compute
+    shared = shares_cores(hardware)
+    hideable = (0.0 if shared else OVERLAP) * compute
     overlapped = sum(hidden.values())
     exposed = {}
     for kind in total:
         share = hidden[kind] / overlapped if overlapped else 0.0
         exposed[kind] = total[kind] - hidden[kind] + share * max(0.0, overlapped - hideable)
     busy = compute + sum(exposed.values())
-    step = busy / (1.0 - sheet.bubble)
+    step = busy if shared else busy / (1.0 - sheet.bubble)
     budget = memory_budget if memory_budget is not None else (
         hardware.memory_bytes * (1 - RESERVE) if hardware.memory_bytes else None)
     tokens = batch * layout.dp * seq_len
@@ -176,6 +183,11 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
                             step - busy, step, tokens / step / layout.world_size, budget, host_bytes=host)
     prediction.reason = _reason(prediction)
     return prediction
+
+
+def shares_cores(hardware: Hardware) -> bool:
+    """Whether the ranks run on CPU cores they share, communication included (see the module docstring)."""
+    return hardware.device.lower().startswith("cpu")
 
 
 # ---- memory ----------------------------------------------------------------------------------------------------

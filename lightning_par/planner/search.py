@@ -28,8 +28,8 @@ PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "zbv")
 
 @dataclass
 class Plan:
-    """Layouts ranked: those that fit first, fastest (most tokens per second per device) first; then those that do
-    not fit, closest to fitting first."""
+    """Layouts ranked: those that fit first, fastest (most tokens per second per device) first, at equal speed the
+    one that communicates less; then those that do not fit, closest to fitting first."""
 
     predictions: list[Prediction]
     profile: ModelProfile
@@ -107,7 +107,9 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
     if allow_offload or not any(p.fits for p in predictions):
         predictions += run([replace(layout, cpu_offload=True) for layout in candidates
                             if layout.dp_shard * layout.dp_replicate * layout.cp > 1])
-    predictions.sort(key=lambda p: (not p.fits, p.over_by, -p.tokens_per_s))
+    # equal speed (compute-bound layouts whose communication all hides): the one that moves less first, as it
+    # leaves less to what the time model does not see (contention, jitter)
+    predictions.sort(key=lambda p: (not p.fits, p.over_by, -p.tokens_per_s, sum(p.comm_total_s.values())))
     return Plan(predictions, profile, hardware, world_size, batch, seq_len, precision, skipped)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_par.dims import ParallelDims
-from lightning_par.planner.profile import ModelProfile
+from lightning_par.planner.profile import ModelProfile, ParamInfo
 
 
 @dataclass(frozen=True)
@@ -69,3 +69,26 @@ class CostSheet:
     @property
     def sequence_scale(self) -> float:
         return self.seq_len / self.profile.seq_len
+
+
+_OWNERS: dict[int, tuple[ModelProfile, dict[str, list[ParamInfo]]]] = {}
+
+
+def params_by_planned_module(profile: ModelProfile) -> dict[str, list[ParamInfo]]:
+    """The parameters of each module the tensor-parallel plan names (the plan's module FQN -> its parameters, the
+    nearest planned module owning each), computed once per profile: the accounts of thousands of layouts ask."""
+    cached = _OWNERS.get(id(profile))
+    if cached is not None and cached[0] is profile:
+        return cached[1]
+    owners: dict[str, list[ParamInfo]] = {module: [] for module in profile.tp_plan}
+    for p in profile.params:
+        parts = p.fqn.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            module = ".".join(parts[:cut])
+            if module in owners:
+                owners[module].append(p)
+                break
+    if len(_OWNERS) > 8:
+        _OWNERS.clear()
+    _OWNERS[id(profile)] = (profile, owners)
+    return owners

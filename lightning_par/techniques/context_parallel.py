@@ -45,21 +45,24 @@ class ContextParallel(Technique):
     def account(self, sheet: CostSheet) -> None:
         """Every activation split over cp (each rank holds its share of the sequence); per attention and
         micro-batch the keys and values go around the ring (cp - 1 hops forward, again in backward with their
-        gradients in fp32) or are all-gathered, hidden behind the attention's own compute as far as it lasts."""
+        gradients in fp32) or are all-gathered, hidden behind the attention's own compute as far as it lasts. Each
+        block's attention sends its own messages (their count sets the latency paid)."""
         cp = sheet.dims.cp
         if cp == 1:
             return
         sheet.cp = cp
         sections = max(sheet.rank_sections, key=len)
-        kv = (sum(sheet.profile.sections[s].kv_bytes for s in sections) * sheet.token_scale * sheet.activation_scale
-              / cp / sheet.tp)
         m = sheet.microbatches
         grad = sheet.grad_scale  # dK/dV travel in fp32
-        if self.algorithm == "ring":  # forward: cp-1 hops of K/V; backward: again, plus cp hops of dK/dV
-            sheet.transfers.append(Transfer("cp", "cp", "send_recv", kv, (2 * (cp - 1) + cp * grad) * m, True))
-        else:
-            sheet.transfers.append(Transfer("cp", "cp", "all_gather", kv * cp, 2 * m, True))
-            sheet.transfers.append(Transfer("cp", "cp", "reduce_scatter", grad * kv * cp, m, True))
+        for name in sections:
+            kv = sheet.profile.sections[name].kv_bytes * sheet.token_scale * sheet.activation_scale / cp / sheet.tp
+            if not kv:
+                continue
+            if self.algorithm == "ring":  # forward: cp-1 hops of K/V; backward: again, plus cp hops of dK/dV
+                sheet.transfers.append(Transfer("cp", "cp", "send_recv", kv, (2 * (cp - 1) + cp * grad) * m, True))
+            else:
+                sheet.transfers.append(Transfer("cp", "cp", "all_gather", kv * cp, 2 * m, True))
+                sheet.transfers.append(Transfer("cp", "cp", "reduce_scatter", grad * kv * cp, m, True))
 
     def describe(self, dims: ParallelDims) -> str | None:
         if dims.cp == 1:

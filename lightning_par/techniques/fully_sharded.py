@@ -54,10 +54,13 @@ class FullySharded(Technique):
 
 
     def account(self, sheet: CostSheet) -> None:
-        """Parameters, gradients and optimizer state split over ``dp_shard x cp``; per unit and micro-batch an
-        all-gather before forward (and again before backward when resharding after forward) and a reduce-scatter of
-        its gradients after backward; HSDP adds an all-reduce of the gradient shards across replicas. Prefetching
-        hides them behind compute; the gathered units (two in flight) are extra device memory."""
+        """Parameters, gradients and optimizer state split over ``dp_shard x cp``; per unit an all-gather before
+        forward (and again before backward when resharding after forward) and a reduce-scatter of its gradients
+        after backward; HSDP adds an all-reduce of the gradient shards across replicas. Under a pipeline schedule
+        (torch's ``PipelineStage``) the gradients are reduced once per step, after the last micro-batch, and a
+        unit stays gathered from a micro-batch's backward to the next forward: one all-gather per micro-batch and
+        one more. Prefetching hides them behind compute; the gathered units (two in flight) are extra device
+        memory."""
         dims = sheet.dims
         if not dims.fsdp_enabled:
             return
@@ -66,16 +69,19 @@ class FullySharded(Technique):
         units = unit_bytes(sheet)
         m = sheet.microbatches
         gathered = [n * sheet.gather_scale for n in units]  # bf16-mixed all-gathers bf16 copies
-        gathers = m * (2 if self.reshard_after_forward else 1)
+        if dims.pp > 1:
+            gathers, scatters = (m + 1 if self.reshard_after_forward else 1), 1
+        else:
+            gathers, scatters = m * (2 if self.reshard_after_forward else 1), m
         if sheet.shard > 1:
             for nbytes, wire in zip(units, gathered):
                 sheet.transfers.append(Transfer("fsdp_all_gather", "dp_shard_cp", "all_gather", wire, gathers, True))
-                sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_shard_cp", "reduce_scatter", nbytes, m,
-                                                True))
+                sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_shard_cp", "reduce_scatter", nbytes,
+                                                scatters, True))
         if dims.dp_replicate > 1:
             for nbytes in units:
                 sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_replicate", "all_reduce",
-                                                nbytes / sheet.shard, m, True))
+                                                nbytes / sheet.shard, scatters, True))
         sheet.buffer_bytes += 2 * max(gathered, default=0.0)
 
 

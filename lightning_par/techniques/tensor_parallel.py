@@ -13,7 +13,7 @@ from lightning_par.checks import check_bool
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.tensor import apply_tp, broadcast_replicated_parameters
 from lightning_par.parallel.tensor_plan import resolve_tp_plan, validate_tp_plan
-from lightning_par.planner.sheet import CostSheet, Transfer
+from lightning_par.planner.sheet import CostSheet, Transfer, params_by_planned_module
 from lightning_par.techniques.technique import Target, Technique
 
 
@@ -58,16 +58,42 @@ class TensorParallel(Technique):
 
     def account(self, sheet: CostSheet) -> None:
         """The plan's sharded parameters and the activations between a column- and a row-parallel layer split over
-        tp (the residual stream too under sequence parallelism, the logits under loss parallelism); per block and
-        micro-batch two all-reduces of the residual stream in forward and two in backward (sequence parallelism
-        moves the same bytes as all-gathers and reduce-scatters), which nothing hides."""
+        tp (the residual stream too under sequence parallelism, the logits under loss parallelism). Per micro-batch
+        on the busiest pipeline rank, which nothing hides: per block two all-reduces of the residual stream in
+        forward and two in backward (sequence parallelism moves the same bytes as all-gathers and
+        reduce-scatters); a vocabulary-parallel embedding's output all-reduce; the head's input-gradient
+        all-reduce, plus its gathered logits (a head that gathers them) or loss parallelism's three all-reduces of
+        one number per token; and per step, under sequence parallelism, one all-reduce of the gradient of every
+        parameter tp leaves whole on the sequence shards (norms, position embeddings): each rank saw only its
+        part of the sequence."""
         tp = sheet.dims.tp
         if tp == 1:
             return
         sheet.tp, sheet.sequence_parallel, sheet.loss_parallel = tp, self.sequence_parallel, self.loss_parallel
+        sections = set(max(sheet.rank_sections, key=len))
         blocks = max(sum(s not in ("first", "last") for s in r) for r in sheet.rank_sections)
-        residual = sheet.microbatch_tokens * sheet.profile.hidden_bytes * sheet.activation_scale
-        sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, 4 * blocks * sheet.microbatches, False))
+        tokens, m = sheet.microbatch_tokens, sheet.microbatches
+        residual = tokens * sheet.profile.hidden_bytes * sheet.activation_scale
+        sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, 4 * blocks * m, False))
+        for module, owned in params_by_planned_module(sheet.profile).items():
+            style = sheet.profile.tp_plan[module]
+            owned = [p for p in owned if p.section in sections]
+            if not owned or not isinstance(style, str):
+                continue
+            if style in ("vocab_parallel_embedding", "embedding_rowwise"):
+                sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, m, False))
+            elif style in ("vocab_parallel_head", "colwise_rep"):
+                sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, m, False))
+                weight = max(owned, key=lambda p: len(p.shape))  # (vocabulary, hidden)
+                if style == "colwise_rep":  # the sharded logits gathered whole
+                    logits = tokens * weight.shape[0] * weight.itemsize * sheet.activation_scale
+                    sheet.transfers.append(Transfer("tp", "tp", "all_gather", logits, m, False))
+                elif self.loss_parallel:  # max, sum of exponentials and the target's logit, per token
+                    sheet.transfers.append(Transfer("tp", "tp", "all_reduce", tokens * 4, 3 * m, False))
+            elif style in ("sequence_parallel", "replicate") and self.sequence_parallel:
+                for p in owned:
+                    if p.trainable and p.tp_dim is None:
+                        sheet.transfers.append(Transfer("tp", "tp", "all_reduce", p.numel * p.itemsize, 1, False))
 
     def describe(self, dims: ParallelDims) -> str | None:
         if dims.tp == 1:

@@ -1,0 +1,455 @@
+"""The planner's predictions against measurements, side by side, in one run: world 4 on CPU, two models.
+
+Models: the GPT of example_projects/gpt (``GPTModule``, 4 layers x 128 wide, 4 heads, vocab 128) and a Hugging Face
+Llama built from a tiny config (tests/hf_models.py's ``HFCausalLM``, the same sizes, 4 key/value heads so tp = 4
+divides them), both at sequence 64 with a global batch of 8 sequences (bench_layouts' sizes), fp32, AdamW.
+
+One launch of 4 processes (tests/launch.py). Per model, every rank:
+
+1. measures the hardware as ``AutoParallelStrategy`` does, all ranks at once: ``planner.probe.probe_hardware`` at
+   the model's matmul shapes (the ranks share the 2 cores, so each measures what it gets while the others run) and
+   the gloo all-reduce over the 4 ranks;
+2. plans (rank 0 plans, the layouts to measure are broadcast): the whole ranking (``plan_layouts``), its first
+   layout, and again under a memory budget below one full replica's model state (``--budget-fraction`` of it);
+3. trains every layout of ``WANTED`` (FSDP2, HSDP, tp, dp x tp, cp, dp x cp, pp 1F1B and interleaved, pp x dp,
+   pp x tp, with and without activation checkpointing; the planner's own flags, e.g. sequence parallelism), plus the
+   planner's two picks when they are not among them. All layouts train at once, one step each in turn
+   (``benchmarks.common.Lockstep``: one Trainer per layout in its own thread, only the one whose turn it is runs), so
+   that neighbouring steps of every layout see the same load of the shared machine; ``--rounds`` times, odd rounds
+   in reverse order. Per fit: ``--warmup`` steps, ``--steps`` timed steps (``benchmarks.common.step_timer``, the
+   slowest rank per step, the median over rounds), one probe step (``planner.measure.probe_callback``: the peak bytes
+   autograd holds saved, then the model state from local shards).
+
+The parent then predicts each measured layout with the probed hardware (``planner.predict.predict``) and prints,
+per model: predicted against measured model state, saved activations and step time with their ratios; the Spearman
+rank correlation of predicted against measured step time; whether the layout the planner ranks first measures
+within 1.15x of the fastest measured; and the budget run (every measured layout the planner calls fitting must
+measure model state + saved activations <= budget; is its pick the fastest measured of those?). Then the published
+cases of tests/test_planner_published.py, planned from the device table. Everything goes to a JSON file
+(benchmarks/results/planner.json), the raw measurements beside it (``.raw.pkl``): ``--replay`` predicts them again
+after a change to the time model, without launching.
+
+Usage: python benchmarks/bench_planner.py [--models gpt,llama] [--layouts fsdp,tp4,...] [--steps 6] [--warmup 3]
+       [--rounds 2] [--global-batch 8] [--budget-fraction 0.5] [--no-published] [--replay RAW]
+       [--out benchmarks/results/planner.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import pickle
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_fsdp import module_kwargs  # noqa: E402
+from benchmarks.bench_layouts import dp_size, token_data  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    NOISE_NOTE,
+    Lockstep,
+    format_table,
+    launch,
+    quiet_worker,
+    run_metadata,
+    slowest_rank_per_step,
+    step_timer,
+    summarize,
+    write_json,
+)
+
+WORLD = 4
+SEED = 0
+PICK_TOLERANCE = 1.15  # the goal: the planner's first layout measures within this factor of the fastest
+
+#: the layouts measured for every model: (key, Layout fields). The planner's own flags (sequence and loss
+#: parallelism under tp) are taken from its enumeration where it lists the layout.
+WANTED: list[tuple[str, dict[str, Any]]] = [
+    ("fsdp", dict(dp_shard=4)),
+    ("fsdp_ac", dict(dp_shard=4, activation_checkpointing=True)),
+    ("hsdp", dict(dp_replicate=2, dp_shard=2)),
+    ("tp4", dict(tp=4)),
+    ("dp2_tp2", dict(dp_shard=2, tp=2)),
+    ("dp2_tp2_ac", dict(dp_shard=2, tp=2, activation_checkpointing=True)),
+    ("cp4", dict(cp=4)),
+    ("dp2_cp2", dict(dp_shard=2, cp=2)),
+    ("pp4_1f1b", dict(pp=4, pp_schedule="1f1b", pp_microbatches=4)),
+    ("pp2_interleaved", dict(pp=2, dp_shard=2, pp_schedule="interleaved_1f1b", pp_microbatches=4)),
+    ("pp2_dp2", dict(pp=2, dp_shard=2, pp_schedule="1f1b", pp_microbatches=2)),
+    ("pp2_tp2", dict(pp=2, tp=2, pp_schedule="1f1b", pp_microbatches=4)),
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the models
+# ---------------------------------------------------------------------------------------------------------------
+def build_module(cfg: dict[str, Any], model: str, max_steps: int) -> Any:
+    """A fresh LightningModule of ``model`` at the configured sizes (seeded by the caller)."""
+    if model == "gpt":
+        from example_projects.gpt.lit import GPTModule
+
+        return GPTModule(**module_kwargs({**cfg, "steps": max_steps, "warmup": 0}))
+    from hf_models import HFCausalLM  # tests/ is on sys.path (benchmarks.common)
+
+    return HFCausalLM("llama", hidden_size=cfg["n_embd"], intermediate_size=cfg["llama_intermediate"],
+                      num_hidden_layers=cfg["n_layer"], num_attention_heads=cfg["n_head"],
+                      num_key_value_heads=cfg["n_head"], vocab_size=cfg["vocab_size"],
+                      max_position_embeddings=cfg["seq_len"])
+
+
+def profile(cfg: dict[str, Any], model: str) -> Any:
+    """The planner's trace of ``model`` at the global batch, built on the meta device."""
+    import torch
+
+    from lightning_par.planner.profile import profile_model
+
+    with torch.device("meta"):
+        module = build_module(cfg, model, 1)
+        if hasattr(module, "configure_model"):
+            module.configure_model()
+    ids = torch.zeros(cfg["global_batch"], cfg["seq_len"], dtype=torch.long)
+    return profile_model(module, (ids, ids))
+
+
+def plans(cfg: dict[str, Any], prof: Any, hardware: Any) -> tuple[Any, Any]:
+    """(the whole ranking, the ranking under the memory budget)."""
+    from lightning_par.planner.search import plan_layouts
+
+    full = plan_layouts(prof, None, WORLD, hardware)
+    budget = cfg["budget_fraction"] * full_replica_state(prof)
+    return full, plan_layouts(prof, None, WORLD, hardware, memory_budget=budget)
+
+
+def full_replica_state(prof: Any) -> float:
+    """Model state of one whole, unsharded replica: parameters, gradients and optimizer state."""
+    trainable = sum(p.numel for p in prof.params if p.trainable)
+    return prof.param_bytes() + prof.param_bytes(trainable_only=True) + trainable * prof.optimizer_bytes_per_element
+
+
+def layouts_to_measure(full: Any, budgeted: Any, keys: list[str]) -> dict[str, Any]:
+    """``WANTED`` as the planner enumerates them (its flags), then its two picks unless already there."""
+    from lightning_par.planner.predict import Layout
+
+    out: dict[str, Any] = {}
+    for key, fields in WANTED:
+        if key not in keys:
+            continue
+        listed = [p.layout for p in full.predictions
+                  if all(getattr(p.layout, k) == v for k, v in fields.items()) and not p.layout.cpu_offload
+                  and all(getattr(p.layout, k) == 1 for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+                          if k not in fields)
+                  and (p.layout.activation_checkpointing == fields.get("activation_checkpointing", False))]
+        out[key] = listed[0] if listed else Layout(**fields)
+    for key, layout in (("pick", full.best.layout), ("budget_pick", budgeted.best.layout)):
+        if layout not in out.values():
+            out[key] = layout
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what every rank runs
+# ---------------------------------------------------------------------------------------------------------------
+def run_one(cfg: dict[str, Any], model: str, layout: Any, yield_turn: Callable[[], None]) -> dict[str, Any]:
+    """One Trainer.fit of ``layout`` on this rank, handing the turn on after every step (``Lockstep``): step times,
+    then the probe step's bytes."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader
+
+    from lightning_par import NDParallelStrategy
+    from lightning_par.planner.measure import probe_callback
+
+    probe_step = cfg["warmup"] + cfg["steps"]
+    total_steps = probe_step + 1
+    timer, probe = step_timer(), probe_callback(probe_step)
+
+    class HandOn(Callback):
+        """Last in the list: after the timer and the probe, the next layout's step runs."""
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step < total_steps:
+                yield_turn()
+
+    kwargs = layout.strategy_kwargs()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=NDParallelStrategy(**kwargs), max_steps=total_steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, callbacks=[timer, probe, HandOn()],
+    )
+    torch.manual_seed(SEED)
+    module = build_module(cfg, model, total_steps)
+    loader = DataLoader(token_data(cfg, total_steps), batch_size=cfg["global_batch"] // dp_size(kwargs))
+    trainer.fit(module, loader)
+    return {"step_times_s": timer.times, "activation_bytes": probe.activation_bytes, "state_bytes": probe.state}
+
+
+def worker(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every rank, per model: probe the hardware, plan (rank 0, broadcast), train each layout ``rounds`` times."""
+    quiet_worker()
+    import torch
+    import torch.distributed as dist
+
+    from lightning_par.planner.probe import probe_hardware
+    from lightning_par.strategies.auto import _matmul_shapes  # the probe's shapes, as AutoParallelStrategy takes them
+
+    dist.init_process_group("gloo")
+    out: dict[str, Any] = {"rank": dist.get_rank(), "models": {}}
+    try:
+        for model in cfg["models"]:
+            prof = profile(cfg, model)
+            t0 = time.perf_counter()
+            hardware = probe_hardware(torch.device("cpu"), torch.float32, _matmul_shapes(prof), WORLD)
+            probe_s = time.perf_counter() - t0
+            box = [None]
+            if dist.get_rank() == 0:
+                box = [layouts_to_measure(*plans(cfg, prof, hardware), cfg["layouts"])]
+            dist.broadcast_object_list(box, src=0)
+            layouts = box[0]
+            runs: dict[str, list[dict[str, Any]]] = {key: [] for key in layouts}
+            for rnd in range(cfg["rounds"]):
+                order = list(layouts) if rnd % 2 == 0 else list(layouts)[::-1]
+                gc.collect()
+                dist.barrier()  # start the round together
+                outcome = Lockstep(order).run({key: partial(run_one, cfg, model, layouts[key]) for key in order})
+                for key in order:
+                    runs[key].append(outcome[key])
+            out["models"][model] = {"hardware": hardware, "probe_s": probe_s, "layouts": layouts, "runs": runs}
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the parent: predict, compare, report
+# ---------------------------------------------------------------------------------------------------------------
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (ties get their mean rank): Pearson's correlation of the ranks."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / var if var else float("nan")
+
+
+def compare_model(cfg: dict[str, Any], model: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Measured (slowest rank per step, largest rank for bytes) against predicted, per layout; the goals."""
+
+    first = per_rank[0]["models"][model]
+    hardware, layouts = first["hardware"], first["layouts"]
+    prof = profile(cfg, model)
+    full, budgeted = plans(cfg, prof, hardware)
+    budget = budgeted.best.budget
+    rows = {key: compare_layout(cfg, prof, hardware, budget, layout,
+                                [rank["models"][model]["runs"][key] for rank in per_rank])
+            for key, layout in layouts.items()}
+    for key, layout in layouts.items():
+        rows[key]["plan_rank"] = next((i for i, p in enumerate(full.predictions, 1) if p.layout == layout), None)
+    t = {k: r["measured"]["time"]["median_s"] for k, r in rows.items()}
+    fastest = min(t, key=t.get)
+    pick = next(k for k in rows if layouts[k] == full.best.layout)
+    fitting = [k for k in rows if rows[k]["fits_budget_predicted"]]
+    budget_pick = next(k for k in rows if layouts[k] == budgeted.best.layout)
+    fastest_fitting = min(fitting, key=t.get) if fitting else None
+    return {
+        "model": model, "profile": {"name": prof.name, "params": sum(p.numel for p in prof.params),
+                                    "tokens": prof.tokens},
+        "hardware": vars(hardware), "probe_s": first["probe_s"], "layouts": rows,
+        "spearman_step_time": spearman([rows[k]["predicted"]["step_s"] for k in rows], [t[k] for k in rows]),
+        "pick": {"key": pick, "layout": str(full.best.layout), "fastest": fastest,
+                 "ratio_to_fastest": t[pick] / t[fastest]},
+        "budget": {"bytes": budget, "full_replica_state_bytes": full_replica_state(prof),
+                   "fitting_predicted": fitting,
+                   "fitting_measured_over_budget": [k for k in fitting
+                                                    if (rows[k]["measured"]["peak_bytes"] or 0) > budget],
+                   "fitting_not_counted": [k for k in fitting if rows[k]["measured"]["peak_bytes"] is None],
+                   "pick": budget_pick, "pick_layout": str(budgeted.best.layout), "fastest_fitting": fastest_fitting,
+                   "ratio_to_fastest_fitting": t[budget_pick] / t[fastest_fitting] if fastest_fitting else None},
+        "plan_top": [{"layout": str(p.layout), "step_s": p.step_s, "fits": p.fits} for p in full.predictions[:10]],
+    }
+
+
+def compare_layout(cfg: dict[str, Any], prof: Any, hardware: Any, budget: float, layout: Any,
+                   runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """One layout: ``runs[rank][round]`` against its prediction (and whether it fits the budget)."""
+    from lightning_par.planner.predict import predict
+
+    lo, hi = cfg["warmup"], cfg["warmup"] + cfg["steps"]
+    slowest = [slowest_rank_per_step([r[i]["step_times_s"] for r in runs]) for i in range(len(runs[0]))]
+    states = [r[-1]["state_bytes"]["total"] for r in runs]
+    acts = [r[-1]["activation_bytes"] for r in runs]
+    counted = None not in acts
+    batch = cfg["global_batch"] // layout.dp
+    p = predict(layout, prof, hardware, batch, cfg["seq_len"])
+    timing = summarize([t for rnd in slowest for t in rnd[lo:hi]])
+    return {
+        "layout": str(layout), "strategy_kwargs": layout.strategy_kwargs(),
+        "measured": {"state_bytes": max(states), "activation_bytes": max(acts) if counted else None,
+                     "peak_bytes": max(s + a for s, a in zip(states, acts)) if counted else None, "time": timing,
+                     "state_bytes_per_rank": states, "activation_bytes_per_rank": acts,
+                     "slowest_rank_step_times_s_per_round": slowest},
+        "predicted": p.as_dict(),
+        "ratio": {"state": p.model_state / max(states),
+                  "activations": p.activations / max(acts) if counted else None,
+                  "step": p.step_s / timing["median_s"]},
+        "fits_budget_predicted": predict(layout, prof, hardware, batch, cfg["seq_len"], memory_budget=budget).fits,
+    }
+
+
+def mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def report(res: dict[str, Any]) -> str:
+    rows = []
+    for key, r in sorted(res["layouts"].items(), key=lambda kv: kv[1]["measured"]["time"]["median_s"]):
+        m, p, q = r["measured"], r["predicted"], r["ratio"]
+        mark = " <- pick" if key == res["pick"]["key"] else ""
+        rows.append([r["layout"] + mark, mib(p["model_state"]), mib(m["state_bytes"]), ratio(q["state"]),
+                     mib(p["activations"]), mib(m["activation_bytes"]), ratio(q["activations"]),
+                     f"{p['step_s'] * 1e3:.1f}", f"{m['time']['median_s'] * 1e3:.1f}",
+                     f"{m['time']['p25_s'] * 1e3:.0f}-{m['time']['p75_s'] * 1e3:.0f}", f"{q['step']:.2f}",
+                     r["plan_rank"] or "-", "yes" if r["fits_budget_predicted"] else "no", mib(m["peak_bytes"])])
+    headers = ["layout (fastest measured first)", "state MiB pred", "meas", "ratio", "act MiB pred", "meas", "ratio",
+               "step ms pred", "meas", "p25-p75", "ratio", "plan #", "fits budget", "meas peak MiB"]
+    b, pick = res["budget"], res["pick"]
+    over, within = b["fitting_measured_over_budget"], pick["ratio_to_fastest"] <= PICK_TOLERANCE
+    fastest_fitting = res["layouts"][b["fastest_fitting"]]["layout"] if b["fastest_fitting"] else None
+    return "\n".join([
+        format_table(headers, rows),
+        f"Spearman(predicted, measured step time) over {len(rows)} layouts: {res['spearman_step_time']:.3f}",
+        f"planner's first: {pick['layout']}, measured {pick['ratio_to_fastest']:.3f}x the fastest "
+        f"({res['layouts'][pick['fastest']]['layout']}): {'within' if within else 'NOT within'} {PICK_TOLERANCE}x",
+        f"budget {mib(b['bytes'])} MiB ({b['bytes'] / b['full_replica_state_bytes']:.2f} of a full replica's model "
+        f"state, {mib(b['full_replica_state_bytes'])} MiB): {len(b['fitting_predicted'])} measured layouts called "
+        f"fitting, {len(over)} of them measured over it{' (' + ', '.join(over) + ')' if over else ''}"
+        f"{', not counted: ' + ', '.join(b['fitting_not_counted']) if b['fitting_not_counted'] else ''}; pick "
+        f"{b['pick_layout']}, measured "
+        + (f"{b['ratio_to_fastest_fitting']:.3f}x the fastest fitting ({fastest_fitting})" if fastest_fitting else "-"),
+    ])
+
+
+def published_report() -> tuple[str, list[dict[str, Any]]]:
+    """The published cases of tests/test_planner_published.py, planned from the device table."""
+    from test_planner_published import CASES, plan_case  # tests/ is on sys.path (benchmarks.common)
+
+    rows, records = [], []
+    for case in CASES:
+        result = plan_case(case)
+        records.append(result)
+        rows.append([case.name, f"{result['published_tokens_per_s']:,.0f}", f"{result['predicted_tokens_per_s']:,.0f}",
+                     f"{result['ratio']:.2f}", result["published_rank"], result["best"]])
+    headers = ["published case", "published tok/s/GPU", "predicted", "ratio", "rank of its layout", "planner's first"]
+    sources = "\n".join(f"  {c.name}: {c.source}; {c.config}" for c in CASES)
+    return format_table(headers, rows) + "\nSources:\n" + sources, records
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="gpt,llama", help="comma-separated, of gpt, llama")
+    p.add_argument("--layouts", default=",".join(k for k, _ in WANTED),
+                   help=f"comma-separated, of {', '.join(k for k, _ in WANTED)} (the planner's picks are added)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per layout and round")
+    p.add_argument("--warmup", type=int, default=3, help="steps per fit left out of the timing")
+    p.add_argument("--rounds", type=int, default=2, help="repetitions of all layouts (odd rounds reversed)")
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, all ranks together")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--llama-intermediate", type=int, default=384, help="the Llama's MLP width")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--vocab-size", type=int, default=128, help="divisible by tp (vocab-parallel embedding/head)")
+    p.add_argument("--budget-fraction", type=float, default=0.5,
+                   help="the memory budget as a fraction of one full replica's model state (below 1)")
+    p.add_argument("--no-published", action="store_true", help="skip the published cases")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds the launch may take before it is killed")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner.json"))
+    p.add_argument("--replay", metavar="RAW", help="predict again against the measurements of an earlier run (its "
+                   "--out with .raw.pkl), without launching: for changes to the planner's time model")
+    args = p.parse_args(argv)
+    args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not args.model_list or set(args.model_list) - {"gpt", "llama"}:
+        p.error(f"--models={args.models!r}: choose from gpt, llama")
+    args.layout_list = [k.strip() for k in args.layouts.split(",") if k.strip()]
+    unknown = set(args.layout_list) - {k for k, _ in WANTED}
+    if unknown:
+        p.error(f"--layouts={args.layouts!r}: unknown {sorted(unknown)}")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        p.error("--steps and --rounds must be >= 1, --warmup >= 0")
+    if not 0 < args.budget_fraction < 1:
+        p.error(f"--budget-fraction={args.budget_fraction}: the budget must be below a full replica's model state")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cfg = {"models": args.model_list, "layouts": args.layout_list, **{k: getattr(args, k) for k in (
+        "steps", "warmup", "rounds", "global_batch", "n_layer", "n_embd", "n_head", "llama_intermediate", "seq_len",
+        "vocab_size", "budget_fraction")}}
+    meta = run_metadata()
+    start = time.perf_counter()
+    raw = Path(args.out).with_suffix(".raw.pkl")
+    if args.replay:
+        cfg, per_rank = pickle.loads(Path(args.replay).read_bytes())
+        print(f"replaying the measurements of {args.replay}")
+    else:
+        print(f"launching {WORLD} processes: {len(cfg['models'])} models x {len(cfg['layouts'])}+ layouts x "
+              f"{args.rounds} rounds ...", flush=True)
+        per_rank = launch(WORLD, worker, cfg, timeout=args.timeout)
+        raw.parent.mkdir(parents=True, exist_ok=True)
+        raw.write_bytes(pickle.dumps((cfg, per_rank)))
+    launch_s = time.perf_counter() - start
+    results = {}
+    for model in cfg["models"]:
+        res = compare_model(cfg, model, per_rank)
+        results[model] = res
+        hw = res["hardware"]
+        print(f"\n{res['profile']['name']}: {cfg['n_layer']} layers x {cfg['n_embd']} wide, "
+              f"{res['profile']['params']:,} parameters (fp32, AdamW), global batch {cfg['global_batch']} x "
+              f"{cfg['seq_len']} tokens; world {WORLD}, CPU, gloo. Probed in {res['probe_s']:.1f} s: "
+              f"{hw['matmul_flops'] / 1e9:.2f} GFLOP/s per rank, all-reduce {hw['intra_bandwidth'] / 1e9:.3f} GB/s, "
+              f"{hw['intra_latency'] * 1e6:.0f} us/hop")
+        print(report(res))
+    published: list[dict[str, Any]] = []
+    if not args.no_published:
+        text, published = published_report()
+        print("\nPublished results, planned from the device table (tests/test_planner_published.py):")
+        print(text)
+    total_s = time.perf_counter() - start
+    print(f"\nNote: {NOISE_NOTE} 4 ranks share {meta['cpu_count']} cores here.")
+    meta.update(load_average_end=os.getloadavg() if hasattr(os, "getloadavg") else None, device="cpu",
+                backend="gloo", threads_per_rank=1, world_size=WORLD, total_wall_s=total_s, launch_wall_s=launch_s)
+    out = write_json(args.out, {"benchmark": "planner", "args": vars(args), "metadata": meta, "results": results,
+                                "published": published})
+    print(f"Total {total_s:.0f} s; results written to {out}" + ("" if args.replay else f" (measurements: {raw})"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The planner's time model, rule by rule: what each technique says it sends per step (counted as the engine and
+torch send it), and how a step is assembled from compute, communication and bubble on GPUs and on CPU ranks that
+share their cores. The rules' effect against measurements is benchmarks/bench_planner.py's job (world 4, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import HFCausalLM
+from workers import GLOBAL_BATCH, TINY_GPT
+
+from example_projects.gpt.lit import GPTModule
+from lightning_par.devices import Hardware
+from lightning_par.planner.predict import OVERLAP, Layout, account, predict
+from lightning_par.planner.profile import ModelProfile, profile_model
+
+SEQ = 16
+CPU = Hardware("cpu (x86_64, 1 threads)", 2e10, None, 4, 2e9, 2e-5, 2e9, 2e-5, "as planner.probe names a CPU")
+GPU = Hardware("H100-SXM", 2e10, 80 * 2**30, 4, 2e9, 2e-5, 2e9, 2e-5, "the same numbers, an accelerator")
+
+
+@pytest.fixture(scope="module")
+def gpt() -> ModelProfile:
+    module = GPTModule(**{**TINY_GPT, "n_layer": 4})
+    module.configure_model()
+    ids = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long)
+    return profile_model(module, (ids, ids))
+
+
+@pytest.fixture(scope="module")
+def llama() -> ModelProfile:
+    with torch.device("meta"):
+        module = HFCausalLM("llama", num_key_value_heads=4)
+    ids = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long)
+    return profile_model(module, (ids, ids))
+
+
+def counts(layout: Layout, profile: ModelProfile, kind: str) -> list[tuple[str, float]]:
+    sheet = account(layout, profile, GLOBAL_BATCH // layout.dp, SEQ, "32-true")
+    return [(t.collective, t.count) for t in sheet.transfers if t.kind == kind]
+
+
+def test_fsdp_under_a_pipeline_reduces_once_per_step(gpt):
+    """torch's PipelineStage defers FSDP's gradient reduction to after the last micro-batch (perform_reduce_grad)
+    and keeps a unit gathered from a micro-batch's backward to the next forward."""
+    piped = Layout(dp_shard=2, pp=2, pp_schedule="1f1b", pp_microbatches=4)
+    units = 3  # the busiest pp rank: two blocks and the embeddings (or the head), each its own FSDP root
+    assert sorted(counts(piped, gpt, "fsdp_reduce_scatter")) == [("reduce_scatter", 1)] * units
+    assert sorted(counts(piped, gpt, "fsdp_all_gather")) == [("all_gather", 4 + 1)] * units
+    flat = Layout(dp_shard=4)  # without a pipeline: one micro-batch, gathered again for backward
+    assert sorted(counts(flat, gpt, "fsdp_all_gather")) == [("all_gather", 2)] * 5
+    assert sorted(counts(flat, gpt, "fsdp_reduce_scatter")) == [("reduce_scatter", 1)] * 5
+
+
+def test_context_parallel_sends_per_attention_block(gpt):
+    """Each block's attention runs its own ring: the message count (the latency paid) grows with the blocks."""
+    cp = 4
+    ring = counts(Layout(cp=cp), gpt, "cp")
+    assert len(ring) == 4  # one per block
+    assert all(c == ("send_recv", 2 * (cp - 1) + cp) for c in ring)  # K/V forward and backward, dK/dV in fp32
+
+
+def test_tensor_parallel_counts_every_collective_the_plan_makes(gpt, llama):
+    """Per block two all-reduces forward and two backward; the vocabulary-parallel embedding's output; the head's
+    input gradient; loss parallelism's three per token; and, under sequence parallelism, one gradient all-reduce
+    per parameter that tp leaves whole (GPT: 2 norms x 4 blocks + the final norm, weight and bias each, and the
+    position embedding)."""
+    tp = counts(Layout(tp=4, sequence_parallel=True, loss_parallel=True), gpt, "tp")
+    assert tp.count(("all_reduce", 16)) == 1  # 4 blocks x 4
+    assert tp.count(("all_reduce", 3)) == 1  # loss parallelism
+    assert tp.count(("all_reduce", 1)) == 2 + 19  # embedding output, head input gradient, 19 whole parameters
+    assert len(tp) == 1 + 1 + 2 + 19
+    no_sp = counts(Layout(tp=4), gpt, "tp")  # without sequence parallelism the norms see whole sequences
+    assert sorted(no_sp) == sorted([("all_reduce", 16), ("all_reduce", 1), ("all_reduce", 1)])
+    hf = counts(Layout(tp=4, sequence_parallel=True), llama, "tp")  # its lm_head gathers the logits
+    assert ("all_gather", 1) in hf
+
+
+def test_on_a_gpu_communication_hides_behind_compute_and_the_bubble_stretches_the_step(gpt):
+    p = predict(Layout(pp=4, pp_schedule="1f1b", pp_microbatches=4), gpt, GPU, GLOBAL_BATCH, SEQ)
+    busy = p.compute_s + sum(p.comm_s.values())
+    assert p.step_s == pytest.approx(busy / (1 - 3 / 7))  # (p - 1) / (m + p - 1)
+    fsdp = predict(Layout(dp_shard=4), gpt, GPU, GLOBAL_BATCH // 4, SEQ)
+    hidden = sum(fsdp.comm_total_s.values()) - sum(fsdp.comm_s.values())
+    assert hidden == pytest.approx(min(sum(fsdp.comm_total_s.values()), OVERLAP * fsdp.compute_s))
+
+
+def test_cpu_ranks_share_their_cores_with_communication_and_with_each_others_bubble(gpt):
+    """gloo reduces on the cores that compute: nothing overlaps. The ranks share those cores: a pipeline rank's idle
+    time is another's compute, so the step is the busiest rank's work."""
+    for layout in (Layout(dp_shard=4), Layout(pp=4, pp_schedule="1f1b", pp_microbatches=4), Layout(cp=4)):
+        p = predict(layout, gpt, CPU, GLOBAL_BATCH // layout.dp, SEQ)
+        assert p.comm_s == p.comm_total_s
+        assert p.bubble_s == 0.0
+        assert p.step_s == pytest.approx(p.compute_s + sum(p.comm_total_s.values()))
+    # the same numbers as a GPU: the pipeline is faster on shared cores, FSDP slower (its gathers no longer hide)
+    piped, flat = Layout(pp=4, pp_schedule="1f1b", pp_microbatches=4), Layout(dp_shard=4)
+    assert predict(piped, gpt, CPU, GLOBAL_BATCH, SEQ).step_s < predict(piped, gpt, GPU, GLOBAL_BATCH, SEQ).step_s
+    assert predict(flat, gpt, CPU, 2, SEQ).step_s > predict(flat, gpt, GPU, 2, SEQ).step_s
