@@ -229,10 +229,10 @@ def validate_tp_plan(
     resolved: dict[str, str | ParallelStyle] = {}
     source: dict[str, str] = {}
     for key, style in plan.items():
+        style = canonical_style(style, key)  # first: an HF style we refuse may name a parameter, not a module
         hits = [name for name in names if fqn_matches(name, key)]
         if not hits:
             raise ValueError(_no_match_message(module, key, names))
-        style = canonical_style(style, key)
         if style is None:
             continue
         for name in hits:

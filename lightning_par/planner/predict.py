@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from lightning_par.dims import MESH_DIM_NAMES, ParallelDims
@@ -152,16 +153,19 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     """``batch``: samples per data-parallel rank per step; ``memory_budget``: bytes a device may use (default: the
     hardware's memory less ``RESERVE``)."""
     sheet = account(layout, profile, batch, seq_len, precision)
-    per_rank = [_rank_memory(sheet, r) for r in range(len(sheet.rank_sections))]
-    params, grads, optimizer, activations = max(per_rank, key=sum)
+    ranks = _rank_costs(sheet)
+    params, grads, optimizer, activations = max((r[:4] for r in ranks), key=sum)
     host = 0.0
     if sheet.offload:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
-    compute = max(_rank_flops(sheet, r) for r in range(len(sheet.rank_sections))) / hardware.matmul_flops
+    compute = max(r[5] for r in ranks) / hardware.matmul_flops
     total = {t.kind: 0.0 for t in sheet.transfers}
     hidden = {t.kind: 0.0 for t in sheet.transfers}
+    links: dict[str, tuple[int, float, float]] = {}  # per mesh dimension: its group size and link
     for t in sheet.transfers:
-        seconds = _transfer_time(t, sheet.dims, hardware)
+        if t.dim not in links:
+            links[t.dim] = _link(t.dim, sheet.dims, hardware)
+        seconds = _transfer_time(t, *links[t.dim])
         total[t.kind] += seconds
         if t.overlappable:
             hidden[t.kind] += seconds
@@ -177,7 +181,7 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     budget = memory_budget if memory_budget is not None else (
         hardware.memory_bytes * (1 - RESERVE) if hardware.memory_bytes else None)
     tokens = batch * layout.dp * seq_len
-    recompute = max(_rank_activations(sheet, r)[1] for r in range(len(sheet.rank_sections)))
+    recompute = max(r[4] for r in ranks)
     prediction = Prediction(layout, params, grads, optimizer, activations, sheet.buffer_bytes + recompute, compute,
                             exposed, total,
                             step - busy, step, tokens / step / layout.world_size, budget, host_bytes=host)
@@ -190,21 +194,72 @@ def shares_cores(hardware: Hardware) -> bool:
     return hardware.device.lower().startswith("cpu")
 
 
+def _rank_costs(sheet: CostSheet) -> list[tuple[float, float, float, float, float, float]]:
+    """Per pipeline rank: (parameters, gradients, optimizer state, saved activations, transient activations,
+    FLOPs). Ranks holding equal sections (blocks alike in parameters and costs) are worked out once: planning
+    thousands of layouts of an 80-layer model asks the same few questions again and again."""
+    kinds = _section_kinds(sheet.profile)
+    known: dict[tuple[int, ...], tuple[float, ...]] = {}
+    out = []
+    for rank, names in enumerate(sheet.rank_sections):
+        key = tuple(sorted(kinds[n] for n in names))
+        if key not in known:
+            known[key] = (*_rank_state(sheet, rank), *_rank_activations(sheet, rank), _rank_flops(sheet, rank))
+        params, grads, optimizer, kept, transient, flops = known[key]
+        inflight = sheet.inflight[rank] if sheet.inflight else 1.0  # micro-batches whose activations it holds
+        out.append((params, grads, optimizer, kept * inflight, transient, flops))
+    return out
+
+
+def _section_kinds(profile: ModelProfile) -> dict[str, int]:
+    """Section name -> a number shared by the sections equal in parameters, FLOPs and saved activations."""
+    cache = profile.__dict__.get("_section_kinds")
+    if cache is None:
+        numbers: dict[tuple, int] = {}
+        cache = {}
+        for name, section in profile.sections.items():
+            saved = section.saved
+            end = name if name in ("first", "last") else ""  # activation checkpointing treats these apart
+            key = (end, _signature(profile, name), section.flops, section.attention_flops, section.input_bytes,
+                   section.kv_bytes, saved.sharded, saved.gathered, saved.residual, saved.vocab)
+            cache[name] = numbers.setdefault(key, len(numbers))
+        profile.__dict__["_section_kinds"] = cache
+    return cache
+
+
 # ---- memory ----------------------------------------------------------------------------------------------------
-def _rank_memory(sheet: CostSheet, rank: int) -> tuple[float, float, float, float]:
-    """(parameters, gradients, optimizer state, saved activations) of pipeline rank ``rank``."""
-    sections = set(sheet.rank_sections[rank])
+def _rank_state(sheet: CostSheet, rank: int) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer state) of pipeline rank ``rank``."""
     params = grads = optimizer = 0.0
-    for p in sheet.profile.params:
-        if p.section not in sections:
-            continue
-        local = _local_numel(p.shape, p.tp_dim, sheet.tp, sheet.shard)
-        params += local * p.itemsize
-        if p.trainable:
-            grads += local * p.itemsize
-            optimizer += local * sheet.profile.optimizer_bytes_per_element
-    kept, _ = _rank_activations(sheet, rank)
-    return params, grads, optimizer, kept
+    for section in set(sheet.rank_sections[rank]):
+        p, g, o = _section_state(_signature(sheet.profile, section), sheet.tp, sheet.shard,
+                                 sheet.profile.optimizer_bytes_per_element)
+        params, grads, optimizer = params + p, grads + g, optimizer + o
+    return params, grads, optimizer
+
+
+def _signature(profile: ModelProfile, section: str) -> tuple:
+    """A section's parameters as (shape, tp dim, item size, trainable): the blocks of a model share one, so their
+    sharded sizes are worked out once per layout shape (planning thousands of layouts of an 80-layer model)."""
+    cache = profile.__dict__.setdefault("_signatures", {})
+    if not cache:
+        groups: dict[str, list] = {}
+        for p in profile.params:
+            groups.setdefault(p.section, []).append((p.shape, p.tp_dim, p.itemsize, p.trainable))
+        cache.update({k: tuple(v) for k, v in groups.items()})
+    return cache.get(section, ())
+
+
+@lru_cache(maxsize=4096)
+def _section_state(signature: tuple, tp: int, shard: int, optimizer_bytes: float) -> tuple[float, float, float]:
+    params = grads = optimizer = 0.0
+    for shape, tp_dim, itemsize, trainable in signature:
+        local = _local_numel(shape, tp_dim, tp, shard)
+        params += local * itemsize
+        if trainable:
+            grads += local * itemsize
+            optimizer += local * optimizer_bytes
+    return params, grads, optimizer
 
 
 def _local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, shard: int) -> float:
@@ -218,10 +273,9 @@ def _local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, shard: int
 
 
 def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float]:
-    """(saved until backward, transient): with activation checkpointing a block keeps its input and backward
-    recomputes one block at a time, whose activations are the transient part."""
+    """(saved until backward per micro-batch in flight, transient): with activation checkpointing a block keeps
+    its input and backward recomputes one block at a time, whose activations are the transient part."""
     profile, scale = sheet.profile, sheet.token_scale * sheet.activation_scale
-    inflight = sheet.inflight[rank] if sheet.inflight else 1.0
     tp, cp, sp, lp = sheet.tp, sheet.cp, sheet.sequence_parallel, sheet.loss_parallel
     kept, peak_block = 0.0, 0.0
     for name in sheet.rank_sections[rank]:
@@ -232,7 +286,7 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float]:
             peak_block = max(peak_block, full)  # recomputed in backward, one block at a time
         else:
             kept += full
-    return kept * inflight, peak_block
+    return kept, peak_block
 
 
 # ---- time ------------------------------------------------------------------------------------------------------
@@ -248,13 +302,17 @@ def _rank_flops(sheet: CostSheet, rank: int) -> float:
     return forward * passes * sheet.microbatches
 
 
-def _transfer_time(t: Transfer, dims: ParallelDims, hw: Hardware) -> float:
-    """The ring model of one transfer kind over the group of mesh dimension ``t.dim``, ``t.count`` times."""
-    n = dims.mesh_size(t.dim)
+def _link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float]:
+    """The group size of mesh dimension ``dim`` and the (bandwidth, latency) of the link its groups use."""
+    if dims.within_node(dim, hw.gpus_per_node):
+        return dims.mesh_size(dim), hw.intra_bandwidth, hw.intra_latency
+    return dims.mesh_size(dim), hw.inter_bandwidth, hw.inter_latency
+
+
+def _transfer_time(t: Transfer, n: int, bandwidth: float, latency: float) -> float:
+    """The ring model of one transfer over a group of ``n`` ranks, ``t.count`` times."""
     if n <= 1:
         return 0.0
-    bandwidth, latency = (hw.intra_bandwidth, hw.intra_latency) if dims.within_node(t.dim, hw.gpus_per_node) else (
-        hw.inter_bandwidth, hw.inter_latency)
     if t.collective == "all_reduce":
         one = 2 * (n - 1) / n * t.nbytes / bandwidth + 2 * (n - 1) * latency
     elif t.collective in ("all_gather", "reduce_scatter"):

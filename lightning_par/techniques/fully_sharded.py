@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -88,14 +90,21 @@ class FullySharded(Technique):
 def unit_bytes(sheet: CostSheet) -> list[float]:
     """Bytes of each FSDP unit on the busiest pipeline rank, whole (before sharding), after tensor parallelism:
     every block it runs, and the root (what it runs outside the blocks)."""
-    sections = max(sheet.rank_sections, key=len)
-    per_section: dict[str, float] = {}
-    for p in sheet.profile.params:
-        if p.section in sections:
-            split = sheet.tp if p.tp_dim is not None else 1
-            per_section[p.section] = per_section.get(p.section, 0.0) + p.numel * p.itemsize / split
+    sizes = section_bytes(sheet.profile)
+    per_section = {s: sizes[s][0] / sheet.tp + sizes[s][1] for s in max(sheet.rank_sections, key=len) if s in sizes}
     root = per_section.pop("first", 0.0) + per_section.pop("last", 0.0)
     return [*per_section.values(), *([root] if root else [])]
+
+
+def section_bytes(profile: Any) -> dict[str, tuple[float, float]]:
+    """Per section of the profile: (bytes tensor parallelism splits, bytes it leaves whole), computed once."""
+    cache = profile.__dict__.setdefault("_section_bytes", {})
+    if not cache:
+        for p in profile.params:
+            split, whole = cache.get(p.section, (0.0, 0.0))
+            nbytes = p.numel * p.itemsize
+            cache[p.section] = (split + nbytes, whole) if p.tp_dim is not None else (split, whole + nbytes)
+    return cache
 
 
 def register_step_methods(module: nn.Module) -> None:

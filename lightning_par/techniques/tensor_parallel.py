@@ -13,6 +13,7 @@ from lightning_par.checks import check_bool
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.tensor import apply_tp, broadcast_replicated_parameters
 from lightning_par.parallel.tensor_plan import resolve_tp_plan, validate_tp_plan
+from lightning_par.planner.profile import ModelProfile
 from lightning_par.planner.sheet import CostSheet, Transfer, params_by_planned_module
 from lightning_par.techniques.technique import Target, Technique
 
@@ -75,27 +76,46 @@ class TensorParallel(Technique):
         tokens, m = sheet.microbatch_tokens, sheet.microbatches
         residual = tokens * sheet.profile.hidden_bytes * sheet.activation_scale
         sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, 4 * blocks * m, False))
-        for module, owned in params_by_planned_module(sheet.profile).items():
-            style = sheet.profile.tp_plan[module]
-            owned = [p for p in owned if p.section in sections]
-            if not owned or not isinstance(style, str):
-                continue
-            if style in ("vocab_parallel_embedding", "embedding_rowwise"):
-                sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, m, False))
-            elif style in ("vocab_parallel_head", "colwise_rep"):
-                sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, m, False))
-                weight = max(owned, key=lambda p: len(p.shape))  # (vocabulary, hidden)
-                if style == "colwise_rep":  # the sharded logits gathered whole
-                    logits = tokens * weight.shape[0] * weight.itemsize * sheet.activation_scale
-                    sheet.transfers.append(Transfer("tp", "tp", "all_gather", logits, m, False))
-                elif self.loss_parallel:  # max, sum of exponentials and the target's logit, per token
-                    sheet.transfers.append(Transfer("tp", "tp", "all_reduce", tokens * 4, 3 * m, False))
-            elif style in ("sequence_parallel", "replicate") and self.sequence_parallel:
-                for p in owned:
-                    if p.trainable and p.tp_dim is None:
-                        sheet.transfers.append(Transfer("tp", "tp", "all_reduce", p.numel * p.itemsize, 1, False))
+        embeddings, heads, whole = _planned_modules(sheet.profile, frozenset(sections))
+        for _ in range(embeddings):
+            sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, m, False))
+        for style, vocabulary, itemsize in heads:
+            sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, m, False))
+            if style == "colwise_rep":  # the sharded logits gathered whole
+                logits = tokens * vocabulary * itemsize * sheet.activation_scale
+                sheet.transfers.append(Transfer("tp", "tp", "all_gather", logits, m, False))
+            elif self.loss_parallel:  # max, sum of exponentials and the target's logit, per token
+                sheet.transfers.append(Transfer("tp", "tp", "all_reduce", tokens * 4, 3 * m, False))
+        if whole and self.sequence_parallel:  # one message each: the time of their mean size, len(whole) times
+            sheet.transfers.append(Transfer("tp", "tp", "all_reduce", sum(whole) / len(whole), len(whole), False))
 
     def describe(self, dims: ParallelDims) -> str | None:
         if dims.tp == 1:
             return None
         return f"tensor parallel (sequence parallel {self.sequence_parallel}, loss parallel {self.loss_parallel})"
+
+
+def _planned_modules(
+    profile: ModelProfile, sections: frozenset[str]
+) -> tuple[int, list[tuple[str, int, int]], list[int]]:
+    """What the plan's modules in ``sections`` communicate, worked out once per profile and pipeline cut (planning
+    thousands of layouts): the number of vocabulary-parallel embeddings, each output head as (style, vocabulary,
+    item size), and the bytes of each trainable parameter tp leaves whole (all-reduced under sequence parallelism)."""
+    cache = profile.__dict__.setdefault("_tp_messages", {})
+    if sections in cache:
+        return cache[sections]
+    embeddings, heads, whole = 0, [], []
+    for module, owned in params_by_planned_module(profile).items():
+        style = profile.tp_plan[module]
+        owned = [p for p in owned if p.section in sections]
+        if not owned or not isinstance(style, str):
+            continue
+        if style in ("vocab_parallel_embedding", "embedding_rowwise"):
+            embeddings += 1
+        elif style in ("vocab_parallel_head", "colwise_rep"):
+            weight = max(owned, key=lambda p: len(p.shape))  # (vocabulary, hidden)
+            heads.append((style, weight.shape[0], weight.itemsize))
+        elif style in ("sequence_parallel", "replicate"):
+            whole += [p.numel * p.itemsize for p in owned if p.trainable and p.tp_dim is None]
+    cache[sections] = (embeddings, heads, whole)
+    return cache[sections]
