@@ -63,10 +63,11 @@ class Plan:
 
     def table(self, top: int = 10) -> str:
         gib = 2**30
-        rows = [f"{'#':>3}  {'layout':<44} {'state GiB':>9} {'act GiB':>8} {'total GiB':>9} {'step ms':>9} "
+        w = max([len("layout")] + [len(str(p.layout)) for p in self.predictions[:top]])
+        rows = [f"{'#':>3}  {'layout':<{w}} {'state GiB':>9} {'act GiB':>8} {'total GiB':>9} {'step ms':>9} "
                 f"{'tok/s/dev':>10}  reason"]
         for i, p in enumerate(self.predictions[:top], 1):
-            rows.append(f"{i:>3}  {str(p.layout):<44} {p.model_state / gib:>9.3f} {p.activations / gib:>8.3f} "
+            rows.append(f"{i:>3}  {str(p.layout):<{w}} {p.model_state / gib:>9.3f} {p.activations / gib:>8.3f} "
                         f"{p.memory / gib:>9.3f} {p.step_s * 1e3:>9.2f} {p.tokens_per_s:>10.0f}  {p.reason}")
         return "\n".join(rows)
 
