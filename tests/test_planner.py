@@ -212,3 +212,28 @@ def test_cli_plans_a_lightning_cli_project():
                           "--batch", "32", "--top", "3"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "GPTModule" in out.stdout and "global batch 32 x 128 tokens, 4 devices" in out.stdout
+
+
+HF_LAYOUTS = {  # world 2, a Hugging Face Llama (its own tp plan; the first block cuts the sequence under SP)
+    "tp2_sp": dict(tp=2, sequence_parallel=True),
+    "tp2_sp_ac": dict(tp=2, sequence_parallel=True, activation_checkpointing=True),
+}
+
+
+@pytest.fixture(scope="module")
+def measured_llama():
+    return launch(2, measure, HF_LAYOUTS, 2, HFCausalLM, {"arch": "llama"}, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(HF_LAYOUTS))
+def test_hf_activations_under_sequence_parallelism_match_within_2_percent(measured_llama, name):
+    """Token ids, targets and the logits the head gathers stay whole on every tp rank; with checkpointing the first
+    block keeps only its sequence chunk (the cut runs before the checkpoint saves the input; it kept the whole
+    embedding output before)."""
+    layout = Layout(**HF_LAYOUTS[name])
+    with torch.device("meta"):
+        module = HFCausalLM("llama")
+    ids = torch.zeros(GLOBAL_BATCH, 16, dtype=torch.long)
+    p = predict(layout, profile_model(module, (ids, ids)), CPU, GLOBAL_BATCH // layout.dp, 16)
+    activations = max(rank[name]["activations"] for rank in measured_llama)
+    assert abs(p.activations - activations) / activations <= 0.02, (p.activations, activations)

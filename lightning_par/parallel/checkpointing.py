@@ -8,6 +8,8 @@ from contextlib import AbstractContextManager
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from lightning_par.parallel.tensor import SHRINKING_INPUT_HOOKS
+
 ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
 
 
@@ -25,4 +27,15 @@ def apply_activation_checkpointing(model: nn.Module, fqns: list[str], context_fn
         parent_name, _, child_name = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         kwargs = {"context_fn": context_fn} if context_fn is not None else {}
-        parent.register_module(child_name, checkpoint_wrapper(parent.get_submodule(child_name), **kwargs))
+        block = parent.get_submodule(child_name)
+        wrapper = checkpoint_wrapper(block, **kwargs)
+        _move_shrinking_input_hooks(block, wrapper)
+        parent.register_module(child_name, wrapper)
+
+
+def _move_shrinking_input_hooks(block: nn.Module, wrapper: nn.Module) -> None:
+    """A block whose input tensor parallelism cuts to this rank's sequence chunk (``split_sequence``): the cut moves
+    onto the wrapper, before the checkpoint, which otherwise would keep the whole input alive until backward."""
+    for hook, handle in block.__dict__.pop(SHRINKING_INPUT_HOOKS, []):
+        handle.remove()
+        wrapper.register_forward_pre_hook(hook, with_kwargs=True)

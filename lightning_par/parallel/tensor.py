@@ -137,7 +137,7 @@ def build_style(
     if style == "replicate":
         return _ShardOutputSequence() if sp else None
     if style == "split_sequence":
-        return _FirstInput(_split_sequence) if sp else None
+        return _FirstInput(_split_sequence, shrinks=True) if sp else None
     if style == "gather_sequence":
         return _FirstInput(_gather_sequence) if sp else None
     raise ValueError(f"unknown tensor-parallel style {style!r}; valid: {sorted(STYLES)}")  # validate_tp_plan caught it
@@ -167,12 +167,17 @@ def _gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return x.redistribute(mesh, [Replicate()])
 
 
+#: the module attribute listing the (hook, handle) of input hooks that shrink the input (the sequence split):
+#: activation checkpointing moves them onto its wrapper, so that it saves the block's chunk, not the whole input
+SHRINKING_INPUT_HOOKS = "_lightning_par_shrinking_input_hooks"
+
+
 class _FirstInput(ParallelStyle):
     """Apply ``fn`` to the module's first tensor argument, or to ``hidden_states=`` (how HF layers are called)."""
 
-    def __init__(self, fn: Callable[[torch.Tensor, DeviceMesh], torch.Tensor]) -> None:
+    def __init__(self, fn: Callable[[torch.Tensor, DeviceMesh], torch.Tensor], shrinks: bool = False) -> None:
         super().__init__()
-        self.fn = fn
+        self.fn, self.shrinks = fn, shrinks
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def hook(_mod: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -185,7 +190,9 @@ class _FirstInput(ParallelStyle):
                 f"argument or `hidden_states=`; this call passed neither."
             )
 
-        module.register_forward_pre_hook(hook, with_kwargs=True)
+        handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+        if self.shrinks:
+            module.__dict__.setdefault(SHRINKING_INPUT_HOOKS, []).append((hook, handle))
         return module
 
 

@@ -9,8 +9,9 @@ example batch this records:
   formulas), attention apart from the rest (it grows with the square of the sequence);
 * the tensors autograd saves for backward (``saved_tensors_hooks``), per block and outside the blocks, each sorted
   by how tensor parallelism lays it out: produced downstream of a column-parallel layer and before the row-parallel
-  one that reduces it (``sharded``: split over tp), the input a column-parallel layer saves (``gathered``: whole,
-  also under sequence parallelism), or the residual stream (``residual``: whole, split over tp under sequence
+  one that reduces it (``sharded``: split over tp), the input a column-parallel layer saves, token ids and targets,
+  and what follows a head that gathers its output (``gathered``: whole, also under sequence parallelism), or the
+  residual stream (``residual``: whole, split over tp under sequence
   parallelism). The sort follows the model's own tensor-parallel plan, propagated op by op through the trace;
 * the bytes of optimizer state per parameter element, by running the module's own ``configure_optimizers`` for one
   step on meta gradients.
@@ -161,7 +162,7 @@ class _Trace(TorchDispatchMode):
         super().__init__()
         self.section = "first"
         self.sections: dict[str, Section] = {"first": Section()}
-        self.layout = _StorageMap()  # storage -> "sharded" or "vocab" (absent: whole)
+        self.layout = _StorageMap()  # storage -> "sharded", "vocab" or "whole" (gathered: not split by SP either)
         self.in_attention = False
         self.saved = _StorageMap()  # saved tensors stay alive until backward: their storages are not reused meanwhile
         self.params: set[int] = set()
@@ -172,7 +173,8 @@ class _Trace(TorchDispatchMode):
         if _cdata(t) in self.params or self.saved.get(t) is not None:
             return
         self.saved.set(t, self.section)
-        kind = self.layout.get(t) or ("gathered" if self.gathered_inputs.get(t) else "residual")
+        kind = self.layout.get(t) or ("gathered" if self.gathered_inputs.get(t) or _is_index(t) else "residual")
+        kind = "gathered" if kind == "whole" else kind
         self.sections[self.section].saved.add(kind, nbytes if nbytes is not None else t.untyped_storage().nbytes())
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -194,7 +196,7 @@ class _Trace(TorchDispatchMode):
                 sec.flops += flops
         inputs = {self.layout.get(a) for a in torch.utils._pytree.tree_leaves((args, kwargs))
                   if isinstance(a, torch.Tensor)}
-        layout = "sharded" if "sharded" in inputs else "vocab" if "vocab" in inputs else None
+        layout = next((k for k in ("sharded", "vocab", "whole") if k in inputs), None)
         if layout is not None:
             for o in torch.utils._pytree.tree_leaves(out):
                 if isinstance(o, torch.Tensor):
@@ -237,6 +239,12 @@ def _mark(saved: _StorageMap, args: tuple) -> None:
     for a in args:
         if isinstance(a, torch.Tensor):
             saved.set(a, True)
+
+
+def _is_index(t: torch.Tensor) -> bool:
+    """Token ids, positions and targets: whole on every tp rank (sequence parallelism splits the hidden states
+    after the embedding, not its indices), split by cp only."""
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 def _set_layout(trace: _Trace, out: Any, layout: str | None) -> None:
@@ -294,7 +302,8 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
         if style_name in GATHERING_STYLES:
             hooks.append(sub.register_forward_pre_hook(lambda _m, args: _mark(trace.gathered_inputs, args)))
         layout = ("sharded" if style_name in SHARDING_STYLES
-                  else "vocab" if style_name == "vocab_parallel_head" else None)
+                  else "vocab" if style_name == "vocab_parallel_head"
+                  else "whole" if style_name == "colwise_rep" else None)  # gathered whole, sequence included
         if layout is not None or style_name in REDUCING_STYLES:
             hooks.append(sub.register_forward_hook(
                 lambda _m, _a, out, _layout=layout: _set_layout(trace, out, _layout)))
