@@ -124,10 +124,13 @@ class AutoParallelStrategy(NDParallelStrategy):
         assert self.plan is not None
         best = self.plan.best
         lines = [f"lightning_par auto_parallel: chose {best.layout} out of {len(self.plan.predictions)} layouts "
-                 f"({self.plan.hardware.source})", f"  chosen:    {best.reason}"]
+                 f"({self.plan.hardware.source}); ranked by tokens/s per device: the dataloader's batch goes to "
+                 f"each data-parallel rank, so a layout with less data parallelism takes fewer samples per step",
+                 f"  chosen:    {best.tokens_per_s:,.0f} tokens/s per device; {best.reason}"]
         if len(self.plan.predictions) > 1:
             second = self.plan.predictions[1]
-            lines.append(f"  runner-up: {second.layout}: {second.reason}")
+            lines.append(f"  runner-up: {second.layout}: {second.tokens_per_s:,.0f} tokens/s per device; "
+                         f"{second.reason}")
         return "\n".join(lines)
 
 
