@@ -61,6 +61,10 @@ def world2(ckpt_dir: str) -> dict[str, Any]:
     out["pp_uneven"] = hf_fit(_pp(pp_split_points=["model.model.layers.1"]), 2, 1)
     out["pp_activation_checkpointing"] = hf_fit(_pp(activation_checkpointing=True), 2, 1, arch="llama")
     out["zbv_tied"] = hf_fit(_pp("zbv", 4), 2, 1, tie_word_embeddings=True)
+    # the sequence cut runs on the checkpoint wrapper, before the checkpoint saves the first block's input
+    out["tp_sp_activation_checkpointing"] = hf_fit(
+        NDParallelStrategy(dp_shard=1, tp=2, sequence_parallel=True, activation_checkpointing=True), 2, 1,
+        arch="llama")
     out["validate"] = {"pp": validate(_pp(), 2), "cp": validate(_cp(), 2)}
     monitor = PipelineTimelineMonitor(every_n_steps=10, first_step=2, dirpath=str(Path(ckpt_dir) / "timeline"))
     hf_fit(_pp("1f1b", 4), 2, 1, max_steps=3, callbacks=[monitor])
