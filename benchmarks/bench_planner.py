@@ -77,10 +77,12 @@ PICK_TOLERANCE = 1.15  # the goal: the planner's first layout measures within th
 WANTED: list[tuple[str, dict[str, Any]]] = [
     ("fsdp", dict(dp_shard=4)),
     ("fsdp_ac", dict(dp_shard=4, activation_checkpointing=True)),
+    ("fsdp_sac", dict(dp_shard=4, activation_checkpointing="selective")),
     ("hsdp", dict(dp_replicate=2, dp_shard=2)),
     ("tp4", dict(tp=4)),
     ("dp2_tp2", dict(dp_shard=2, tp=2)),
     ("dp2_tp2_ac", dict(dp_shard=2, tp=2, activation_checkpointing=True)),
+    ("dp2_tp2_sac", dict(dp_shard=2, tp=2, activation_checkpointing="selective")),
     ("cp4", dict(cp=4)),
     ("dp2_cp2", dict(dp_shard=2, cp=2)),
     ("pp4_1f1b", dict(pp=4, pp_schedule="1f1b", pp_microbatches=4)),
@@ -148,7 +150,8 @@ def layouts_to_measure(full: Any, budgeted: Any, keys: list[str]) -> dict[str, A
                   if all(getattr(p.layout, k) == v for k, v in fields.items()) and not p.layout.cpu_offload
                   and all(getattr(p.layout, k) == 1 for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
                           if k not in fields)
-                  and (p.layout.activation_checkpointing == fields.get("activation_checkpointing", False))]
+                  and (p.layout.activation_checkpointing == fields.get("activation_checkpointing", False))
+                  and p.layout.pp_stages_per_rank == fields.get("pp_stages_per_rank")]
         out[key] = listed[0] if listed else Layout(**fields)
     for key, layout in (("pick", full.best.layout), ("budget_pick", budgeted.best.layout)):
         if layout not in out.values():
@@ -172,7 +175,10 @@ def run_one(cfg: dict[str, Any], model: str, layout: Any, yield_turn: Callable[[
 
     probe_step = cfg["warmup"] + cfg["steps"]
     total_steps = probe_step + 1
-    timer, probe = step_timer(), probe_callback(probe_step)
+    # checkpointing keeps what autograd's hooks do not see (the generator's state, selective checkpointing's cache):
+    # there the activations are all that the forward left alive until backward
+    live = bool(layout.activation_checkpointing) and layout.pp == 1
+    timer, probe = step_timer(), probe_callback(probe_step, live=live)
 
     class HandOn(Callback):
         """Last in the list: after the timer and the probe, the next layout's step runs."""
@@ -191,7 +197,8 @@ def run_one(cfg: dict[str, Any], model: str, layout: Any, yield_turn: Callable[[
     module = build_module(cfg, model, total_steps)
     loader = DataLoader(token_data(cfg, total_steps), batch_size=cfg["global_batch"] // dp_size(kwargs))
     trainer.fit(module, loader)
-    return {"step_times_s": timer.times, "activation_bytes": probe.activation_bytes, "state_bytes": probe.state}
+    return {"step_times_s": timer.times, "activation_bytes": probe.live_bytes if live else probe.activation_bytes,
+            "state_bytes": probe.state}
 
 
 def worker(cfg: dict[str, Any]) -> dict[str, Any]:

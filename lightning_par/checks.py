@@ -17,6 +17,19 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
+CHECKPOINTING_MODES = {False: "none", True: "full", "none": "none", "full": "full", "selective": "selective"}
+
+
+def check_checkpointing(name: str, value: Any) -> str:
+    """An activation checkpointing option: ``False``, ``True`` (= ``"full"``) or ``"selective"``; returns the mode
+    ("none", "full" or "selective")."""
+    if isinstance(value, (bool, str)) and value in CHECKPOINTING_MODES:
+        return CHECKPOINTING_MODES[value]
+    raise ValueError(f"{name}={value!r} is not an activation checkpointing mode. Use True (or 'full': recompute "
+                     f"every block in backward), 'selective' (keep matmul and attention outputs, recompute the rest) "
+                     f"or False.")
+
+
 def check_positive_int(name: str, value: Any, *, allow_none: bool = False, hint: str = "") -> int | None:
     """A positive int (``None`` too where ``allow_none``, meaning "the default")."""
     if value is None and allow_none:

@@ -269,6 +269,10 @@ class Hardware:
     inter_bandwidth: float  # across nodes
     inter_latency: float
     source: str  # "measured on this machine (...)" or "table: H100-SXM, nvlink4, ib-ndr400, ..."
+    #: the share of a pass's compute time its matmuls take at ``matmul_flops``; the rest is non-matmul work (norms,
+    #: activations, launches) that selective checkpointing recomputes in full. 1: matmuls only (as the probe
+    #: measures); from the table ``efficiency / MATMUL_EFFICIENCY`` (0.45 / 0.8: 56 %)
+    matmul_share: float = 1.0
 
     def __post_init__(self) -> None:
         def positive(name: str, value: object, unit: str) -> None:
@@ -276,6 +280,10 @@ class Hardware:
                 raise ValueError(f"Hardware {name}={value!r} must be a positive number ({unit}).")
 
         positive("matmul_flops", self.matmul_flops, "FLOP/s per device")
+        if isinstance(self.matmul_share, bool) or not isinstance(self.matmul_share, (int, float)) or not (
+                0 < self.matmul_share <= 1):
+            raise ValueError(f"Hardware matmul_share={self.matmul_share!r} must be in (0, 1]: the share of a pass's "
+                             f"compute time its matmuls take.")
         positive("intra_bandwidth", self.intra_bandwidth, "bytes/s per device per direction")
         positive("inter_bandwidth", self.inter_bandwidth, "bytes/s per device per direction")
         for name in ("intra_latency", "inter_latency"):
@@ -340,4 +348,5 @@ def known_hardware(
         inter_bandwidth=inter.bandwidth * share,
         inter_latency=inter.latency,
         source=f"table: {spec.name} {precision} x {efficiency:g}, {intra.name}, {inter.name}{nics}",
+        matmul_share=min(1.0, efficiency / MATMUL_EFFICIENCY),
     )

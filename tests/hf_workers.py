@@ -65,6 +65,10 @@ def world2(ckpt_dir: str) -> dict[str, Any]:
     out["tp_sp_activation_checkpointing"] = hf_fit(
         NDParallelStrategy(dp_shard=1, tp=2, sequence_parallel=True, activation_checkpointing=True), 2, 1,
         arch="llama")
+    # selective: the policy keeps sequence parallelism's reduce-scatters; the model's key/value cache is off
+    out["tp_sp_selective_activation_checkpointing"] = hf_fit(
+        NDParallelStrategy(dp_shard=1, tp=2, sequence_parallel=True, activation_checkpointing="selective"), 2, 1,
+        arch="llama")
     out["validate"] = {"pp": validate(_pp(), 2), "cp": validate(_cp(), 2)}
     monitor = PipelineTimelineMonitor(every_n_steps=10, first_step=2, dirpath=str(Path(ckpt_dir) / "timeline"))
     hf_fit(_pp("1f1b", 4), 2, 1, max_steps=3, callbacks=[monitor])

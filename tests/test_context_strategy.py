@@ -26,6 +26,7 @@ WORLD2 = {
     "cp2_allgather": dict(cp_algorithm="allgather"),
     "cp2_ring_no_load_balance": dict(cp_load_balance=False),
     "cp2_ring_activation_checkpointing": dict(activation_checkpointing=True),
+    "cp2_ring_selective_activation_checkpointing": dict(activation_checkpointing="selective"),
 }
 WORLD4 = {
     "cp4_ring": (dict(), 1),

@@ -28,6 +28,7 @@ WORLD2_CONFIGS = {
     "zero2": dict(reshard_after_forward=False),
     "activation_checkpointing": dict(activation_checkpointing=True),
     "zero2_activation_checkpointing": dict(reshard_after_forward=False, activation_checkpointing=True),
+    "selective_activation_checkpointing": dict(activation_checkpointing="selective"),
     "units_by_class_name": dict(shard_units=["Block"]),
     "units_by_glob": dict(shard_units=["model.blocks.*", "model.head"]),
     "cpu_offload": dict(cpu_offload=True),

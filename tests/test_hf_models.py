@@ -59,7 +59,8 @@ def test_pipeline_schedules(w2, name):
     assert_parity(w2[0]["pp_schedules"][name], reference(), steps=STEPS)
 
 
-@pytest.mark.parametrize("name", ["pp_uneven", "pp_activation_checkpointing", "tp_sp_activation_checkpointing"])
+@pytest.mark.parametrize("name", ["pp_uneven", "pp_activation_checkpointing", "tp_sp_activation_checkpointing",
+                                  "tp_sp_selective_activation_checkpointing"])
 def test_pipeline_uneven_split_and_activation_checkpointing(w2, name):
     arch = "qwen2" if name == "pp_uneven" else "llama"
     assert_parity(w2[0][name], reference(arch), steps=STEPS)

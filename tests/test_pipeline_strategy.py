@@ -87,6 +87,8 @@ def _world2(ckpt_dir: str, log_dir: str) -> dict:
     out["parity"] = {name: fit(pp(s, m), 2, 1, n_layer=4) for name, (s, m) in PP2.items()}
     out["uneven_split"] = fit(pp("1f1b", 4, pp_split_points=["model.blocks.1"]), 2, 1, n_layer=4)
     out["activation_checkpointing"] = fit(pp("1f1b", 4, activation_checkpointing=True), 2, 1, n_layer=4)
+    out["selective_activation_checkpointing"] = fit(pp("1f1b", 4, activation_checkpointing="selective"), 2, 1,
+                                                    n_layer=4)
     out["clip"] = fit(pp("1f1b", 4), 2, 1, n_layer=4, module_cls=SGDGPT, gradient_clip_val=0.05)
     out["accumulate"] = fit(pp("gpipe", 2), 2, 1, n_layer=4, accumulate_grad_batches=2)
     held = HeldParameters()
@@ -150,7 +152,7 @@ def test_pp2_x_dp_shard2_matches_one_process(world4, ref4, name):
     assert_parity(world4[0]["pp2_x_dp_shard2"][name], ref4)
 
 
-@pytest.mark.parametrize("name", ["uneven_split", "activation_checkpointing"])
+@pytest.mark.parametrize("name", ["uneven_split", "activation_checkpointing", "selective_activation_checkpointing"])
 def test_uneven_split_and_activation_checkpointing(world2, ref4, name):
     assert_parity(world2["ranks"][0][name], ref4)
 

@@ -1,16 +1,79 @@
-"""Activation checkpointing of blocks: recompute a block's activations in backward instead of storing them."""
+"""Activation checkpointing of blocks: recompute a block's activations in backward instead of storing them, all of
+them (full) or all but the outputs of the costly ops (selective)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightning_par.parallel.tensor import SHRINKING_INPUT_HOOKS
 
 ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
+
+_aten = torch.ops.aten
+#: matmuls: selective checkpointing keeps the output of every other one of a block (the 1st, 3rd, ...), the policy
+#: of torchtitan's ``selective_ac_option="op"``: half the matmul recomputation for about half the memory
+MATMUL_OPS = frozenset({_aten.mm.default, _aten.addmm.default})
+#: ops whose outputs selective checkpointing always keeps: the attention kernels (their FLOPs grow with the square of
+#: the sequence) and sequence parallelism's reduce-scatter (recomputing it would communicate again)
+KEPT_OPS = frozenset({
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+})
+
+
+def keeps_output(func: Any, matmuls: int) -> bool:
+    """Whether selective checkpointing keeps the output of ``func``; ``matmuls``: the block's matmuls so far,
+    this one included when it is one. The planner's profile asks the same question, so both agree."""
+    if func in MATMUL_OPS:
+        return matmuls % 2 == 1
+    return func in KEPT_OPS
+
+
+def selective_checkpoint_contexts() -> tuple[AbstractContextManager, AbstractContextManager]:
+    """``context_fn`` of selective checkpointing: torch's own caching of the ops ``keeps_output`` names (a fresh
+    count per block call; the recomputation counts apart, so it skips the same matmuls the forward kept)."""
+    counts = {False: 0, True: 0}  # matmuls seen, in the forward and in the recomputation
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func in MATMUL_OPS:
+            counts[ctx.is_recompute] += 1
+        keep = keeps_output(func, counts[ctx.is_recompute])
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def combine_contexts(*fns: ContextFn) -> ContextFn:
+    """One ``context_fn`` entering the forward contexts of all ``fns``, and their recomputation contexts."""
+    if len(fns) == 1:
+        return fns[0]
+
+    def context_fn() -> tuple[AbstractContextManager, AbstractContextManager]:
+        pairs = [fn() for fn in fns]
+        return _Both([p[0] for p in pairs]), _Both([p[1] for p in pairs])
+
+    return context_fn
+
+
+class _Both(AbstractContextManager):
+    def __init__(self, contexts: list[AbstractContextManager]) -> None:
+        self.contexts, self.stack = contexts, ExitStack()
+
+    def __enter__(self) -> _Both:
+        for c in self.contexts:
+            self.stack.enter_context(c)
+        return self
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self.stack.__exit__(*exc)
 
 
 def apply_activation_checkpointing(model: nn.Module, fqns: list[str], context_fn: ContextFn | None = None) -> None:

@@ -3,6 +3,7 @@ autograd saves for backward. Used by the planner's tests and benchmarks (and usa
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -10,12 +11,18 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
     """Bytes this rank holds for ``tensor``: its local shard if it is a DTensor."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.numel() * local.element_size()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor without an autograd op (``to_local()`` would record one mid-step)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def state_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -43,7 +50,7 @@ def saved_activations() -> tuple[AbstractContextManager, Callable[[], int]]:
     state = {"now": 0, "peak": 0}
 
     def storage(t: torch.Tensor) -> tuple[int, int]:
-        t = t._local_tensor if isinstance(t, DTensor) else t  # not to_local(): no autograd op inside a pack hook
+        t = _local(t)  # no autograd op inside a pack hook
         wait = getattr(t, "trigger_wait", None)
         if callable(wait):  # a functional collective's AsyncCollectiveTensor has no storage: count its result's
             t = wait()
@@ -92,9 +99,30 @@ def saved_activations() -> tuple[AbstractContextManager, Callable[[], int]]:
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack), lambda: state["peak"]
 
 
-def probe_callback(probe_step: int) -> Any:
+def live_storages() -> dict[int, tuple[int, StorageWeakRef]]:
+    """Every storage a tensor visible to Python holds (address -> bytes and a weak reference, which tells a storage
+    freed since from a new one at the same address; DTensors by their local tensor): what a run keeps that
+    autograd's hooks do not see, e.g. the outputs selective checkpointing caches. Unreachable cycles are collected
+    first, so only what is held counts."""
+    gc.collect()
+    out = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and obj.device.type != "meta":
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage of its own
+                continue
+            if storage.nbytes():
+                out[storage.data_ptr()] = (storage.nbytes(), StorageWeakRef(storage))
+    return out
+
+
+def probe_callback(probe_step: int, live: bool = False) -> Any:
     """A Lightning callback measuring, at ``probe_step``, the saved-activation peak of the whole batch and then the
-    model state after its optimizer step (``.activation_bytes``, ``.state``)."""
+    model state after its optimizer step (``.activation_bytes``, ``.state``); and what the step's forward left alive
+    until backward (``.live_bytes``, with ``live=True``: every storage that did not exist when the batch started
+    and is not a parameter, counted once, whoever holds it: autograd's saved tensors, selective checkpointing's
+    cache, the loss; not for pipelines, whose backward runs inside ``training_step``)."""
     from lightning.pytorch.callbacks import Callback
 
     class Probe(Callback):
@@ -103,11 +131,24 @@ def probe_callback(probe_step: int) -> Any:
             self.total: Any = None
             self.activation_bytes: int | None = None
             self.state: dict[str, int] | None = None
+            self.live_bytes: int | None = None
+            self.before: dict[int, tuple[int, StorageWeakRef]] = {}
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if trainer.global_step == probe_step:
+                self.before = live_storages() if live else {}
                 self.ctx, self.total = saved_activations()
                 self.ctx.__enter__()
+
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            if self.ctx is not None and live:
+                params = {_local(p).untyped_storage().data_ptr() for p in pl_module.parameters()}
+
+                def new(ptr: int) -> bool:
+                    old = self.before.get(ptr)
+                    return old is None or old[1].expired()
+
+                self.live_bytes = sum(n for ptr, (n, _) in live_storages().items() if new(ptr) and ptr not in params)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if self.ctx is not None:

@@ -5,10 +5,10 @@ shapes and the sharding the layout applies), the activations autograd saves (the
 layout's micro-batch and divided as tensor, context and sequence parallelism divide them, times the micro-batches a
 pipeline rank holds at once), and transient buffers (FSDP's gathered units).
 
-Step time is compute (the rank's forward FLOPs x 3, x 4 with activation checkpointing, over the hardware's
-achievable FLOP/s) plus the communication compute does not hide, stretched by the pipeline's bubble. A transfer
-takes the ring model's time on the link its mesh dimension spans (within a node or across nodes); an overlappable
-one hides behind compute up to ``OVERLAP`` of it.
+Step time is compute (the rank's forward FLOPs x 3, plus what activation checkpointing recomputes, over the
+hardware's achievable FLOP/s) plus the communication compute does not hide, stretched by the pipeline's bubble. A
+transfer takes the ring model's time on the link its mesh dimension spans (within a node or across nodes); an
+overlappable one hides behind compute up to ``OVERLAP`` of it.
 
 Ranks on one CPU (``Hardware.device`` "cpu ...", as ``planner.probe`` names them) differ in two ways, both
 measured at world 4 on 2 cores (benchmarks/bench_planner.py): gloo moves and reduces the bytes on the same cores
@@ -20,9 +20,11 @@ work, not stretched by the bubble.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from lightning_par.dims import MESH_DIM_NAMES, ParallelDims
 from lightning_par.planner.profile import ModelProfile
@@ -35,6 +37,9 @@ if TYPE_CHECKING:
 #: the share of compute time that overlappable communication (FSDP prefetch, the CP ring) can hide behind: not all of
 #: it, since the first gather of a step and the last reduce-scatter have nothing to hide behind
 OVERLAP = 0.8
+#: what torch's checkpoint keeps per checkpointed block besides activations: the CPU generator's state, to replay
+#: random ops alike in the recomputation (read off this torch)
+CHECKPOINT_RNG_BYTES = torch.get_rng_state().numel()
 #: device memory the planner keeps free for what it does not model (allocator slack, workspaces, NCCL buffers)
 RESERVE = 0.1
 _PRECISION = {  # activation bytes, FSDP all-gather bytes per parameter byte, gradient bytes per activation byte
@@ -55,7 +60,8 @@ class Layout:
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None
-    activation_checkpointing: bool = False
+    pp_stages_per_rank: int | None = None  # interleaved schedules: None is their default, 2
+    activation_checkpointing: bool | str = False  # True (full) or "selective"
     sequence_parallel: bool = False
     loss_parallel: bool = False
     cpu_offload: bool = False
@@ -75,6 +81,8 @@ class Layout:
         out = {k: getattr(self, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
         if self.pp > 1:
             out.update(pp_schedule=self.pp_schedule, pp_microbatches=self.pp_microbatches)
+            if self.pp_stages_per_rank is not None:
+                out.update(pp_stages_per_rank=self.pp_stages_per_rank)
         for flag in ("activation_checkpointing", "sequence_parallel", "loss_parallel", "cpu_offload"):
             if getattr(self, flag):
                 out[flag] = True
@@ -84,10 +92,13 @@ class Layout:
         sizes = " x ".join(f"{n}{getattr(self, n)}" for n in MESH_DIM_NAMES if getattr(self, n) > 1) or "1 rank"
         extras = []
         if self.pp > 1:
-            extras.append(f"{self.pp_schedule} m{self.pp_microbatches}")
+            stages = f" v{self.pp_stages_per_rank}" if self.pp_stages_per_rank is not None else ""
+            extras.append(f"{self.pp_schedule}{stages} m{self.pp_microbatches}")
         extras += [name for flag, name in (("sequence_parallel", "SP"), ("loss_parallel", "LP"),
                                            ("activation_checkpointing", "AC"), ("cpu_offload", "offload"))
                    if getattr(self, flag)]
+        if self.activation_checkpointing == "selective":
+            extras[extras.index("AC")] = "SAC"
         return sizes + (f" ({', '.join(extras)})" if extras else "")
 
 
@@ -141,6 +152,7 @@ def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, pre
     sheet = CostSheet(layout.dims(), profile, batch, seq_len, activation_scale=act, gather_scale=gather,
                       grad_scale=grad)
     recipe = build_recipe(pp_schedule=layout.pp_schedule, pp_microbatches=layout.pp_microbatches,
+                          pp_stages_per_rank=layout.pp_stages_per_rank,
                           sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel,
                           activation_checkpointing=layout.activation_checkpointing, cpu_offload=layout.cpu_offload)
     for technique in recipe:
@@ -153,7 +165,7 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     """``batch``: samples per data-parallel rank per step; ``memory_budget``: bytes a device may use (default: the
     hardware's memory less ``RESERVE``)."""
     sheet = account(layout, profile, batch, seq_len, precision)
-    ranks = _rank_costs(sheet)
+    ranks = _rank_costs(sheet, hardware.matmul_share)
     params, grads, optimizer, activations = max((r[:4] for r in ranks), key=sum)
     host = 0.0
     if sheet.offload:
@@ -194,18 +206,31 @@ def shares_cores(hardware: Hardware) -> bool:
     return hardware.device.lower().startswith("cpu")
 
 
-def _rank_costs(sheet: CostSheet) -> list[tuple[float, float, float, float, float, float]]:
+def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float, float, float, float, float, float]]:
     """Per pipeline rank: (parameters, gradients, optimizer state, saved activations, transient activations,
-    FLOPs). Ranks holding equal sections (blocks alike in parameters and costs) are worked out once: planning
-    thousands of layouts of an 80-layer model asks the same few questions again and again."""
+    FLOPs, in time at the hardware's matmul throughput). Ranks holding equal sections (blocks alike in parameters
+    and costs) are worked out once: planning thousands of layouts of an 80-layer model asks the same few questions
+    again and again."""
     kinds = _section_kinds(sheet.profile)
-    known: dict[tuple[int, ...], tuple[float, ...]] = {}
+    memo = sheet.profile.__dict__.setdefault("_rank_memo", {})  # across layouts: their ranks repeat
+    if len(memo) > 200_000:
+        memo.clear()
+    scale = sheet.token_scale
     out = []
     for rank, names in enumerate(sheet.rank_sections):
         key = tuple(sorted(kinds[n] for n in names))
-        if key not in known:
-            known[key] = (*_rank_state(sheet, rank), *_rank_activations(sheet, rank), _rank_flops(sheet, rank))
-        params, grads, optimizer, kept, transient, flops = known[key]
+        state_key = ("state", key, sheet.tp, sheet.shard)
+        if state_key not in memo:
+            memo[state_key] = _rank_state(sheet, rank)
+        act_key = ("activations", key, scale * sheet.activation_scale, sheet.tp, sheet.cp, sheet.sequence_parallel,
+                   sheet.loss_parallel, sheet.checkpointing)
+        if act_key not in memo:
+            memo[act_key] = _rank_activations(sheet, rank)
+        flops_key = ("flops", key, scale, sheet.sequence_scale, sheet.tp, sheet.cp, sheet.checkpointing,
+                     sheet.microbatches, matmul_share)
+        if flops_key not in memo:
+            memo[flops_key] = _rank_flops(sheet, rank, matmul_share)
+        (params, grads, optimizer), (kept, transient), flops = memo[state_key], memo[act_key], memo[flops_key]
         inflight = sheet.inflight[rank] if sheet.inflight else 1.0  # micro-batches whose activations it holds
         out.append((params, grads, optimizer, kept * inflight, transient, flops))
     return out
@@ -221,7 +246,9 @@ def _section_kinds(profile: ModelProfile) -> dict[str, int]:
             saved = section.saved
             end = name if name in ("first", "last") else ""  # activation checkpointing treats these apart
             key = (end, _signature(profile, name), section.flops, section.attention_flops, section.input_bytes,
-                   section.kv_bytes, saved.sharded, saved.gathered, saved.residual, saved.vocab)
+                   section.kv_bytes, saved.sharded, saved.gathered, saved.residual, saved.vocab,
+                   astuple(section.selective_kept), section.selective_recompute_flops, section.full_recompute_flops,
+                   section.reduce_scattered_bytes)
             cache[name] = numbers.setdefault(key, len(numbers))
         profile.__dict__["_section_kinds"] = cache
     return cache
@@ -274,15 +301,21 @@ def _local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, shard: int
 
 def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float]:
     """(saved until backward per micro-batch in flight, transient): with activation checkpointing a block keeps
-    its input and backward recomputes one block at a time, whose activations are the transient part."""
+    its input (and under selective checkpointing the outputs its policy keeps) and backward recomputes one block
+    at a time, whose activations are the transient part."""
     profile, scale = sheet.profile, sheet.token_scale * sheet.activation_scale
     tp, cp, sp, lp = sheet.tp, sheet.cp, sheet.sequence_parallel, sheet.loss_parallel
     kept, peak_block = 0.0, 0.0
     for name in sheet.rank_sections[rank]:
         section = profile.sections[name]
         full = section.saved.per_rank(tp, cp, sp, lp, scale)
-        if sheet.activation_checkpointing and name not in ("first", "last"):
-            kept += section.input_bytes * scale / (tp if sp else 1) / cp  # the block's input only
+        if sheet.checkpointing != "none" and name not in ("first", "last"):
+            kept += section.input_bytes * scale / (tp if sp else 1) / cp  # the block's input
+            kept += CHECKPOINT_RNG_BYTES
+            if sheet.checkpointing == "selective":
+                kept += section.selective_kept.per_rank(tp, cp, sp, lp, scale)
+                if sp:  # its reduce-scatters' outputs, on this rank's sequence chunk
+                    kept += section.reduce_scattered_bytes * scale / tp / cp
             peak_block = max(peak_block, full)  # recomputed in backward, one block at a time
         else:
             kept += full
@@ -290,16 +323,25 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float]:
 
 
 # ---- time ------------------------------------------------------------------------------------------------------
-def _rank_flops(sheet: CostSheet, rank: int) -> float:
-    """The rank's FLOPs in one step: forward x 3 (backward = 2 forward), + 1 forward with activation checkpointing."""
-    forward = 0.0
+def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0) -> float:
+    """The rank's FLOPs in one step: forward x 3 (backward = 2 forward), + the blocks' forward again with full
+    activation checkpointing (up to where torch stops the recomputation). Selective checkpointing recomputes the
+    matmuls its policy does not keep and all the non-matmul work: the latter counted as the ``1 - matmul_share``
+    of a forward's time it takes."""
+    forward = recomputed = 0.0
     for name in sheet.rank_sections[rank]:
         section = sheet.profile.sections[name]
-        forward += (section.flops * sheet.token_scale
-                    + section.attention_flops * sheet.token_scale * sheet.sequence_scale)
-    forward /= sheet.tp * sheet.cp
-    passes = 4 if sheet.activation_checkpointing else 3
-    return forward * passes * sheet.microbatches
+        flops = section.flops * sheet.token_scale + section.attention_flops * sheet.token_scale * sheet.sequence_scale
+        forward += flops
+        if name in ("first", "last"):
+            continue
+        if sheet.checkpointing == "full":
+            recomputed += (section.full_recompute_flops * sheet.token_scale
+                           + section.attention_flops * sheet.token_scale * sheet.sequence_scale)
+        elif sheet.checkpointing == "selective":
+            recomputed += (matmul_share * section.selective_recompute_flops * sheet.token_scale
+                           + (1 - matmul_share) * flops)
+    return (3 * forward + recomputed) / (sheet.tp * sheet.cp) * sheet.microbatches
 
 
 def _link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float]:

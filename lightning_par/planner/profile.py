@@ -7,6 +7,9 @@ example batch this records:
   (the engine's own ``plan_stages`` / ``plan_hf_stages``);
 * the forward FLOPs of each block and of what runs before and after the blocks (torch's ``FlopCounterMode``
   formulas), attention apart from the rest (it grows with the square of the sequence);
+* what selective activation checkpointing keeps of each block (the outputs of the ops its policy names,
+  ``parallel.checkpointing.keeps_output``, asked op by op as the engine's policy asks) and the matmul FLOPs it
+  recomputes;
 * the tensors autograd saves for backward (``saved_tensors_hooks``), per block and outside the blocks, each sorted
   by how tensor parallelism lays it out: produced downstream of a column-parallel layer and before the row-parallel
   one that reduces it (``sharded``: split over tp), the input a column-parallel layer saves, token ids and targets,
@@ -32,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode  # the documented home of the base class (torch 2.13)
 from torch.utils.flop_counter import flop_registry
 
+from lightning_par.parallel.checkpointing import MATMUL_OPS, keeps_output
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.modules import find_block_list
 from lightning_par.parallel.tensor_plan import resolve_tp_plan, sharded_dims, validate_tp_plan
@@ -51,6 +55,8 @@ SHARDING_STYLES = ("colwise", "local_colwise")
 #: styles whose module's output is whole again (reduced or gathered)
 REDUCING_STYLES = ("rowwise", "rowwise_rep", "colwise_rep", "local_rowwise", "vocab_parallel_embedding",
                    "embedding_rowwise", "embedding_colwise")
+#: styles whose module's output sequence parallelism reduce-scatters
+REDUCE_SCATTERING_STYLES = ("rowwise", "rowwise_rep")
 #: styles whose module saves its (whole) input for the weight gradient
 GATHERING_STYLES = ("colwise", "colwise_rep", "vocab_parallel_head", "local_colwise")
 
@@ -87,6 +93,13 @@ class Section:
     saved: SavedBytes = field(default_factory=SavedBytes)
     input_bytes: int = 0  # the block's input (what activation checkpointing keeps)
     kv_bytes: int = 0  # keys and values entering attention (what context parallelism passes around the ring)
+    selective_kept: SavedBytes = field(default_factory=SavedBytes)  # outputs selective checkpointing keeps
+    #: forward FLOPs (attention apart) that full and selective checkpointing run again in backward: up to the last
+    #: op that saves a tensor for backward, where torch's recomputation stops
+    full_recompute_flops: float = 0.0
+    selective_recompute_flops: float = 0.0
+    #: outputs of row-parallel layers: sequence parallelism reduce-scatters them, selective checkpointing keeps that
+    reduce_scattered_bytes: int = 0
 
 
 @dataclass
@@ -167,26 +180,85 @@ class _Trace(TorchDispatchMode):
         self.saved = _StorageMap()  # saved tensors stay alive until backward: their storages are not reused meanwhile
         self.params: set[int] = set()
         self.gathered_inputs = _StorageMap()
+        self.matmuls = 0  # in the current block, as selective checkpointing's policy counts them
+        self.kept: dict[str, list[torch.Tensor]] = {}  # per block: outputs selective checkpointing would keep
+        self.kept_lse: dict[str, list[tuple[str, int]]] = {}  # per block: attention's log-sum-exp (layout, bytes)
+        self.partial_sums = _StorageMap()  # row-parallel outputs before their reduction
+        self.flops_since_entry = {"full": 0.0, "selective": 0.0}  # what a recomputation of the block would run
+
+    def enter_block(self, name: str) -> None:
+        self.section, self.matmuls = name, 0
+        self.flops_since_entry = {"full": 0.0, "selective": 0.0}
+        self.kept.setdefault(name, [])
+        self.kept_lse.setdefault(name, [])
+
+    def kind(self, t: torch.Tensor) -> str:
+        """How tensor parallelism lays ``t`` out: "sharded", "vocab", "gathered" or "residual"."""
+        kind = self.layout.get(t) or ("gathered" if self.gathered_inputs.get(t) or _is_index(t) else "residual")
+        return "gathered" if kind == "whole" else kind
 
     def record_saved(self, t: torch.Tensor, nbytes: int | None = None) -> None:
         """One tensor autograd keeps for backward (each storage once; parameters are not activations)."""
         if _cdata(t) in self.params or self.saved.get(t) is not None:
             return
         self.saved.set(t, self.section)
-        kind = self.layout.get(t) or ("gathered" if self.gathered_inputs.get(t) or _is_index(t) else "residual")
-        kind = "gathered" if kind == "whole" else kind
-        self.sections[self.section].saved.add(kind, nbytes if nbytes is not None else t.untyped_storage().nbytes())
+        self.sections[self.section].saved.add(self.kind(t), nbytes if nbytes is not None else
+                                              t.untyped_storage().nbytes())
+
+    def selective(self, func: Any, out: Any, flops: float | None) -> None:
+        """What selective checkpointing does with this op of a block: keep its output, or recompute it."""
+        if self.section not in self.kept or self.in_attention:
+            return
+        if func in MATMUL_OPS:
+            self.matmuls += 1
+        if flops:
+            self.flops_since_entry["full"] += flops
+        if keeps_output(func, self.matmuls):
+            self.kept[self.section].extend(o for o in torch.utils._pytree.tree_leaves(out)
+                                           if isinstance(o, torch.Tensor))
+        elif flops:
+            self.flops_since_entry["selective"] += flops
+
+    def reduce_scattered(self, out: Any) -> None:
+        """A row-parallel layer's output: partial sums, whole on every tp rank until reduced (its matmul's output,
+        which selective checkpointing may keep, shares the storage)."""
+        if self.section in self.kept and isinstance(out, torch.Tensor):
+            self.sections[self.section].reduce_scattered_bytes += out.numel() * out.element_size()
+            self.partial_sums.set(out, True)
+
+    def classify_kept(self) -> None:
+        """Sort what selective checkpointing keeps by layout, once the trace is done (a column-parallel module's
+        output is marked by its forward hook, after the matmul that made it)."""
+        for name, tensors in self.kept.items():
+            kept, seen = self.sections[name].selective_kept, set()
+            for t in tensors:
+                if _cdata(t) not in seen:
+                    seen.add(_cdata(t))
+                    kind = "gathered" if self.partial_sums.get(t) else self.kind(t)
+                    kept.add(kind, t.untyped_storage().nbytes())
+            for kind, nbytes in self.kept_lse[name]:
+                kept.add(kind, nbytes)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if not self.in_attention:  # attention's own saves are the fused kernel's, recorded by _AttentionMarker
             self.record_saved(t)
+            self.recomputation_reaches_here()
         return t
+
+    def recomputation_reaches_here(self) -> None:
+        """Something was saved for backward: a recomputation of the block runs at least up to here (torch stops it
+        once every saved tensor is back, before the op whose inputs were saved last)."""
+        if self.section in self.kept:
+            sec = self.sections[self.section]
+            sec.full_recompute_flops = self.flops_since_entry["full"]
+            sec.selective_recompute_flops = self.flops_since_entry["selective"]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         key = getattr(func, "_overloadpacket", func)
         formula = _FORMULAS.get(key)
+        flops = None
         if formula is not None:
             flops = float(formula(*args, **kwargs, out_val=out))
             sec = self.sections[self.section]
@@ -194,6 +266,7 @@ class _Trace(TorchDispatchMode):
                 sec.attention_flops += flops
             else:
                 sec.flops += flops
+        self.selective(func, out, flops)
         inputs = {self.layout.get(a) for a in torch.utils._pytree.tree_leaves((args, kwargs))
                   if isinstance(a, torch.Tensor)}
         layout = next((k for k in ("sharded", "vocab", "whole") if k in inputs), None)
@@ -229,9 +302,14 @@ class _AttentionMarker(TorchFunctionMode):
         if torch.is_grad_enabled():
             for t in (args[0], key, value, out):
                 self.trace.record_saved(t)
+            self.trace.recomputation_reaches_here()
             query = args[0]
             lse = query.numel() // query.size(-1) * 4  # (batch, heads, seq) in fp32
-            self.trace.sections[self.trace.section].saved.add(self.trace.layout.get(query) or "residual", lse)
+            lse_kind = self.trace.layout.get(query) or "residual"
+            self.trace.sections[self.trace.section].saved.add(lse_kind, lse)
+            if self.trace.section in self.trace.kept:  # selective checkpointing keeps the kernel's outputs
+                self.trace.kept[self.trace.section].append(out)
+                self.trace.kept_lse[self.trace.section].append((lse_kind, lse))
         return out
 
 
@@ -283,7 +361,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
     for i, name in enumerate(blocks):
         def enter(_m: nn.Module, args: tuple, kwargs: dict, _name: str = name) -> None:
             nonlocal hidden_bytes
-            trace.section = _name
+            trace.enter_block(_name)
             sec = trace.sections.setdefault(_name, Section())
             first = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
             if isinstance(first, torch.Tensor):
@@ -292,7 +370,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
 
         def leave(_m: nn.Module, _args: tuple, _out: Any, _last: bool = i == len(blocks) - 1) -> None:
             if _last:
-                trace.section = "last"
+                trace.section = "last"  # (not a block: selective checkpointing does not apply)
                 trace.sections.setdefault("last", Section())
         hooks.append(model.get_submodule(name).register_forward_pre_hook(enter, with_kwargs=True))
         hooks.append(model.get_submodule(name).register_forward_hook(leave))
@@ -307,6 +385,8 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
         if layout is not None or style_name in REDUCING_STYLES:
             hooks.append(sub.register_forward_hook(
                 lambda _m, _a, out, _layout=layout: _set_layout(trace, out, _layout)))
+        if style_name in REDUCE_SCATTERING_STYLES:
+            hooks.append(sub.register_forward_hook(lambda _m, _a, out: trace.reduce_scattered(out)))
     try:
         with ExitStack() as stack, warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -326,6 +406,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
     finally:
         for h in hooks:
             h.remove()
+    trace.classify_kept()
     sample = next(t for t in torch.utils._pytree.tree_leaves(meta_batch) if isinstance(t, torch.Tensor))
     sections = {k: trace.sections.get(k, Section()) for k in ("first", *blocks, "last")}
     tp_dims = sharded_dims(resolved)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cache
+from itertools import product
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -24,6 +25,10 @@ if TYPE_CHECKING:
 
 SIZES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "zbv")
+#: schedules whose stages per rank the planner chooses (the others fix it)
+INTERLEAVED = ("interleaved_1f1b", "interleaved_zb")
+#: activation checkpointing options the planner weighs: none, selective, full
+CHECKPOINTING: tuple[bool | str, ...] = (False, "selective", True)
 
 
 @dataclass
@@ -79,8 +84,9 @@ class Plan:
 
 def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_size: int, hardware: Hardware, *,
                  precision: str = "32-true", batch_is_global: bool = True, memory_budget: float | None = None,
-                 restrict: Mapping[str, Iterable[int]] | None = None, activation_checkpointing: Iterable[bool] = (
-                     False, True), schedules: Iterable[str] = PIPELINE_SCHEDULES, allow_offload: bool = False,
+                 restrict: Mapping[str, Iterable[int]] | None = None,
+                 activation_checkpointing: Iterable[bool | str] = CHECKPOINTING,
+                 schedules: Iterable[str] = PIPELINE_SCHEDULES, allow_offload: bool = False,
                  block_list: str | None = None) -> Plan:
     """Predict and rank every valid layout of ``module`` on ``world_size`` devices of ``hardware``.
 
@@ -115,7 +121,7 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
 
 
 def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, batch: int, batch_is_global: bool,
-                      restrict: Mapping[str, Iterable[int]], checkpointing: tuple[bool, ...],
+                      restrict: Mapping[str, Iterable[int]], checkpointing: tuple[bool | str, ...],
                       schedules: tuple[str, ...]) -> tuple[list[Layout], dict[str, int]]:
     """The layouts the engine would accept; ``skipped`` counts the candidates left out, by reason."""
     allowed = {k: set(v) for k, v in restrict.items()}
@@ -160,14 +166,20 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
                 if schedule in ("interleaved_zb", "zbv") and dims["dp_shard"] * dims["dp_replicate"] * dims["cp"] > 1:
                     skip("zero-bubble schedule with FSDP")
                     continue
-                for m in _microbatches(dims["pp"], local):
+                for v, m in product(_stages_per_rank(schedule), _microbatches(dims["pp"], local)):
                     try:
-                        validate_pipeline(schedule, dims["pp"], m, blocks, None, local)
+                        validate_pipeline(schedule, dims["pp"], m, blocks, v, local)
                     except ValueError:
                         skip("pipeline does not fit the blocks or the batch")
                         continue
-                    out.append(replace(base, pp_schedule=schedule, pp_microbatches=m))
+                    out.append(replace(base, pp_schedule=schedule, pp_microbatches=m, pp_stages_per_rank=v))
     return out, skipped
+
+
+def _stages_per_rank(schedule: str) -> tuple[int | None, ...]:
+    """Stages per rank to weigh: the schedule's own (None), and for the interleaved ones 4 as well (fewer
+    bubbles, more sends; Megatron's and Llama 3's interleaving ran more than 2 virtual stages)."""
+    return (None, 4) if schedule in INTERLEAVED else (None,)
 
 
 def _microbatches(pp: int, local_batch: int) -> list[int]:

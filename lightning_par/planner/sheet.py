@@ -47,7 +47,7 @@ class CostSheet:
     shard: int = 1  # FSDP's shard group size (dp_shard x cp); 1: parameters whole on each rank
     sequence_parallel: bool = False
     loss_parallel: bool = False
-    activation_checkpointing: bool = False
+    checkpointing: str = "none"  # activation checkpointing: "none", "full" or "selective"
     offload: bool = False  # parameters, gradients and optimizer state in host memory
     transfers: list[Transfer] = field(default_factory=list)
     buffer_bytes: float = 0.0  # transient device memory beyond state and saved activations (gathered FSDP units)

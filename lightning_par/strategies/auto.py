@@ -18,10 +18,10 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par._compat import train_dataloader_of
-from lightning_par.checks import check_bool
+from lightning_par.checks import check_checkpointing
 from lightning_par.dims import ParallelDims
 from lightning_par.planner.predict import Layout
-from lightning_par.planner.search import SIZES, Plan, plan_layouts
+from lightning_par.planner.search import CHECKPOINTING, SIZES, Plan, plan_layouts
 from lightning_par.strategies.nd import NDParallelStrategy
 from lightning_par.techniques import build_recipe
 
@@ -37,7 +37,8 @@ class AutoParallelStrategy(NDParallelStrategy):
         memory_budget: bytes (or a string such as ``"20GiB"``) one device may use; default: the device's memory
             less 10 %. On CPU there is no default: every layout fits.
         restrict: sizes allowed per dimension, e.g. ``{"pp": [1], "tp": [1, 2]}``.
-        activation_checkpointing: force it on or off (default: the planner decides).
+        activation_checkpointing: force it: ``False``, ``True`` (full) or ``"selective"`` (default: the planner
+            decides among the three).
         device: plan for a known device (``lightning_par.devices``) instead of measuring this machine.
         gpus_per_node: ranks per node (default: the devices per node the Trainer was given).
         plot_dir: write the plan's picture there (and to a TensorBoard logger).
@@ -45,7 +46,7 @@ class AutoParallelStrategy(NDParallelStrategy):
     """
 
     def __init__(self, memory_budget: float | str | None = None, restrict: Mapping[str, Iterable[int]] | None = None,
-                 activation_checkpointing: bool | None = None, device: str | None = None,
+                 activation_checkpointing: bool | str | None = None, device: str | None = None,
                  gpus_per_node: int | None = None, plot_dir: str | None = None, **kwargs: Any) -> None:
         given = sorted(set(kwargs) & set(_OWN))
         if given:
@@ -58,7 +59,7 @@ class AutoParallelStrategy(NDParallelStrategy):
             raise ValueError(f"restrict={dict(restrict or {})!r}: {sorted(unknown)} are not layout dimensions; use "
                              f"{SIZES}.")
         if activation_checkpointing is not None:
-            check_bool("activation_checkpointing", activation_checkpointing)
+            check_checkpointing("activation_checkpointing", activation_checkpointing)
         self.force_checkpointing = activation_checkpointing
         if device is not None:
             from lightning_par.devices import lookup_device
@@ -105,7 +106,7 @@ class AutoParallelStrategy(NDParallelStrategy):
 
             profile = profile_model(module, batch, block_list=self.block_list, share=(trainer,))
             hardware = probe_hardware(self.root_device, _dtype(precision), _matmul_shapes(profile), per_node)
-        checkpointing = (False, True) if self.force_checkpointing is None else (self.force_checkpointing,)
+        checkpointing = CHECKPOINTING if self.force_checkpointing is None else (self.force_checkpointing,)
         return plan_layouts(module if self.plan_device is not None else profile, batch,
                             self.num_nodes * self.num_processes, hardware, precision=precision,
                             batch_is_global=False, memory_budget=self.memory_budget, restrict=self.restrict,
@@ -139,7 +140,8 @@ _RECIPE_OPTIONS = ("pp_stages_per_rank", "pp_split_points", "pp_loss_method", "t
 
 
 def _recipe_options(layout: Layout) -> dict[str, Any]:
-    return {"pp_schedule": layout.pp_schedule, "pp_microbatches": layout.pp_microbatches,
+    stages = {} if layout.pp_stages_per_rank is None else {"pp_stages_per_rank": layout.pp_stages_per_rank}
+    return {**stages, "pp_schedule": layout.pp_schedule, "pp_microbatches": layout.pp_microbatches,
             "sequence_parallel": layout.sequence_parallel, "loss_parallel": layout.loss_parallel,
             "activation_checkpointing": layout.activation_checkpointing, "cpu_offload": layout.cpu_offload}
 

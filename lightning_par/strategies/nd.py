@@ -67,7 +67,9 @@ class NDParallelStrategy(BaseParallelStrategy):
         reshard_after_forward: free gathered parameters after forward (ZeRO-3) or keep them until backward
             (ZeRO-2-like: less communication, more memory).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy).
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: recompute each block's activations in backward: ``True`` (or ``"full"``) all of
+            them; ``"selective"`` all but the outputs of every other matmul and of attention (less memory saved,
+            far less recomputed: torchtitan's op-level policy).
         compile: ``torch.compile`` each block (not with context parallelism yet: its attention routing is a
             TorchFunctionMode that compiled graphs have not been validated with).
         pp_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zb"`` or ``"zbv"``.
@@ -92,7 +94,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         shard_units: list[str] | None = None,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | str = False,
         compile: bool = False,
         cp_algorithm: str = "ring",
         cp_load_balance: bool = True,

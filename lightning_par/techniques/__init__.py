@@ -16,7 +16,7 @@ def build_recipe(*, pp_schedule: str = "1f1b", pp_microbatches: int | None = Non
                  pp_stages_per_rank: int | None = None, pp_split_points: list[str] | None = None,
                  pp_loss_method: str = "loss", tp_plan: Mapping[str, Any] | None = None,
                  sequence_parallel: bool = False, loss_parallel: bool = False, cp_algorithm: str = "ring",
-                 cp_load_balance: bool = True, cp_seq_dim: int = 1, activation_checkpointing: bool = False,
+                 cp_load_balance: bool = True, cp_seq_dim: int = 1, activation_checkpointing: bool | str = False,
                  compile: bool = False, shard_units: list[str] | None = None, reshard_after_forward: bool = True,
                  cpu_offload: bool = False) -> tuple[Technique, ...]:
     """The engine's recipe: every technique with its options, in the order they are applied (and accounted)."""

@@ -2,34 +2,55 @@
 
 from __future__ import annotations
 
-from lightning_par.checks import check_bool
+from lightning_par.checks import check_bool, check_checkpointing
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.checkpointing import (
+    ContextFn,
+    apply_activation_checkpointing,
+    combine_contexts,
+    selective_checkpoint_contexts,
+)
 from lightning_par.parallel.context_routing import recompute_in_active_scope
+from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.planner.sheet import CostSheet
 from lightning_par.techniques.technique import Target, Technique
 
 
 class ActivationCheckpointing(Technique):
-    """Recompute each block's activations in backward. Before FSDP, so FSDP's all-gathers run around the
-    recomputation; the recomputation re-enters the context-parallel scope the forward ran in (if any)."""
+    """Recompute each block's activations in backward: all of them (``True`` / ``"full"``), or all but the outputs
+    of every other matmul and of attention (``"selective"``: torchtitan's op-level policy, most of the memory saved
+    for a fraction of the recomputation). Before FSDP, so FSDP's all-gathers run around the recomputation; the
+    recomputation re-enters the context-parallel scope the forward ran in (if any)."""
 
-    def __init__(self, enabled: bool = False) -> None:
-        self.enabled = check_bool("activation_checkpointing", enabled)
+    def __init__(self, enabled: bool | str = False) -> None:
+        self.mode = check_checkpointing("activation_checkpointing", enabled)
+        self.enabled = self.mode != "none"
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
-        if self.enabled:
-            # the recomputation runs in autograd's backward: it must re-enter the context-parallel scope there
-            context_fn = recompute_in_active_scope if dims.cp > 1 else None  # (compile wants the default)
-            apply_activation_checkpointing(target.module, target.blocks, context_fn=context_fn)
+        if not self.enabled:
+            return
+        contexts: list[ContextFn] = []
+        if dims.cp > 1:  # the recomputation runs in autograd's backward: it must re-enter the context-parallel scope
+            contexts.append(recompute_in_active_scope)
+        if self.mode == "selective":
+            contexts.append(selective_checkpoint_contexts)
+        context_fn = combine_contexts(*contexts) if contexts else None  # (compile wants torch's own contexts)
+        apply_activation_checkpointing(target.module, target.blocks, context_fn=context_fn)
+        for _, model in outermost_hf_models(target.module):
+            # as transformers' own gradient_checkpointing_enable: a key/value cache would grow again in each
+            # recomputation (full checkpointing then recomputed attention over twice the keys, sliced back; the
+            # selective one finds ops the forward did not run)
+            model.config.use_cache = False
 
     def describe(self, dims: ParallelDims) -> str | None:
-        return "activation checkpointing" if self.enabled else None
+        return {"none": None, "full": "activation checkpointing",
+                "selective": "selective activation checkpointing (matmul and attention outputs kept)"}[self.mode]
 
     def account(self, sheet: CostSheet) -> None:
-        """A block keeps only its input until backward, which recomputes its forward (one more forward pass) and
-        holds one block's activations at a time."""
-        sheet.activation_checkpointing = self.enabled
+        """Full: a block keeps only its input until backward, which recomputes its forward (one more forward pass)
+        and holds one block's activations at a time. Selective: the block also keeps the outputs the policy names,
+        and backward recomputes only the rest (the profile measured both)."""
+        sheet.checkpointing = self.mode
 
 
 class Compile(Technique):
