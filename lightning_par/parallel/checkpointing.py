@@ -29,23 +29,28 @@ KEPT_OPS = frozenset({
 })
 
 
-def keeps_output(func: Any, matmuls: int) -> bool:
-    """Whether selective checkpointing keeps the output of ``func``; ``matmuls``: the block's matmuls so far,
-    this one included when it is one. The planner's profile asks the same question, so both agree."""
-    if func in MATMUL_OPS:
-        return matmuls % 2 == 1
-    return func in KEPT_OPS
+class SelectivePolicy:
+    """Selective checkpointing's decision for one pass over one block, op by op: keep the output of ``func``?
+    The engine asks it in the forward and, apart, in the recomputation; the planner's profile asks it while tracing
+    each block, so both keep the same ops."""
+
+    def __init__(self) -> None:
+        self.matmuls = 0
+
+    def keeps(self, func: Any) -> bool:
+        if func in MATMUL_OPS:
+            self.matmuls += 1
+            return self.matmuls % 2 == 1
+        return func in KEPT_OPS
 
 
 def selective_checkpoint_contexts() -> tuple[AbstractContextManager, AbstractContextManager]:
-    """``context_fn`` of selective checkpointing: torch's own caching of the ops ``keeps_output`` names (a fresh
-    count per block call; the recomputation counts apart, so it skips the same matmuls the forward kept)."""
-    counts = {False: 0, True: 0}  # matmuls seen, in the forward and in the recomputation
+    """``context_fn`` of selective checkpointing: torch's own caching of the ops ``SelectivePolicy`` keeps (fresh
+    per block call; the recomputation decides apart, so it skips the same matmuls the forward kept)."""
+    passes = {False: SelectivePolicy(), True: SelectivePolicy()}  # the forward, the recomputation
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if func in MATMUL_OPS:
-            counts[ctx.is_recompute] += 1
-        keep = keeps_output(func, counts[ctx.is_recompute])
+        keep = passes[ctx.is_recompute].keeps(func)
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)

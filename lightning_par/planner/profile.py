@@ -8,7 +8,7 @@ example batch this records:
 * the forward FLOPs of each block and of what runs before and after the blocks (torch's ``FlopCounterMode``
   formulas), attention apart from the rest (it grows with the square of the sequence);
 * what selective activation checkpointing keeps of each block (the outputs of the ops its policy names,
-  ``parallel.checkpointing.keeps_output``, asked op by op as the engine's policy asks) and the matmul FLOPs it
+  ``parallel.checkpointing.SelectivePolicy``, asked op by op as the engine's policy asks) and the matmul FLOPs it
   recomputes;
 * the tensors autograd saves for backward (``saved_tensors_hooks``), per block and outside the blocks, each sorted
   by how tensor parallelism lays it out: produced downstream of a column-parallel layer and before the row-parallel
@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode  # the documented home of the base class (torch 2.13)
 from torch.utils.flop_counter import flop_registry
 
-from lightning_par.parallel.checkpointing import MATMUL_OPS, keeps_output
+from lightning_par.parallel.checkpointing import SelectivePolicy
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.modules import find_block_list
 from lightning_par.parallel.tensor_plan import resolve_tp_plan, sharded_dims, validate_tp_plan
@@ -180,14 +180,14 @@ class _Trace(TorchDispatchMode):
         self.saved = _StorageMap()  # saved tensors stay alive until backward: their storages are not reused meanwhile
         self.params: set[int] = set()
         self.gathered_inputs = _StorageMap()
-        self.matmuls = 0  # in the current block, as selective checkpointing's policy counts them
+        self.policy = SelectivePolicy()  # selective checkpointing's, for the current block
         self.kept: dict[str, list[torch.Tensor]] = {}  # per block: outputs selective checkpointing would keep
         self.kept_lse: dict[str, list[tuple[str, int]]] = {}  # per block: attention's log-sum-exp (layout, bytes)
         self.partial_sums = _StorageMap()  # row-parallel outputs before their reduction
         self.flops_since_entry = {"full": 0.0, "selective": 0.0}  # what a recomputation of the block would run
 
     def enter_block(self, name: str) -> None:
-        self.section, self.matmuls = name, 0
+        self.section, self.policy = name, SelectivePolicy()
         self.flops_since_entry = {"full": 0.0, "selective": 0.0}
         self.kept.setdefault(name, [])
         self.kept_lse.setdefault(name, [])
@@ -209,11 +209,9 @@ class _Trace(TorchDispatchMode):
         """What selective checkpointing does with this op of a block: keep its output, or recompute it."""
         if self.section not in self.kept or self.in_attention:
             return
-        if func in MATMUL_OPS:
-            self.matmuls += 1
         if flops:
             self.flops_since_entry["full"] += flops
-        if keeps_output(func, self.matmuls):
+        if self.policy.keeps(func):
             self.kept[self.section].extend(o for o in torch.utils._pytree.tree_leaves(out)
                                            if isinstance(o, torch.Tensor))
         elif flops:
