@@ -273,6 +273,20 @@ class Hardware:
     #: activations, launches) that selective checkpointing recomputes in full. 1: matmuls only (as the probe
     #: measures); from the table ``efficiency / MATMUL_EFFICIENCY`` (0.45 / 0.8: 56 %)
     matmul_share: float = 1.0
+    #: links measured per shape of group within a node, ``((size, stride, bandwidth, latency), ...)``: the groups of
+    #: ``size`` ranks ``stride`` apart, all communicating at once (as a mesh dimension's groups do). A mesh dimension
+    #: whose groups have a measured shape uses its figures; any other the intra- or inter-node link
+    group_links: tuple[tuple[int, int, float, float], ...] = ()
+
+    def link(self, size: int, stride: int, within_node: bool, by_shape: bool = True) -> tuple[float, float]:
+        """(bandwidth, latency) of the groups of ``size`` ranks ``stride`` apart; ``by_shape=False``: the node's
+        link whatever the shape."""
+        if not within_node:
+            return self.inter_bandwidth, self.inter_latency
+        for n, s, bandwidth, latency in self.group_links if by_shape else ():
+            if (n, s) == (size, stride):
+                return bandwidth, latency
+        return self.intra_bandwidth, self.intra_latency
 
     def __post_init__(self) -> None:
         def positive(name: str, value: object, unit: str) -> None:
@@ -296,6 +310,12 @@ class Hardware:
                              "device) or None (unknown: fit is not checked).")
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"Hardware gpus_per_node={self.gpus_per_node!r} must be a positive int.")
+        for entry in self.group_links:
+            if not (isinstance(entry, tuple) and len(entry) == 4 and all(isinstance(v, int) and v >= 1
+                                                                          for v in entry[:2])):
+                raise ValueError(f"Hardware group_links entry {entry!r} must be (size, stride, bandwidth, latency) "
+                                 "with positive int size and stride.")
+            positive("group_links bandwidth", entry[2], "bytes/s per device per direction")
 
     def summary(self) -> str:
         """One line for the planner's report."""
@@ -304,8 +324,9 @@ class Hardware:
         def link(bandwidth: float, latency: float) -> str:
             return "-" if math.isinf(bandwidth) else f"{bandwidth / 1e9:.3g} GB/s, {latency * 1e6:.3g} us/hop"
 
+        groups = "".join(f"; groups of {n} ranks {s} apart {link(b, lat)}" for n, s, b, lat in self.group_links)
         return (f"{self.device}: {self.matmul_flops / 1e12:.4g} TFLOP/s, {memory}, {self.gpus_per_node} per node; "
-                f"intra-node {link(self.intra_bandwidth, self.intra_latency)}; inter-node "
+                f"intra-node {link(self.intra_bandwidth, self.intra_latency)}{groups}; inter-node "
                 f"{link(self.inter_bandwidth, self.inter_latency)} ({self.source})")
 
 

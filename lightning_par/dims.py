@@ -128,6 +128,12 @@ class ParallelDims:
         outermost = MESH_DIM_NAMES.index(FLAT_MESHES.get(name, (name,))[0])
         return math.prod(getattr(self, d) for d in MESH_DIM_NAMES[outermost:]) <= ranks_per_node
 
+    def group_stride(self, name: str) -> int:
+        """How many ranks apart the members of a group of mesh dimension ``name`` are: the product of the sizes of
+        every dimension inside it (the mesh is row-major over MESH_DIM_NAMES)."""
+        innermost = MESH_DIM_NAMES.index(FLAT_MESHES.get(name, (name,))[-1])
+        return math.prod(getattr(self, d) for d in MESH_DIM_NAMES[innermost + 1:])
+
     # ---- mesh ----------------------------------------------------------------------------------------------
     def build_mesh(self, device_type: str, backend: str | None = None) -> DeviceMesh:
         """Build the world mesh over all five dims (size-1 dims included, so every name always resolves) and the

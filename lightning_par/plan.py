@@ -109,7 +109,7 @@ def _hardware(args: argparse.Namespace, profile: Any) -> Any:
     intra, inter = lookup_link(args.intra_link or "pcie4"), lookup_link(args.inter_link)
     return replace(measured, gpus_per_node=args.gpus_per_node, intra_bandwidth=intra.bandwidth,
                    intra_latency=intra.latency, inter_bandwidth=inter.bandwidth, inter_latency=inter.latency,
-                   source=f"{measured.source}; links from the table: {intra.name}, {inter.name}")
+                   group_links=(), source=f"{measured.source}; links from the table: {intra.name}, {inter.name}")
 
 
 class _CausalLM(nn.Module):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,7 +24,16 @@ from lightning_par.devices import (
     lookup_link,
     lookup_peak_flops,
 )
-from lightning_par.planner.probe import fit_ring, probe_collectives, probe_hardware, probe_matmul
+from lightning_par.dims import ParallelDims
+from lightning_par.planner.predict import _link
+from lightning_par.planner.probe import (
+    _shape_groups,
+    fit_ring,
+    group_shapes,
+    probe_collectives,
+    probe_hardware,
+    probe_matmul,
+)
 
 PRE_AMPERE = {"T4", "V100S", "V100-PCIe-32GB", "V100-PCIe-16GB", "V100-SXM2-32GB", "V100-SXM2-16GB"}
 
@@ -146,6 +156,32 @@ def test_hardware_by_hand_is_checked_and_summarized():
         Hardware("mine", 1e14, None, 4, 1e11, 2e-6, 1e10, math.inf, "by hand")
 
 
+def test_measured_group_links_serve_the_mesh_dimensions_of_their_shape():
+    hw = Hardware("mine", 1e14, None, 4, 1e11, 2e-6, 1e10, 1e-5, "by hand", group_links=((2, 2, 5e10, 4e-6),))
+    assert "groups of 2 ranks 2 apart 50 GB/s, 4 us/hop" in hw.summary()
+    assert hw.link(2, 2, within_node=True) == (5e10, 4e-6)
+    assert hw.link(2, 1, within_node=True) == (1e11, 2e-6)  # not measured: the node's link
+    assert hw.link(2, 2, within_node=False) == (1e10, 1e-5)
+    # dp_shard 2 x tp 2 on one node of 4: FSDP's groups are 2 apart, TP's adjacent
+    dims = ParallelDims(dp_shard=2, tp=2).resolve(4)
+    assert (dims.group_stride("dp_shard"), dims.group_stride("tp"), dims.group_stride("dp_shard_cp")) == (2, 1, 2)
+    assert _link("dp_shard", dims, hw) == (2, 5e10, 4e-6) and _link("tp", dims, hw) == (2, 1e11, 2e-6)
+    assert _link("dp_shard", dims, replace(hw, gpus_per_node=2)) == (2, 1e10, 1e-5)  # across two nodes
+    # ranks sharing CPU cores: the node's all-reduce prices every group (see predict._link)
+    assert _link("dp_shard", dims, replace(hw, device="cpu (x86_64, 1 threads)")) == (2, 1e11, 2e-6)
+    assert ParallelDims(pp=2, dp_replicate=2, cp=2).resolve(8).group_stride("dp_cp") == 1
+    assert ParallelDims(pp=2, dp_replicate=2, cp=2).resolve(8).group_stride("pp") == 4
+    for bad in [(2,), (0, 1, 1e9, 0.0), (2, 1, -1.0, 0.0)]:
+        with pytest.raises(ValueError, match="group_links"):
+            Hardware("mine", 1e14, None, 4, 1e11, 2e-6, 1e10, 1e-5, "by hand", group_links=(bad,))
+
+
+def test_group_shapes_are_every_mesh_dimension_group_within_a_node():
+    assert group_shapes(1) == [] and group_shapes(2) == []
+    assert group_shapes(4) == [(2, 1), (2, 2)]
+    assert group_shapes(8) == [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2)]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # probe, one process
 # ---------------------------------------------------------------------------------------------------------------
@@ -231,7 +267,13 @@ def _probe_worker(gpus_per_node: int) -> dict:
     took = time.perf_counter() - start
     after = alone()  # the machine is shared with other work: one process alone, before and after
     world = probe_collectives({"world": None}, cpu, seconds=0.3)
-    return {"alone": None if before is None else max(before, after), "hw": hw, "took": took, "world": world}
+    out = {"alone": None if before is None else max(before, after), "hw": hw, "took": took, "world": world}
+    if dist.get_world_size() == 4:  # the same 4 ranks as one node: groups of 2 measured, adjacent and 2 apart
+        out["one_node"] = probe_hardware(cpu, torch.float32, SHAPES, gpus_per_node=4, matmul_seconds=0.1,
+                                         comm_seconds=0.6)
+        out["members"] = {name: dist.get_process_group_ranks(group)
+                          for name, group in _shape_groups(group_shapes(4), 4).items()}
+    return out
 
 
 def _check_link(bandwidth: float, latency: float) -> None:
@@ -254,4 +296,13 @@ def test_probe_on_gloo_is_the_same_on_every_rank(world_size, gpus_per_node):
         assert "2 nodes" in hw.source
         # 4 processes on 2 cores: each gets about half of what one process alone gets
         assert hw.matmul_flops < 0.8 * results[0]["alone"], (hw.matmul_flops, results[0]["alone"])
+        assert hw.group_links == ()  # 2 ranks per node: the node is the only group shape within it
+        one_node = results[0]["one_node"]
+        assert all(r["one_node"] == one_node for r in results) and "one node" in one_node.source
+        assert [(n, stride) for n, stride, _, _ in one_node.group_links] == [(2, 1), (2, 2)]
+        for _, _, bandwidth, latency in one_node.group_links:
+            _check_link(bandwidth, latency)
+        assert [r["members"] for r in results] == [
+            {"2x1": [0, 1], "2x2": [0, 2]}, {"2x1": [0, 1], "2x2": [1, 3]},
+            {"2x1": [2, 3], "2x2": [0, 2]}, {"2x1": [2, 3], "2x2": [1, 3]}]
     assert max(r["took"] for r in results) < 6.0  # 0.4 s matmul + 0.6 s collectives + group set-up, on busy cores

@@ -23,6 +23,8 @@ from lightning_par import AutoParallelStrategy, NDParallelStrategy, plan_layouts
 from lightning_par.devices import Hardware, known_hardware
 from lightning_par.planner.predict import Layout, predict
 from lightning_par.planner.profile import profile_model
+from lightning_par.strategies.auto import _recipe_options
+from lightning_par.techniques import build_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = Hardware("cpu", 2e10, None, 4, 2e9, 2e-5, 2e9, 2e-5, "a fixed stand-in for tests")
@@ -65,8 +67,12 @@ def test_every_named_layout_is_one_the_engine_accepts(world):
         layout = p.layout
         assert layout.world_size == world
         strategy = NDParallelStrategy(**layout.strategy_kwargs())
+        dims = layout.dims().resolve(world)
+        # what a user builds from the layout is what auto_parallel trains (selective checkpointing stays selective)
+        chosen = build_recipe(**_recipe_options(layout))
+        assert [t.describe(dims) for t in strategy.techniques] == [t.describe(dims) for t in chosen], str(layout)
         for technique in strategy.techniques:
-            technique.check(layout.dims().resolve(world))
+            technique.check(dims)
         assert GLOBAL_BATCH % layout.dp == 0 and 16 % (2 * layout.cp) == 0
     # every dimension appears; the tiny GPT's 4 heads allow tp <= 4
     for dim in ("dp_shard", "tp", "cp", "pp"):

@@ -38,7 +38,10 @@ _SPLIT_ACTIVATIONS = ("FSDP with selective checkpointing recomputes every non-ma
                       "matmuls (+19 % compute predicted); the planner ranks above it layouts that fit without "
                       "checkpointing by splitting the activations (pipeline 2 with 4 interleaved stages per rank, "
                       "context parallelism), which it predicts nearly free on NVLink and up to 10 % faster; "
-                      "torchtitan measured none of them")
+                      "torchtitan measured none of them. NVIDIA's tuned recipes split activations at this size too "
+                      "(FP8, NeMo Framework 24.12 user guide): Llama 3 8B at sequence 8192 on 8 H100 with CP 2 x DP 4 "
+                      "('Performance Summary'), Llama 2 7B at 8K on 8 H100 with PP 2 x DP 4 ('Long Sequence "
+                      "Performance'), the planner's third layout for the 8B on 8 GPUs")
 _TT_2412 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torch 1963fc8, torchtitan 9dec370, "
             "2024-12)")
 _GRAND_TETON = ("Grand Teton: 8 H100 per host over NVLink, 96 GB HBM2e at 500 W, RDMA 400 Gb/s per GPU between "

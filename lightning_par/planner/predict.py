@@ -85,7 +85,7 @@ class Layout:
                 out.update(pp_stages_per_rank=self.pp_stages_per_rank)
         for flag in ("activation_checkpointing", "sequence_parallel", "loss_parallel", "cpu_offload"):
             if getattr(self, flag):
-                out[flag] = True
+                out[flag] = getattr(self, flag)  # activation_checkpointing: True (full) or "selective"
         return out
 
     def __str__(self) -> str:
@@ -345,10 +345,17 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0) -> float
 
 
 def _link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float]:
-    """The group size of mesh dimension ``dim`` and the (bandwidth, latency) of the link its groups use."""
-    if dims.within_node(dim, hw.gpus_per_node):
-        return dims.mesh_size(dim), hw.intra_bandwidth, hw.intra_latency
-    return dims.mesh_size(dim), hw.inter_bandwidth, hw.inter_latency
+    """The group size of mesh dimension ``dim`` and the (bandwidth, latency) of the link its groups use: measured for
+    groups of that shape when the probe measured it, else the node's or the inter-node link.
+
+    Not on ranks that share CPU cores: there a pair of ranks measured on its own gets the cores between its hops,
+    while in training the other ranks compute meanwhile, and the all-reduce over the whole node, which waits for
+    every rank, prices training's collectives better. Measured (benchmarks/bench_planner.py, world 4 on 2 cores):
+    with the pairs' figures the rank correlation of predicted against measured step times fell from 0.84 to 0.32
+    (GPT) and from 0.87 to 0.60 (Llama)."""
+    size = dims.mesh_size(dim)
+    within = dims.within_node(dim, hw.gpus_per_node)
+    return size, *hw.link(size, dims.group_stride(dim), within, by_shape=not shares_cores(hw))
 
 
 def _transfer_time(t: Transfer, n: int, bandwidth: float, latency: float) -> float:

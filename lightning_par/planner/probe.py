@@ -229,6 +229,28 @@ def _node_groups(gpus_per_node: int) -> tuple[dist.ProcessGroup | None, dist.Pro
     return intra, inter
 
 
+def group_shapes(ranks_per_node: int) -> list[tuple[int, int]]:
+    """The shapes ``(size, stride)`` a mesh dimension's groups can take within a node of ``ranks_per_node`` ranks,
+    the whole node excepted: ``size`` ranks ``stride`` apart, inside a block of ``size * stride`` that divides the
+    node (the mesh is row-major, so every dimension's groups have this form)."""
+    return [(size, stride) for size in range(2, ranks_per_node + 1) for stride in range(1, ranks_per_node // size + 1)
+            if ranks_per_node % (size * stride) == 0 and (size, stride) != (ranks_per_node, 1)]
+
+
+def _shape_groups(shapes: Sequence[tuple[int, int]], ranks_per_node: int) -> dict[str, dist.ProcessGroup | None]:
+    """One named group per shape: this rank's group of that shape (every node's ranks split alike). Collective:
+    every rank builds every group, in the same order."""
+    world = dist.get_world_size()
+    groups = {}
+    for size, stride in shapes:
+        block = size * stride
+        members = [[start + offset + i * stride for i in range(size)]
+                   for start in range(0, world, block) for offset in range(stride)]
+        mine, _ = dist.new_subgroups_by_enumeration(members)
+        groups[f"{size}x{stride}"] = mine
+    return groups
+
+
 def probe_hardware(
     device: torch.device,
     dtype: torch.dtype,
@@ -240,7 +262,9 @@ def probe_hardware(
 ) -> Hardware:
     """The :class:`Hardware` of this machine, measured: the matmul probe on every rank at once (the mean of the
     ranks' figures) and, under ``torch.distributed`` with more than one rank, the collective probe over the ranks
-    of a node and, with several nodes, over the ranks of one local rank across nodes. Collective when distributed:
+    of a node, over every other shape of group a mesh dimension can take within a node (:func:`group_shapes`; all
+    groups of a shape at once, as in training: ``Hardware.group_links``) and, with several nodes, over the ranks of
+    one local rank across nodes. Collective when distributed:
     call it on every rank. ``gpus_per_node``: the ranks per node (default ``LOCAL_WORLD_SIZE``, else all ranks on
     one node; under ``torch.distributed`` the result says at most the world size). With one node the inter-node
     figures repeat the intra-node ones; with one process both are ``inf`` bandwidth and 0 latency: nothing was
@@ -270,10 +294,15 @@ def probe_hardware(
     dist.all_reduce(mean)
     intra, inter = _node_groups(gpus_per_node)
     groups = {"intra": intra} if inter is None else {"intra": intra, "inter": inter}
+    per_node = min(gpus_per_node, world)
+    shapes = group_shapes(per_node)
+    groups.update(_shape_groups(shapes, per_node))
     measured = probe_collectives(groups, device, comm_seconds, sizes)
     intra_bw, intra_lat = measured["intra"]
     inter_bw, inter_lat = measured.get("inter", measured["intra"])
+    group_links = tuple((n, s, *measured[f"{n}x{s}"]) for n, s in shapes)
     nodes = "one node: inter-node = intra-node" if inter is None else f"{world // gpus_per_node} nodes"
-    source = f"{what}, mean of {world} ranks running at once; all_reduce ring fit, {dist.get_backend()} ({nodes})"
-    return Hardware(name, float(mean.item()), memory, min(gpus_per_node, world), intra_bw, intra_lat, inter_bw,
-                    inter_lat, source)
+    source = (f"{what}, mean of {world} ranks running at once; all_reduce ring fit over the node and over every "
+              f"shape of group within it, {dist.get_backend()} ({nodes})")
+    return Hardware(name, float(mean.item()), memory, per_node, intra_bw, intra_lat, inter_bw,
+                    inter_lat, source, group_links=group_links)
