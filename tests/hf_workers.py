@@ -86,6 +86,9 @@ def world4() -> dict[str, Any]:
     layouts = {
         "pp2_x_dp_shard2": (dict(pp=2, dp_shard=2), 2),
         "pp2_x_tp2": (dict(pp=2, dp_shard=1, tp=2), 1),
+        # stages hand on the sequence chunk; later stages build masks and positions for the whole sequence
+        "pp2_x_tp2_sp": (dict(pp=2, dp_shard=1, tp=2, sequence_parallel=True, pp_schedule="interleaved_1f1b",
+                              pp_microbatches=4), 1),
         "cp2_x_tp2": (dict(cp=2, dp_shard=1, tp=2), 1),
         "cp2_x_dp_shard2": (dict(cp=2, dp_shard=2), 2),
     }

@@ -36,8 +36,6 @@ def _trainer(strategy, **kwargs):
         (lambda: NDParallelStrategy(pp=2, pp_schedule="pipedream"), ValueError,
          r"pp_schedule='pipedream' is not a pipeline schedule; choose one of \['1f1b', 'gpipe'"),
         (lambda: NDParallelStrategy(pp=2, pp_microbatches=0), ValueError, r"pp_microbatches=0 must be a positive"),
-        (lambda: NDParallelStrategy(pp=2, tp=2, sequence_parallel=True), ValueError,
-         r"pp=2 with tp=2 and sequence_parallel=True, loss_parallel=False: .* Set both to False"),
         (lambda: NDParallelStrategy(pp=2, pp_split_points="model.blocks.2"), TypeError,
          r"pp_split_points='model.blocks.2' must be a list of block FQNs"),
         (lambda: Trainer(accelerator="cpu", devices=4, logger=False,

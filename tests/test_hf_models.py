@@ -109,7 +109,7 @@ def test_refused_on_every_rank(w2, case, pattern):
     assert_raised_on_every_rank([r["errors"] for r in w2], case, pattern)
 
 
-@pytest.mark.parametrize("name", ["pp2_x_dp_shard2", "pp2_x_tp2", "cp2_x_tp2", "cp2_x_dp_shard2"])
+@pytest.mark.parametrize("name", ["pp2_x_dp_shard2", "pp2_x_tp2", "pp2_x_tp2_sp", "cp2_x_tp2", "cp2_x_dp_shard2"])
 def test_two_dimensional_layouts(w4, name):
     assert_parity(w4[0][name], reference(), steps=STEPS)
 

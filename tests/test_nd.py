@@ -21,6 +21,8 @@ WORLD4 = {
     "tp2_x_cp2_sp_lp": (dict(tp=2, cp=2, dp_shard=1, sequence_parallel=True, loss_parallel=True), 1),
     "dp_replicate2_x_dp_shard2": (dict(dp_replicate=2, dp_shard=2), 4),
     "pp2_x_tp2": (dict(pp=2, tp=2, dp_shard=1), 1),
+    # stages hand on the sequence chunk; the last stage's loss is a DTensor under loss parallelism
+    "pp2_x_tp2_sp_lp": (dict(pp=2, tp=2, dp_shard=1, sequence_parallel=True, loss_parallel=True), 1),
     "pp2_x_cp2": (dict(pp=2, cp=2, dp_shard=1, pp_schedule="gpipe", pp_microbatches=4), 1),
 }
 WORLD8 = {  # 3-D, with a 2-block model: each pipeline stage one block

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -21,7 +22,7 @@ from workers import GLOBAL_BATCH, TINY_GPT
 from example_projects.gpt.lit import GPTModule
 from lightning_par import AutoParallelStrategy, NDParallelStrategy, plan_layouts
 from lightning_par.devices import Hardware, known_hardware
-from lightning_par.planner.predict import Layout, predict
+from lightning_par.planner.predict import Layout, account, predict
 from lightning_par.planner.profile import profile_model
 from lightning_par.strategies.auto import _recipe_options
 from lightning_par.techniques import build_recipe
@@ -97,6 +98,20 @@ def test_ranking_fitting_first_and_fastest_first():
     assert plan.best.memory <= budget and plan.best is fitting[0]
     with pytest.raises(ValueError, match=r"No layout of GPTModule fits memory_budget=.* the smallest needs .* GiB \("):
         plan_layouts(gpt(), batch(), 4, CPU, memory_budget=1000.0).require_fit()
+
+
+def test_pipelines_with_sequence_parallelism_send_the_sequence_chunk():
+    """pp x tp layouts are planned with sequence (and loss) parallelism, whose stages hand on 1/tp of the bytes."""
+    plan = plan_layouts(gpt(), batch(), 4, CPU, restrict={"pp": [2], "tp": [2]})
+    assert plan.predictions and all(p.layout.sequence_parallel and p.layout.loss_parallel for p in plan.predictions)
+    layout = Layout(pp=2, tp=2, pp_microbatches=2, sequence_parallel=True)
+    profile = profile_model(gpt(), batch())
+
+    def sends(lay: Layout) -> list[float]:
+        return [t.nbytes for t in account(lay, profile, GLOBAL_BATCH, 16, "32-true").transfers
+                if t.kind == "pp_send_recv"]
+
+    assert sends(layout) == [b / 2 for b in sends(replace(layout, sequence_parallel=False))]
 
 
 def test_profile_counts_the_gpt_as_the_formula_does():

@@ -123,9 +123,10 @@ class HFStage(nn.Module):
     """
 
     def __init__(self, module: nn.Module, hf: HFPipelineModel, layer_ids: Sequence[int], first: bool,
-                 last: bool, shared: Sequence[str]) -> None:
+                 last: bool, shared: Sequence[str], seq_len: int | None = None) -> None:
         super().__init__()
         self.first, self.last = first, last
+        self.seq_len = seq_len  # of the stage inputs' sequences (the first stage's token ids)
         self._hf_model = (hf.model,)  # a tuple: not registered as a child
         self._base = (module.get_submodule(hf.base_fqn),)
         layers = module.get_submodule(hf.layers)
@@ -143,13 +144,40 @@ class HFStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base, model = self._base[0], self._hf_model[0]
+        chunk = None
+        if not self.first and self.seq_len is not None and x.shape[1] != self.seq_len:
+            # sequence parallelism hands this rank's sequence chunk on between stages (1/tp of the bytes); the
+            # model derives its masks and positions from its input's length, so it gets a placeholder of the whole
+            # sequence (a broadcast zero, no memory) and the first layer gets the chunk back
+            chunk, x = x, x.new_zeros(()).expand(x.shape[0], self.seq_len, *x.shape[2:])
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
         # global positions (this rank's tokens under context parallelism; arange otherwise)
         positions = context_positions(x.shape[1], x.device).unsqueeze(0)
-        with _swapped(base, self._layers_name, self._view), _skip_tail(base, self._base_tail, skip=not self.last):
+        with _swapped(base, self._layers_name, self._view), _skip_tail(base, self._base_tail, skip=not self.last), \
+                _first_input(self.layers[str(self.layer_ids[0])] if self.layer_ids else None, chunk):
             if self.last:
                 return model(**inputs, position_ids=positions, use_cache=False).logits
             return base(**inputs, position_ids=positions, use_cache=False).last_hidden_state
+
+
+@contextmanager
+def _first_input(layer: nn.Module | None, value: torch.Tensor | None) -> Iterator[None]:
+    """While in the block: ``layer`` gets ``value`` as its hidden states (its first positional argument, or
+    ``hidden_states=``), whatever the model passes it."""
+    if layer is None or value is None:
+        yield
+        return
+
+    def swap(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (value, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": value}
+
+    handle = layer.register_forward_pre_hook(swap, with_kwargs=True, prepend=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextmanager

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 
 from lightning_par._compat import move_graph_to_device, pipeline_stage_class, without_function_modes
 from lightning_par.parallel.init import materialize
@@ -250,7 +251,7 @@ class LivePipeline:
     def _build(self, mb_args: tuple[Any, ...], train: bool) -> _Compiled:
         if self.hf is not None:
             check_forward_contract(self.template, self.hf, mb_args)
-            stages = self._hf_stages()
+            stages = self._hf_stages(mb_args[0].shape[1])
         else:
             stages = self._traced_stages(mb_args)
         if train and self.loss_fn is None:
@@ -260,7 +261,7 @@ class LivePipeline:
         loss_fn = self._micro_batch_loss if train else None
         return _Compiled(stages, build_schedule(self.name, stages, self.n_microbatches, loss_fn, scale_grads=False))
 
-    def _hf_stages(self) -> list[PipelineStage]:
+    def _hf_stages(self, seq_len: int) -> list[PipelineStage]:
         """Stages of a transformers model from its pipeline plan: nothing to trace, one per local stage id."""
         assert self.hf is not None
         index = {name: i for i, name in enumerate(self.plan.blocks)}
@@ -268,7 +269,7 @@ class LivePipeline:
         for sid in self.stage_ids:
             layer_ids = [index[name] for name in self.plan.owners[sid] if name in index]
             submod = HFStage(self.model, self.hf, layer_ids, first=sid == 0, last=sid == self.plan.num_stages - 1,
-                             shared=self.plan.shared)
+                             shared=self.plan.shared, seq_len=seq_len)
             stages.append(_STAGE(submod, sid, self.plan.num_stages, self.device, group=self.group))
         return stages
 
@@ -338,6 +339,8 @@ class LivePipeline:
                 compiled.schedule.step(*call_args, target=target if self.has_last_stage else None, losses=losses)
         else:
             compiled.schedule.step(*call_args, target=target if self.has_last_stage else None, losses=losses)
+        # under loss parallelism each loss is a replicated DTensor: its local value is the loss
+        losses = [x.to_local() if isinstance(x, DTensor) else x for x in losses]
         loss = (torch.stack([x.detach().float() for x in losses]).sum() if losses  # the mean: each is 1/m of one
                 else torch.zeros((), device=self.device))
         with torch.profiler.record_function("PP::loss_broadcast"):  # counted as pipeline traffic by the monitors

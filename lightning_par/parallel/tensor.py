@@ -61,8 +61,10 @@ def apply_tp(
     *,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    whole_model: bool = True,
 ) -> None:
     """Shard ``module`` in place over the 1-D ``tp_mesh`` following ``plan`` (keys relative to ``module``).
+    ``whole_model=False``: ``module`` holds a pipeline rank's stages only (see ``validate_tp_plan``).
 
     ``sequence_parallel``: norms/dropout on the residual stream run on sequence chunks (activation memory / tp).
     ``loss_parallel``: the 'vocab_parallel_head' output stays a vocab-sharded DTensor, so cross-entropy inside
@@ -76,7 +78,8 @@ def apply_tp(
     if dist.is_initialized():
         check_tp_size(tp_mesh.size(), dist.get_world_size())
     resolved = validate_tp_plan(
-        module, plan, tp_mesh.size(), sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
+        module, plan, tp_mesh.size(), sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+        whole_model=whole_model,
     )
     already = [name for name, p in module.named_parameters() if isinstance(p, DTensor)]
     if already:

@@ -212,12 +212,15 @@ def canonical_style(style: str | ParallelStyle, key: str) -> str | ParallelStyle
 
 
 def validate_tp_plan(
-    module: nn.Module, plan: Plan, tp_size: int, *, sequence_parallel: bool = False, loss_parallel: bool = False
+    module: nn.Module, plan: Plan, tp_size: int, *, sequence_parallel: bool = False, loss_parallel: bool = False,
+    whole_model: bool = True,
 ) -> dict[str, str | ParallelStyle]:
     """Match every plan entry to modules and check that each can be split ``tp_size`` ways.
 
     Returns ``{module fqn: style}`` in model order (HF no-op entries dropped). Raises ``ValueError``/``TypeError``
     naming the entry, the module, the sizes and the fix. Needs no process group: call it anywhere.
+    ``whole_model=False``: ``module`` is part of a model (a pipeline rank's stages), whose plan was checked whole;
+    it need not hold the embedding that splits the sequence nor the head that loss parallelism needs.
     """
     plan = _check_plan_types(plan, "tp_plan")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
@@ -247,6 +250,8 @@ def validate_tp_plan(
     for name, style in resolved.items():
         _check_module(name, module.get_submodule(name), style, tp_size, module)
     _check_tied(module, resolved, sequence_parallel)
+    if not whole_model:
+        return resolved
     if loss_parallel and "vocab_parallel_head" not in styles:
         raise ValueError(
             "loss_parallel=True needs an output layer whose logits stay sharded over the vocabulary: mark it "

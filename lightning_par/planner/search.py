@@ -155,7 +155,7 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
             skip("global batch not divisible by dp")
             continue
         local = batch // dp if batch_is_global else batch
-        sp = dims["tp"] > 1 and dims["pp"] == 1 and _tp_ok(profile, dims["tp"], True)
+        sp = dims["tp"] > 1 and _tp_ok(profile, dims["tp"], True)
         lp = sp and "vocab_parallel_head" in {s for s in profile.tp_plan.values() if isinstance(s, str)}
         for ac in checkpointing:
             base = Layout(**dims, activation_checkpointing=ac, sequence_parallel=sp, loss_parallel=lp)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
 from torch.distributed.tensor.parallel import loss_parallel
@@ -32,13 +33,6 @@ class TensorParallel(Technique):
         self.sequence_parallel = check_bool("sequence_parallel", sequence_parallel)
         self.loss_parallel = check_bool("loss_parallel", loss_parallel)
 
-    def check(self, dims: ParallelDims) -> None:
-        if dims.pp != 1 and dims.tp != 1 and (self.sequence_parallel or self.loss_parallel):
-            raise ValueError(
-                f"pp={dims.pp} with tp={dims.tp} and sequence_parallel={self.sequence_parallel}, loss_parallel="
-                f"{self.loss_parallel}: stages hand full activations and full logits on; sequence and loss "
-                f"parallelism across pipeline stages are not supported yet. Set both to False with pp > 1.")
-
     def apply(self, target: Target, dims: ParallelDims) -> None:
         if dims.tp == 1:
             return
@@ -51,7 +45,7 @@ class TensorParallel(Technique):
         tp_mesh = dims.mesh("tp")
         broadcast_replicated_parameters(target.module, tp_mesh)
         apply_tp(target.module, tp_mesh, plan, sequence_parallel=self.sequence_parallel,
-                 loss_parallel=self.loss_parallel)
+                 loss_parallel=self.loss_parallel, whole_model=target.keep is None)
 
     def step_context(self, dims: ParallelDims) -> AbstractContextManager | None:
         # around backward too: its ops must see the DTensor gradients of the vocab-sharded logits
@@ -66,7 +60,7 @@ class TensorParallel(Technique):
         all-reduce, plus its gathered logits (a head that gathers them) or loss parallelism's three all-reduces of
         one number per token; and per step, under sequence parallelism, one all-reduce of the gradient of every
         parameter tp leaves whole on the sequence shards (norms, position embeddings): each rank saw only its
-        part of the sequence."""
+        part of the sequence. Under sequence parallelism pipeline stages send 1/tp of the activations."""
         tp = sheet.dims.tp
         if tp == 1:
             return
@@ -88,6 +82,9 @@ class TensorParallel(Technique):
                 sheet.transfers.append(Transfer("tp", "tp", "all_reduce", tokens * 4, 3 * m, False))
         if whole and self.sequence_parallel:  # one message each: the time of their mean size, len(whole) times
             sheet.transfers.append(Transfer("tp", "tp", "all_reduce", sum(whole) / len(whole), len(whole), False))
+        if self.sequence_parallel:  # pipeline stages hand on this rank's sequence chunk, not the whole sequence
+            sheet.transfers = [replace(t, nbytes=t.nbytes / tp) if t.kind == "pp_send_recv" else t
+                               for t in sheet.transfers]
 
     def describe(self, dims: ParallelDims) -> str | None:
         if dims.tp == 1:
