@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_par.checks import check_bool
@@ -32,10 +33,13 @@ class TensorParallel(Technique):
         self.plan = dict(plan) if plan is not None else None
         self.sequence_parallel = check_bool("sequence_parallel", sequence_parallel)
         self.loss_parallel = check_bool("loss_parallel", loss_parallel)
+        self._sequence_multiple: tuple[int, int, int] | None = None  # (tp, cp, pp): see shard_batch
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
         if dims.tp == 1:
             return
+        if self.sequence_parallel and dims.pp > 1:
+            self._sequence_multiple = (dims.tp, dims.cp, dims.pp)
         plan = resolve_tp_plan(target.module, self.plan)
         resolved = validate_tp_plan(target.whole, plan, dims.tp, sequence_parallel=self.sequence_parallel,
                                     loss_parallel=self.loss_parallel)
@@ -46,6 +50,22 @@ class TensorParallel(Technique):
         broadcast_replicated_parameters(target.module, tp_mesh)
         apply_tp(target.module, tp_mesh, plan, sequence_parallel=self.sequence_parallel,
                  loss_parallel=self.loss_parallel, whole_model=target.keep is None)
+
+    def shard_batch(self, batch: Any) -> Any:
+        """Under a pipeline only the first stage's ranks split the sequence (and would refuse an uneven split); the
+        others would wait for them: every rank checks the batch's sequence length here, before any collective."""
+        if self._sequence_multiple is None:
+            return batch
+        tp, cp, pp = self._sequence_multiple
+        values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else [
+            batch]
+        for value in values:
+            if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.size(1) % (tp * cp):
+                raise ValueError(
+                    f"sequence_parallel=True with pp={pp}, tp={tp}, cp={cp}: a batch holds sequences of length "
+                    f"{value.size(1)} (dim 1 of shape {tuple(value.shape)}), not divisible by tp x cp = {tp * cp}. "
+                    f"Pad or crop sequences to a multiple of {tp * cp}, or turn sequence_parallel off.")
+        return batch
 
     def step_context(self, dims: ParallelDims) -> AbstractContextManager | None:
         # around backward too: its ops must see the DTensor gradients of the vocab-sharded logits
