@@ -12,6 +12,13 @@ from typing import Any
 
 import torch
 
+# torch 2.11-2.13: the block wrapper torchtitan also uses; ``torch.utils.checkpoint`` has the function but no module
+# wrapper, and FSDP2's state-dict handling knows this one's ``_checkpoint_wrapped_module`` prefix
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+__all__ = ["checkpoint_wrapper", "move_graph_to_device", "pipeline_stage_class", "train_dataloader_of",
+           "without_function_modes"]
+
 
 def train_dataloader_of(trainer: Any) -> Any:
     """The training dataloader the Trainer will use, before its loop has set it up (``fit(model, loader)``,

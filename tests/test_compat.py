@@ -70,3 +70,16 @@ def test_train_dataloader_of_a_trainer():
 
     trainer.fit(Tiny(), loader)
     assert capture.loader is loader
+
+
+def test_checkpoint_wrapper_recomputes_and_names_the_wrapped_module():
+    block = torch.nn.Linear(4, 4)
+    wrapped = _compat.checkpoint_wrapper(block)
+    assert wrapped._checkpoint_wrapped_module is block  # pipeline stages look the block up by this name
+    # parameter and state-dict names stay the block's own (checkpoints load across wrapped and unwrapped layouts)
+    assert [n for n, _ in wrapped.named_parameters()] == ["weight", "bias"]
+    assert list(wrapped.state_dict()) == ["weight", "bias"]
+    x = torch.randn(2, 4, requires_grad=True)
+    wrapped(x).sum().backward()
+    expected = torch.autograd.grad(block(x).sum(), x)[0]
+    assert torch.equal(x.grad, expected)

@@ -272,7 +272,7 @@ def _probe_worker(gpus_per_node: int) -> dict:
         out["one_node"] = probe_hardware(cpu, torch.float32, SHAPES, gpus_per_node=4, matmul_seconds=0.1,
                                          comm_seconds=0.6)
         out["members"] = {name: dist.get_process_group_ranks(group)
-                          for name, group in _shape_groups(group_shapes(4), 4).items()}
+                          for name, group in _shape_groups(group_shapes(4)).items()}
     return out
 
 

@@ -80,6 +80,17 @@ def test_every_named_layout_is_one_the_engine_accepts(world):
         assert any(getattr(p.layout, dim) > 1 for p in plan.predictions), dim
 
 
+def test_strategy_kwargs_carry_every_option_as_the_layout_has_it():
+    """The one translation of a layout into strategy options (auto_parallel uses it too): selective checkpointing
+    stays selective, not full."""
+    layout = Layout(pp=2, tp=2, pp_schedule="interleaved_1f1b", pp_microbatches=4, pp_stages_per_rank=4,
+                    activation_checkpointing="selective", sequence_parallel=True, loss_parallel=True)
+    assert layout.strategy_kwargs() == dict(
+        dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=2, pp_schedule="interleaved_1f1b", pp_microbatches=4,
+        pp_stages_per_rank=4, activation_checkpointing="selective", sequence_parallel=True, loss_parallel=True)
+    assert NDParallelStrategy(**layout.strategy_kwargs()).activation_checkpointing.mode == "selective"
+
+
 def test_restrict_and_the_reasons_for_what_was_left_out():
     plan = plan_layouts(gpt(), batch(), 4, CPU, restrict={"pp": [1], "tp": [1]})
     assert {(p.layout.pp, p.layout.tp) for p in plan.predictions} == {(1, 1)}

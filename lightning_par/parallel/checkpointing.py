@@ -3,15 +3,15 @@ them (full) or all but the outputs of the costly ops (selective)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from lightning_par._compat import checkpoint_wrapper
 from lightning_par.parallel.tensor import SHRINKING_INPUT_HOOKS
 
 ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
@@ -63,22 +63,17 @@ def combine_contexts(*fns: ContextFn) -> ContextFn:
 
     def context_fn() -> tuple[AbstractContextManager, AbstractContextManager]:
         pairs = [fn() for fn in fns]
-        return _Both([p[0] for p in pairs]), _Both([p[1] for p in pairs])
+        return _all_of([p[0] for p in pairs]), _all_of([p[1] for p in pairs])
 
     return context_fn
 
 
-class _Both(AbstractContextManager):
-    def __init__(self, contexts: list[AbstractContextManager]) -> None:
-        self.contexts, self.stack = contexts, ExitStack()
-
-    def __enter__(self) -> _Both:
-        for c in self.contexts:
-            self.stack.enter_context(c)
-        return self
-
-    def __exit__(self, *exc: Any) -> bool | None:
-        return self.stack.__exit__(*exc)
+@contextmanager
+def _all_of(contexts: list[AbstractContextManager]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
 
 
 def apply_activation_checkpointing(model: nn.Module, fqns: list[str], context_fn: ContextFn | None = None) -> None:

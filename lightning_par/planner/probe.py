@@ -237,9 +237,9 @@ def group_shapes(ranks_per_node: int) -> list[tuple[int, int]]:
             if ranks_per_node % (size * stride) == 0 and (size, stride) != (ranks_per_node, 1)]
 
 
-def _shape_groups(shapes: Sequence[tuple[int, int]], ranks_per_node: int) -> dict[str, dist.ProcessGroup | None]:
-    """One named group per shape: this rank's group of that shape (every node's ranks split alike). Collective:
-    every rank builds every group, in the same order."""
+def _shape_groups(shapes: Sequence[tuple[int, int]]) -> dict[str, dist.ProcessGroup | None]:
+    """One named group per shape: this rank's group of that shape (every node's ranks split alike: a shape's blocks
+    divide a node). Collective: every rank builds every group, in the same order."""
     world = dist.get_world_size()
     groups = {}
     for size, stride in shapes:
@@ -296,7 +296,7 @@ def probe_hardware(
     groups = {"intra": intra} if inter is None else {"intra": intra, "inter": inter}
     per_node = min(gpus_per_node, world)
     shapes = group_shapes(per_node)
-    groups.update(_shape_groups(shapes, per_node))
+    groups.update(_shape_groups(shapes))
     measured = probe_collectives(groups, device, comm_seconds, sizes)
     intra_bw, intra_lat = measured["intra"]
     inter_bw, inter_lat = measured.get("inter", measured["intra"])

@@ -140,10 +140,9 @@ _RECIPE_OPTIONS = ("pp_stages_per_rank", "pp_split_points", "pp_loss_method", "t
 
 
 def _recipe_options(layout: Layout) -> dict[str, Any]:
-    stages = {} if layout.pp_stages_per_rank is None else {"pp_stages_per_rank": layout.pp_stages_per_rank}
-    return {**stages, "pp_schedule": layout.pp_schedule, "pp_microbatches": layout.pp_microbatches,
-            "sequence_parallel": layout.sequence_parallel, "loss_parallel": layout.loss_parallel,
-            "activation_checkpointing": layout.activation_checkpointing, "cpu_offload": layout.cpu_offload}
+    """The layout's technique options: what ``NDParallelStrategy(**layout.strategy_kwargs())`` gets, less the sizes
+    (one translation of a layout into options, for users and for this strategy alike)."""
+    return {k: v for k, v in layout.strategy_kwargs().items() if k not in SIZES}
 
 
 def _matmul_shapes(profile: Any) -> list[tuple[int, int, int]]:
