@@ -99,6 +99,27 @@ def test_restrict_and_the_reasons_for_what_was_left_out():
         plan_layouts(gpt(), batch(), 4, CPU, restrict={"dp": [2]})
 
 
+def test_replicas_smaller_than_a_node_only_where_restrict_forbids_sharding_them():
+    """dp_replicate 4 on one node moves what dp_shard 4 moves, plus whole gradients: left out, unless ``restrict``
+    keeps dp_shard at 1 (plain data parallelism, as Megatron-LM ran its published layouts)."""
+    only_dp = {"pp": [1], "tp": [1], "cp": [1]}
+    free = plan_layouts(gpt(), batch(), 4, CPU, restrict=only_dp)
+    assert {(p.layout.dp_replicate, p.layout.dp_shard) for p in free.predictions} == {(1, 4)}
+    assert free.skipped["replicas smaller than a node (use dp_shard)"] > 0
+    plain = plan_layouts(gpt(), batch(), 4, CPU, restrict={**only_dp, "dp_shard": [1]})
+    assert {(p.layout.dp_replicate, p.layout.dp_shard) for p in plain.predictions} == {(4, 1)}
+    whole = predict(Layout(), plain.profile, CPU, GLOBAL_BATCH, 16)  # one process: the full replica
+    assert plain.best.model_state == whole.model_state  # nothing sharded
+    assert NDParallelStrategy(**plain.best.layout.strategy_kwargs()).dims.dp_replicate == 4
+
+
+def test_pipelines_weigh_micro_batches_down_to_one_sample():
+    """Besides one to eight micro-batches per stage, micro-batches of 4, 2 and 1 samples (Megatron's choice at
+    scale: the bubble shrinks with their count)."""
+    plan = plan_layouts(gpt(), batch(24), 2, CPU, restrict={"pp": [2]}, schedules=("1f1b",))
+    assert {p.layout.pp_microbatches for p in plan.predictions} == {2, 4, 8, 6, 12, 24}
+
+
 def test_ranking_fitting_first_and_fastest_first():
     budget = 200_000.0  # bytes: below a full replica's model state (about 850 kB for the tiny GPT with AdamW)
     plan = plan_layouts(gpt(), batch(), 4, CPU, memory_budget=budget)

@@ -1,8 +1,10 @@
 """The planner against published training runs: each case is a real configuration with its published throughput,
-planned from the device table (``known_hardware``, no probe), the model built on the meta device from its Hugging
-Face config (transformers' ``LlamaConfig`` with the published sizes; nothing downloaded), restricted only as the
-published run was: the same world, global batch, sequence and precision (and the GPUs' memory where the table's
-device differs).
+planned from the device table (``known_hardware``, no probe), the model built on the meta device (transformers'
+``LlamaConfig`` with the published sizes, or for Megatron's GPT runs the example project's GPT, which has Megatron's
+GPT shape; nothing downloaded), restricted only as the published run was: the same world, global batch, sequence and
+precision (and the GPUs' memory where the table's device differs), and for runs of 2021 software the techniques it
+had (Megatron-LM then: tensor, pipeline and plain data parallelism, full recomputation; no sharded data or context
+parallelism, so ``restrict`` keeps dp_shard and cp at 1 and the planner weighs full checkpointing only).
 
 Two things are checked per case: the tokens per second per GPU the planner predicts for the published layout
 against the published figure, and where the published layout ranks in the plan. A layout is its mesh sizes
@@ -20,9 +22,10 @@ import pytest
 import torch
 from hf_models import HFCausalLM
 
+from example_projects.gpt.lit import GPTModule
 from lightning_par.devices import GiB, known_hardware
 from lightning_par.planner.predict import RESERVE, Prediction
-from lightning_par.planner.search import SIZES, Plan, plan_layouts
+from lightning_par.planner.search import CHECKPOINTING, SIZES, Plan, plan_layouts
 
 _VOCAB = dict(vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False, max_position_embeddings=8192)
 #: Llama 3.1 sizes: the models' config.json on the Hugging Face hub (meta-llama/Llama-3.1-{8B,70B,405B}), which
@@ -53,7 +56,7 @@ class PublishedCase:
     name: str
     source: str  # where the figure is printed
     config: str  # the run's exact configuration, as the source states it
-    model: dict[str, Any]  # LlamaConfig fields
+    model: dict[str, Any]  # LlamaConfig fields (arch "llama"), GPTModule's arguments (arch "gpt")
     world: int
     global_batch: int  # sequences per optimizer step
     seq_len: int
@@ -65,6 +68,9 @@ class PublishedCase:
     activation_checkpointing: bool | None = None  # fixed by the run (full AC), else None: the planner's choice
     restrict: dict[str, list[int]] = field(default_factory=dict)
     published_tflops: float | None = None  # model TFLOP/s per GPU, where the source prints that instead
+    arch: str = "llama"
+    precision: str = "bf16-mixed"
+    checkpointing: tuple[bool | str, ...] = CHECKPOINTING  # the options the run's software had
     #: why the planner does not meet a goal for this case (the test then expects the failure, strictly)
     known_gaps: dict[str, str] = field(default_factory=dict)
 
@@ -123,12 +129,57 @@ CASES = [
                     "full activation checkpointing)"}),
 ]
 
+_MEGATRON = ("Narayanan et al., 'Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM' "
+             "(SC '21, arXiv:2104.04473), table 1")
+_SELENE = ("DGX A100 80 GB (Selene): 8 GPUs per node over NVLink/NVSwitch, 8 HDR InfiniBand 200 Gb/s per node")
+
+
+def megatron_tokens_per_s(tflops: float, layers: int, hidden: int, seq: int = 2048, vocab: int = 51200) -> float:
+    """Tokens/s per GPU from the paper's teraFLOP/s per GPU, over its own FLOPs per token: equation (3),
+    ``F = 96 B s l h^2 (1 + s / 6h + V / 16 l h)`` per step of ``B s`` tokens (it counts the recomputed forward)."""
+    return tflops * 1e12 / (96 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden)))
+
+
+def megatron_case(params_b: float, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
+                  tflops: float) -> PublishedCase:
+    """One row of the paper's table 1 (weak scaling, GPT at sequence 2048, vocabulary 51,200): the degrees it picked
+    by its heuristics (tp up to a node, pp as the model needs, data parallelism for the rest) and measured."""
+    return PublishedCase(
+        f"Megatron-LM GPT {params_b}B, {gpus} A100, TP {tp} x PP {pp}",
+        _MEGATRON,
+        f"GPT {params_b}B ({heads} heads, hidden {hidden}, {layers} layers), seq 2048, batch {batch}, mixed "
+        f"precision, full activation recomputation, interleaved pipeline schedule; TP {tp} x PP {pp} x DP "
+        f"{gpus // (tp * pp)} (plain data parallelism); {tflops} TFLOP/s per GPU; {_SELENE}",
+        dict(vocab_size=51200, block_size=2048, n_layer=layers, n_head=heads, n_embd=hidden), world=gpus,
+        global_batch=batch, seq_len=2048, published_tokens_per_s=megatron_tokens_per_s(tflops, layers, hidden),
+        layout={k: v for k, v in (("dp_replicate", gpus // (tp * pp)), ("tp", tp), ("pp", pp)) if v > 1},
+        device="A100-80GB", inter_link="ib-hdr200", activation_checkpointing=True,
+        restrict={"dp_shard": [1], "cp": [1]}, arch="gpt", precision="16-mixed", checkpointing=(True,))
+
+
+CASES += [megatron_case(*row) for row in (
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+)]
+
 
 
 def build(case: PublishedCase) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """The model on the meta device (nothing allocated) and one global batch of token ids."""
     with torch.device("meta"):
-        module = HFCausalLM("llama", **case.model)
+        if case.arch == "gpt":
+            module = GPTModule(**case.model)
+            module.configure_model()
+        else:
+            module = HFCausalLM(case.arch, **case.model)
     ids = torch.zeros(case.global_batch, case.seq_len, dtype=torch.long, device="meta")
     return module, (ids, ids)
 
@@ -143,10 +194,11 @@ def published_sizes(case: PublishedCase) -> tuple[int, ...]:
 
 def plan(case: PublishedCase) -> Plan:
     module, batch = build(case)
-    hardware = known_hardware(case.device, precision="bf16", gpus_per_node=8, inter_link=case.inter_link)
+    table_precision = {"bf16-mixed": "bf16", "16-mixed": "fp16"}[case.precision]
+    hardware = known_hardware(case.device, precision=table_precision, gpus_per_node=8, inter_link=case.inter_link)
     budget = None if case.memory_gib is None else case.memory_gib * GiB * (1 - RESERVE)
-    return plan_layouts(module, batch, case.world, hardware, precision="bf16-mixed", memory_budget=budget,
-                        restrict=case.restrict)
+    return plan_layouts(module, batch, case.world, hardware, precision=case.precision, memory_budget=budget,
+                        restrict=case.restrict, activation_checkpointing=case.checkpointing)
 
 
 def plan_case(case: PublishedCase) -> dict[str, Any]:

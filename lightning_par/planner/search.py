@@ -142,7 +142,10 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
             skip("restricted")
             continue
         dp = dims["dp_replicate"] * dims["dp_shard"]
-        if dims["dp_replicate"] > 1 and dims["dp_shard"] * dims["cp"] * dims["tp"] < per_node:
+        if (dims["dp_replicate"] > 1 and dims["dp_shard"] * dims["cp"] * dims["tp"] < per_node
+                and dp in allowed.get("dp_shard", (dp,))):
+            # the same layout with the replicas folded into dp_shard moves less across nodes (kept where
+            # `restrict` forbids that dp_shard: plain data parallelism, as Megatron ran it)
             skip("replicas smaller than a node (use dp_shard)")
             continue
         if dims["tp"] > 1 and (dims["tp"] > per_node or not _tp_ok(profile, dims["tp"], False)):
@@ -183,8 +186,11 @@ def _stages_per_rank(schedule: str) -> tuple[int | None, ...]:
 
 
 def _microbatches(pp: int, local_batch: int) -> list[int]:
-    """A few micro-batch counts: one per stage up to eight per stage, those that divide the batch."""
-    return [m for m in (pp, 2 * pp, 4 * pp, 8 * pp) if m <= local_batch and local_batch % m == 0]
+    """A few micro-batch counts that divide the batch: one per stage up to eight per stage, and those of micro-batches
+    of 4, 2 and 1 samples where the batch holds more than that (Megatron's large runs used micro-batches of 1
+    sample: the bubble shrinks with the count, the matmuls stay large at long sequences)."""
+    counts = (pp, 2 * pp, 4 * pp, 8 * pp, local_batch // 4, local_batch // 2, local_batch)
+    return sorted({m for m in counts if pp <= m <= local_batch and local_batch % m == 0})
 
 
 @cache

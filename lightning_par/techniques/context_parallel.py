@@ -5,6 +5,7 @@ functions through transformers' own interfaces, and their positions filled in (`
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -54,15 +55,17 @@ class ContextParallel(Technique):
         sections = max(sheet.rank_sections, key=len)
         m = sheet.microbatches
         grad = sheet.grad_scale  # dK/dV travel in fp32
-        for name in sections:
-            kv = sheet.profile.sections[name].kv_bytes * sheet.token_scale * sheet.activation_scale / cp / sheet.tp
+        # attentions of one size (the blocks) are one Transfer with their message counts summed
+        scale = sheet.token_scale * sheet.activation_scale / cp / sheet.tp
+        attentions = Counter(sheet.profile.sections[name].kv_bytes * scale for name in sections)
+        for kv, k in attentions.items():
             if not kv:
                 continue
             if self.algorithm == "ring":  # forward: cp-1 hops of K/V; backward: again, plus cp hops of dK/dV
-                sheet.transfers.append(Transfer("cp", "cp", "send_recv", kv, (2 * (cp - 1) + cp * grad) * m, True))
+                sheet.transfers.append(Transfer("cp", "cp", "send_recv", kv, (2 * (cp - 1) + cp * grad) * m * k, True))
             else:
-                sheet.transfers.append(Transfer("cp", "cp", "all_gather", kv * cp, 2 * m, True))
-                sheet.transfers.append(Transfer("cp", "cp", "reduce_scatter", grad * kv * cp, m, True))
+                sheet.transfers.append(Transfer("cp", "cp", "all_gather", kv * cp, 2 * m * k, True))
+                sheet.transfers.append(Transfer("cp", "cp", "reduce_scatter", grad * kv * cp, m * k, True))
 
     def describe(self, dims: ParallelDims) -> str | None:
         if dims.cp == 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -75,15 +76,19 @@ class FullySharded(Technique):
             gathers, scatters = (m + 1 if self.reshard_after_forward else 1), 1
         else:
             gathers, scatters = m * (2 if self.reshard_after_forward else 1), m
+        # units of one size (the blocks) are one Transfer with their counts summed: the same time, and planning
+        # thousands of layouts of a 126-block model does not build a message per block
         if sheet.shard > 1:
-            for nbytes, wire in zip(units, gathered):
-                sheet.transfers.append(Transfer("fsdp_all_gather", "dp_shard_cp", "all_gather", wire, gathers, True))
+            for nbytes, k in Counter(units).items():
+                wire = nbytes * sheet.gather_scale
+                sheet.transfers.append(Transfer("fsdp_all_gather", "dp_shard_cp", "all_gather", wire, gathers * k,
+                                                True))
                 sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_shard_cp", "reduce_scatter", nbytes,
-                                                scatters, True))
+                                                scatters * k, True))
         if dims.dp_replicate > 1:
-            for nbytes in units:
+            for nbytes, k in Counter(units).items():
                 sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_replicate", "all_reduce",
-                                                nbytes / sheet.shard, scatters, True))
+                                                nbytes / sheet.shard, scatters * k, True))
         sheet.buffer_bytes += 2 * max(gathered, default=0.0)
 
 
