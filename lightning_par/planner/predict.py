@@ -176,7 +176,7 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     links: dict[str, tuple[int, float, float]] = {}  # per mesh dimension: its group size and link
     for t in sheet.transfers:
         if t.dim not in links:
-            links[t.dim] = _link(t.dim, sheet.dims, hardware)
+            links[t.dim] = _cached_link(t.dim, sheet.dims, hardware)
         seconds = _transfer_time(t, *links[t.dim])
         total[t.kind] += seconds
         if t.overlappable:
@@ -216,21 +216,30 @@ def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float
     if len(memo) > 200_000:
         memo.clear()
     scale = sheet.token_scale
+    # the pipeline's rank sections are shared by every layout of one pipeline shape (``pipeline_shape`` caches
+    # them), so their keys are too
+    keys_key = ("keys", id(sheet.rank_sections))
+    hit = memo.get(keys_key)
+    if hit is None or hit[0] is not sheet.rank_sections:
+        hit = memo[keys_key] = (sheet.rank_sections,
+                                [tuple(sorted(kinds[n] for n in names)) for names in sheet.rank_sections])
+    costs: dict[tuple, tuple] = {}  # this layout's ranks of equal sections: one lookup
     out = []
-    for rank, names in enumerate(sheet.rank_sections):
-        key = tuple(sorted(kinds[n] for n in names))
-        state_key = ("state", key, sheet.tp, sheet.shard)
-        if state_key not in memo:
-            memo[state_key] = _rank_state(sheet, rank)
-        act_key = ("activations", key, scale * sheet.activation_scale, sheet.tp, sheet.cp, sheet.sequence_parallel,
-                   sheet.loss_parallel, sheet.checkpointing)
-        if act_key not in memo:
-            memo[act_key] = _rank_activations(sheet, rank)
-        flops_key = ("flops", key, scale, sheet.sequence_scale, sheet.tp, sheet.cp, sheet.checkpointing,
-                     sheet.microbatches, matmul_share)
-        if flops_key not in memo:
-            memo[flops_key] = _rank_flops(sheet, rank, matmul_share)
-        (params, grads, optimizer), (kept, transient), flops = memo[state_key], memo[act_key], memo[flops_key]
+    for rank, key in enumerate(hit[1]):
+        if key not in costs:
+            state_key = ("state", key, sheet.tp, sheet.shard)
+            if state_key not in memo:
+                memo[state_key] = _rank_state(sheet, rank)
+            act_key = ("activations", key, scale * sheet.activation_scale, sheet.tp, sheet.cp,
+                       sheet.sequence_parallel, sheet.loss_parallel, sheet.checkpointing)
+            if act_key not in memo:
+                memo[act_key] = _rank_activations(sheet, rank)
+            flops_key = ("flops", key, scale, sheet.sequence_scale, sheet.tp, sheet.cp, sheet.checkpointing,
+                         sheet.microbatches, matmul_share)
+            if flops_key not in memo:
+                memo[flops_key] = _rank_flops(sheet, rank, matmul_share)
+            costs[key] = (memo[state_key], memo[act_key], memo[flops_key])
+        (params, grads, optimizer), (kept, transient), flops = costs[key]
         inflight = sheet.inflight[rank] if sheet.inflight else 1.0  # micro-batches whose activations it holds
         out.append((params, grads, optimizer, kept * inflight, transient, flops))
     return out
@@ -342,6 +351,20 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0) -> float
             recomputed += (matmul_share * section.selective_recompute_flops * sheet.token_scale
                            + (1 - matmul_share) * flops)
     return (3 * forward + recomputed) / (sheet.tp * sheet.cp) * sheet.microbatches
+
+
+_LINKS: dict[tuple, tuple[Hardware, tuple[int, float, float]]] = {}
+
+
+def _cached_link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float]:
+    """``_link``, remembered across layouts (the same few mesh shapes recur in thousands of them)."""
+    key = (id(hw), dim, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp)
+    hit = _LINKS.get(key)
+    if hit is None or hit[0] is not hw:
+        if len(_LINKS) > 100_000:
+            _LINKS.clear()
+        hit = _LINKS[key] = (hw, _link(dim, dims, hw))
+    return hit[1]
 
 
 def _link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -98,26 +99,42 @@ class PipelineParallel(Technique):
         blocks = sheet.profile.blocks
         p = sheet.dims.pp
         if p == 1:
-            sheet.rank_sections, sheet.microbatches, sheet.inflight = [["first", *blocks, "last"]], 1, [1.0]
+            sheet.rank_sections, sheet.microbatches, sheet.inflight = whole_model(tuple(blocks)), 1, [1.0]
             return
         v = SCHEDULES[self.schedule].stages_per_rank or self.stages_per_rank or 2
         m = self.microbatches or p * v
-        stages = even_cut(blocks, p * v)
-        stages[0].insert(0, "first")
-        stages[-1].append("last")
-        style = SCHEDULES[self.schedule].style
-        sheet.rank_sections = [[s for sid in stage_ids(r, p, v, style) for s in stages[sid]] for r in range(p)]
         sheet.microbatches = m
-        sheet.inflight = [in_flight(self.schedule, r, p, v, m) for r in range(p)]
-        sheet.bubble = bubble_fraction(self.schedule, p, v, m)
+        sheet.rank_sections, sheet.inflight, sheet.bubble, boundaries = pipeline_shape(self.schedule, tuple(blocks),
+                                                                                       p, v, m)
         activation = sheet.microbatch_tokens * sheet.profile.hidden_bytes * sheet.activation_scale
-        boundaries = max(sum(sid < p * v - 1 for sid in stage_ids(r, p, v, style)) for r in range(p))
         sheet.transfers.append(Transfer("pp_send_recv", "pp", "send_recv", activation, 2 * boundaries * m, False))
 
     def restore_gradients(self) -> None:
         """In the strategy's ``backward``: hand back the gradients the schedule computed inside training_step."""
         assert self.adapter is not None
         self.adapter.restore_gradients()
+
+
+@lru_cache(maxsize=64)
+def whole_model(blocks: tuple[str, ...]) -> list[list[str]]:
+    """The one rank's sections without a pipeline, shared by every such layout (see ``pipeline_shape``)."""
+    return [["first", *blocks, "last"]]
+
+
+@lru_cache(maxsize=4096)
+def pipeline_shape(schedule: str, blocks: tuple[str, ...], pp: int, v: int,
+                   m: int) -> tuple[list[list[str]], list[float], float, int]:
+    """(the sections each pp rank runs, the micro-batches' activations each holds at once, the bubble, the stage
+    boundaries the busiest rank sends across) of one pipeline shape. The same for every layout of that shape, so
+    worked out once: a plan at thousands of GPUs asks it for tens of thousands of layouts. Read-only."""
+    stages = even_cut(list(blocks), pp * v)
+    stages[0].insert(0, "first")
+    stages[-1].append("last")
+    style = SCHEDULES[schedule].style
+    rank_sections = [[s for sid in stage_ids(r, pp, v, style) for s in stages[sid]] for r in range(pp)]
+    inflight = [in_flight(schedule, r, pp, v, m) for r in range(pp)]
+    boundaries = max(sum(sid < pp * v - 1 for sid in stage_ids(r, pp, v, style)) for r in range(pp))
+    return rank_sections, inflight, bubble_fraction(schedule, pp, v, m), boundaries
 
 
 def in_flight(schedule: str, rank: int, pp: int, v: int, m: int) -> float:
