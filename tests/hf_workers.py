@@ -61,10 +61,11 @@ def world2(ckpt_dir: str) -> dict[str, Any]:
     out["pp_uneven"] = hf_fit(_pp(pp_split_points=["model.model.layers.1"]), 2, 1)
     out["pp_activation_checkpointing"] = hf_fit(_pp(activation_checkpointing=True), 2, 1, arch="llama")
     out["zbv_tied"] = hf_fit(_pp("zbv", 4), 2, 1, tie_word_embeddings=True)
-    # the sequence cut runs on the checkpoint wrapper, before the checkpoint saves the first block's input
-    out["tp_sp_activation_checkpointing"] = hf_fit(
-        NDParallelStrategy(dp_shard=1, tp=2, sequence_parallel=True, activation_checkpointing=True), 2, 1,
-        arch="llama")
+    # the sequence cut runs on the checkpoint wrapper, before the checkpoint saves the first block's input; loss
+    # parallelism keeps the model's lm_head logits sharded over the vocabulary
+    out["tp_sp_lp_activation_checkpointing"] = hf_fit(
+        NDParallelStrategy(dp_shard=1, tp=2, sequence_parallel=True, loss_parallel=True,
+                           activation_checkpointing=True), 2, 1, arch="llama")
     # selective: the policy keeps sequence parallelism's reduce-scatters; the model's key/value cache is off
     out["tp_sp_selective_activation_checkpointing"] = hf_fit(
         NDParallelStrategy(dp_shard=1, tp=2, sequence_parallel=True, activation_checkpointing="selective"), 2, 1,
@@ -86,9 +87,10 @@ def world4() -> dict[str, Any]:
     layouts = {
         "pp2_x_dp_shard2": (dict(pp=2, dp_shard=2), 2),
         "pp2_x_tp2": (dict(pp=2, dp_shard=1, tp=2), 1),
-        # stages hand on the sequence chunk; later stages build masks and positions for the whole sequence
-        "pp2_x_tp2_sp": (dict(pp=2, dp_shard=1, tp=2, sequence_parallel=True, pp_schedule="interleaved_1f1b",
-                              pp_microbatches=4), 1),
+        # stages hand on the sequence chunk; later stages build masks and positions for the whole sequence; the
+        # last stage's loss over vocabulary-sharded logits
+        "pp2_x_tp2_sp_lp": (dict(pp=2, dp_shard=1, tp=2, sequence_parallel=True, loss_parallel=True,
+                                 pp_schedule="interleaved_1f1b", pp_microbatches=4), 1),
         "cp2_x_tp2": (dict(cp=2, dp_shard=1, tp=2), 1),
         "cp2_x_dp_shard2": (dict(cp=2, dp_shard=2), 2),
     }

@@ -59,7 +59,7 @@ def test_pipeline_schedules(w2, name):
     assert_parity(w2[0]["pp_schedules"][name], reference(), steps=STEPS)
 
 
-@pytest.mark.parametrize("name", ["pp_uneven", "pp_activation_checkpointing", "tp_sp_activation_checkpointing",
+@pytest.mark.parametrize("name", ["pp_uneven", "pp_activation_checkpointing", "tp_sp_lp_activation_checkpointing",
                                   "tp_sp_selective_activation_checkpointing"])
 def test_pipeline_uneven_split_and_activation_checkpointing(w2, name):
     arch = "qwen2" if name == "pp_uneven" else "llama"
@@ -109,7 +109,7 @@ def test_refused_on_every_rank(w2, case, pattern):
     assert_raised_on_every_rank([r["errors"] for r in w2], case, pattern)
 
 
-@pytest.mark.parametrize("name", ["pp2_x_dp_shard2", "pp2_x_tp2", "pp2_x_tp2_sp", "cp2_x_tp2", "cp2_x_dp_shard2"])
+@pytest.mark.parametrize("name", ["pp2_x_dp_shard2", "pp2_x_tp2", "pp2_x_tp2_sp_lp", "cp2_x_tp2", "cp2_x_dp_shard2"])
 def test_two_dimensional_layouts(w4, name):
     assert_parity(w4[0][name], reference(), steps=STEPS)
 

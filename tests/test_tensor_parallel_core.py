@@ -120,6 +120,21 @@ def test_resolve_hugging_face_plan_inside_a_wrapper():
     assert "model.layers.*.self_attn.q_proj" in resolve_tp_plan(tiny_llama(), None)
 
 
+def test_loss_parallelism_keeps_a_hugging_face_heads_logits_sharded():
+    """HF's head gathers its logits for HF's own loss, which loss parallelism cannot take (refused before); under
+    loss_parallel=True its entry becomes 'vocab_parallel_head'. A plan the user gives is taken as it is."""
+    holder = Holder(tiny_llama())
+    gathered = resolve_tp_plan(holder, None)
+    with pytest.raises(ValueError, match="loss_parallel=True needs an output layer"):
+        validate_tp_plan(holder, gathered, 2, sequence_parallel=True, loss_parallel=True)
+    sharded = resolve_tp_plan(holder, None, loss_parallel=True)
+    assert sharded == {**gathered, "model.lm_head": "vocab_parallel_head"}
+    assert validate_tp_plan(holder, sharded, 2, sequence_parallel=True, loss_parallel=True)["model.lm_head"] == (
+        "vocab_parallel_head")
+    given = {"model.lm_head": "colwise_rep"}
+    assert resolve_tp_plan(holder, given, loss_parallel=True) == given
+
+
 def test_resolve_without_any_plan():
     with pytest.raises(ValueError, match="No tensor-parallel plan for Holder.*tp_plan"):
         resolve_tp_plan(Holder(nn.Linear(4, 4)), None)

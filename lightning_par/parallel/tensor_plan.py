@@ -113,16 +113,21 @@ def check_tp_size(tp: int, world_size: int) -> None:
 
 
 # ---- where a plan comes from ----------------------------------------------------------------------------------
-def resolve_tp_plan(module: nn.Module, plan: Plan | None) -> dict[str, str | ParallelStyle]:
+def resolve_tp_plan(module: nn.Module, plan: Plan | None, *,
+                    loss_parallel: bool = False) -> dict[str, str | ParallelStyle]:
     """The plan to apply to ``module``: ``plan`` if given; else ``module.tp_plan`` (a LightningModule's attribute,
     relative to the LightningModule: ``"model.blocks.*.attn.q"``); else the Hugging Face plans of the HF models
-    inside ``module``, re-rooted at ``module``. Raises a ``ValueError`` saying what to pass when there is none."""
+    inside ``module``, re-rooted at ``module``. Raises a ``ValueError`` saying what to pass when there is none.
+
+    ``loss_parallel``: a Hugging Face plan's output head, which gathers its logits for HF's own loss
+    (``colwise_gather_output``), keeps them sharded over the vocabulary instead (``vocab_parallel_head``), as loss
+    parallelism needs; plans the user gives are taken as they are."""
     if plan is not None:
         return _check_plan_types(plan, "tp_plan")
     own = getattr(module, "tp_plan", None)
     if own is not None and not is_hf_model(module):
         return _check_plan_types(own, f"{type(module).__name__}.tp_plan")
-    found = _hf_plan(module)
+    found = _hf_plan(module, loss_parallel)
     if found:
         return found
     raise ValueError(
@@ -133,9 +138,10 @@ def resolve_tp_plan(module: nn.Module, plan: Plan | None) -> dict[str, str | Par
     )
 
 
-def _hf_plan(root: nn.Module) -> dict[str, str]:
+def _hf_plan(root: nn.Module, loss_parallel: bool = False) -> dict[str, str]:
     """The plans of the outermost HF models in ``root`` (their inner modules carry the same config), translated:
-    HF no-op styles dropped, sequence-parallel entries added (they do nothing unless ``sequence_parallel=True``)."""
+    HF no-op styles dropped, sequence-parallel entries added (they do nothing unless ``sequence_parallel=True``),
+    under ``loss_parallel`` the output head's logits left sharded over the vocabulary."""
     plan: dict[str, str] = {}
     for fqn, sub in outermost_hf_models(root):
         own = getattr(sub, "tp_plan", None)  # transformers >= 5: the model's and its base model's plans merged
@@ -144,9 +150,23 @@ def _hf_plan(root: nn.Module) -> dict[str, str]:
             base_fqn = sub.base_model_prefix if isinstance(getattr(sub, sub.base_model_prefix, None), nn.Module) else ""
             own.update(prefix_plan(sub.config.base_model_tp_plan or {}, base_fqn))
         own = {k: v for k, v in own.items() if v not in _HF_NOOP_IN_HF_PLANS}
+        if loss_parallel:
+            own = _head_keeps_vocab_shards(sub, own)
         if own:
             plan.update(prefix_plan({**own, **_hf_sequence_parallel_entries(sub, own)}, fqn))
     return plan
+
+
+def _head_keeps_vocab_shards(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The entry of the model's output embeddings (``get_output_embeddings()``, e.g. ``lm_head``) that gathers the
+    logits whole, made ``vocab_parallel_head``: torch's ``loss_parallel()`` takes the vocabulary-sharded logits."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    head_fqn = next((name for name, m in model.named_modules() if m is head), None) if head is not None else None
+    if not head_fqn:
+        return plan
+    return {key: "vocab_parallel_head" if fqn_matches(head_fqn, key) and HF_ALIASES.get(style, style) == "colwise_rep"
+            else style for key, style in plan.items()}
 
 
 def _hf_sequence_parallel_entries(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:

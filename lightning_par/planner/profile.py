@@ -345,7 +345,9 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
     block_fqn, container = find_block_list(model, block_list)
     blocks = [f"{block_fqn}.{n}" for n in container._modules]
     try:
-        source_plan = resolve_tp_plan(model, tp_plan)
+        # as loss parallelism takes it (a Hugging Face head keeps its logits sharded; without loss parallelism it
+        # gathers them, which the accounts price alike): the search then weighs layouts with and without it
+        source_plan = resolve_tp_plan(model, tp_plan, loss_parallel=True)
         resolved = validate_tp_plan(model, source_plan, 1)
     except ValueError:
         source_plan, resolved = {}, {}

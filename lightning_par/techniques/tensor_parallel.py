@@ -40,7 +40,7 @@ class TensorParallel(Technique):
             return
         if self.sequence_parallel and dims.pp > 1:
             self._sequence_multiple = (dims.tp, dims.cp, dims.pp)
-        plan = resolve_tp_plan(target.module, self.plan)
+        plan = resolve_tp_plan(target.module, self.plan, loss_parallel=self.loss_parallel)
         resolved = validate_tp_plan(target.whole, plan, dims.tp, sequence_parallel=self.sequence_parallel,
                                     loss_parallel=self.loss_parallel)
         if target.keep is not None:
@@ -95,11 +95,11 @@ class TensorParallel(Technique):
             sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, m, False))
         for style, vocabulary, itemsize in heads:
             sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, m, False))
-            if style == "colwise_rep":  # the sharded logits gathered whole
+            if self.loss_parallel and style == "vocab_parallel_head":  # max, sum of exponentials, target's logit
+                sheet.transfers.append(Transfer("tp", "tp", "all_reduce", tokens * 4, 3 * m, False))
+            else:  # the sharded logits gathered whole (a vocabulary-parallel head does that too without loss parallel)
                 logits = tokens * vocabulary * itemsize * sheet.activation_scale
                 sheet.transfers.append(Transfer("tp", "tp", "all_gather", logits, m, False))
-            elif self.loss_parallel:  # max, sum of exponentials and the target's logit, per token
-                sheet.transfers.append(Transfer("tp", "tp", "all_reduce", tokens * 4, 3 * m, False))
         if whole and self.sequence_parallel:  # one message each: the time of their mean size, len(whole) times
             sheet.transfers.append(Transfer("tp", "tp", "all_reduce", sum(whole) / len(whole), len(whole), False))
         if self.sequence_parallel:  # pipeline stages hand on this rank's sequence chunk, not the whole sequence
