@@ -27,6 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+#: ``--activation-checkpointing`` names -> the layouts' values
+_CHECKPOINTING: dict[str, bool | str] = {"none": False, "selective": "selective", "full": True}
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lightning_par.plan", description=__doc__.split("\n\n")[0])
@@ -49,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--inter-link", default="ib-ndr400", help="the link between nodes")
     where.add_argument("--precision", default="bf16-mixed")
     where.add_argument("--memory-budget", type=float, help="bytes per device (default: the device's memory)")
+    where.add_argument("--activation-checkpointing", nargs="+", choices=sorted(_CHECKPOINTING),
+                       default=list(_CHECKPOINTING), help="the options to weigh (default: all three)")
     where.add_argument("--restrict", nargs="*", default=[], metavar="DIM=SIZES",
                        help="allowed sizes, e.g. pp=1 tp=1,2,4")
     out = p.add_argument_group("output")
@@ -75,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     hardware = _hardware(args, profile)
     restrict = {k: [int(x) for x in v.split(",")] for k, v in (item.split("=", 1) for item in args.restrict)}
     plan = plan_layouts(profile, batch, args.world, hardware, precision=args.precision, batch_is_global=True,
-                        memory_budget=args.memory_budget, restrict=restrict)
+                        memory_budget=args.memory_budget, restrict=restrict,
+                        activation_checkpointing=[_CHECKPOINTING[c] for c in args.activation_checkpointing])
     seconds = time.perf_counter() - start
     print(f"{profile.name}: {sum(p.numel for p in profile.params) / 1e9:.3f} B parameters, global batch "
           f"{global_batch} x {profile.seq_len} tokens, {args.world} devices ({hardware.source}); "

@@ -253,7 +253,8 @@ def test_cli_plans_a_hugging_face_config_on_a_big_cluster(tmp_path):
                                   "num_key_value_heads": 8}))
     out = subprocess.run([sys.executable, "-m", "lightning_par.plan", "--hf-config", str(config), "--world", "1024",
                           "--device", "H100", "--seq-len", "4096", "--batch", "1024", "--json",
-                          str(tmp_path / "plan.json"), "--plot", str(tmp_path / "plan.png"), "--top", "5"],
+                          str(tmp_path / "plan.json"), "--plot", str(tmp_path / "plan.png"), "--top", "5",
+                          "--activation-checkpointing", "none", "full"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "1024 devices" in out.stdout and "layouts in" in out.stdout
@@ -261,6 +262,8 @@ def test_cli_plans_a_hugging_face_config_on_a_big_cluster(tmp_path):
     assert record["world_size"] == 1024 and len(record["layouts"]) > 50
     best = record["layouts"][0]
     assert best["fits"] and best["memory"] <= best["budget"]
+    # none and full checkpointing weighed, selective left out
+    assert {lay["strategy_kwargs"].get("activation_checkpointing", False) for lay in record["layouts"]} == {False, True}
     assert (tmp_path / "plan.png").stat().st_size > 10_000
 
 
