@@ -8,6 +8,7 @@ Everything is per rank and per optimizer step, for the rank that needs the most 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_par.dims import ParallelDims
@@ -37,9 +38,9 @@ class CostSheet:
     seq_len: int
     # pipeline parallelism: the sections each pp rank runs, its micro-batches, and how many of their activations
     # are alive at once (in micro-batch x stage units, per pp rank)
-    rank_sections: list[list[str]] = field(default_factory=list)
+    rank_sections: Sequence[Sequence[str]] = ()
     microbatches: int = 1
-    inflight: list[float] = field(default_factory=list)
+    inflight: Sequence[float] = ()
     bubble: float = 0.0
     # how parameters and activations are divided (tensor, context, data parallelism)
     tp: int = 1

@@ -99,7 +99,7 @@ class PipelineParallel(Technique):
         blocks = sheet.profile.blocks
         p = sheet.dims.pp
         if p == 1:
-            sheet.rank_sections, sheet.microbatches, sheet.inflight = whole_model(tuple(blocks)), 1, [1.0]
+            sheet.rank_sections, sheet.microbatches, sheet.inflight = whole_model(tuple(blocks)), 1, (1.0,)
             return
         v = SCHEDULES[self.schedule].stages_per_rank or self.stages_per_rank or 2
         m = self.microbatches or p * v
@@ -116,23 +116,23 @@ class PipelineParallel(Technique):
 
 
 @lru_cache(maxsize=64)
-def whole_model(blocks: tuple[str, ...]) -> list[list[str]]:
+def whole_model(blocks: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     """The one rank's sections without a pipeline, shared by every such layout (see ``pipeline_shape``)."""
-    return [["first", *blocks, "last"]]
+    return (("first", *blocks, "last"),)
 
 
 @lru_cache(maxsize=4096)
 def pipeline_shape(schedule: str, blocks: tuple[str, ...], pp: int, v: int,
-                   m: int) -> tuple[list[list[str]], list[float], float, int]:
+                   m: int) -> tuple[tuple[tuple[str, ...], ...], tuple[float, ...], float, int]:
     """(the sections each pp rank runs, the micro-batches' activations each holds at once, the bubble, the stage
     boundaries the busiest rank sends across) of one pipeline shape. The same for every layout of that shape, so
-    worked out once: a plan at thousands of GPUs asks it for tens of thousands of layouts. Read-only."""
+    worked out once (tuples: shared): a plan at thousands of GPUs asks it for tens of thousands of layouts."""
     stages = even_cut(list(blocks), pp * v)
     stages[0].insert(0, "first")
     stages[-1].append("last")
     style = SCHEDULES[schedule].style
-    rank_sections = [[s for sid in stage_ids(r, pp, v, style) for s in stages[sid]] for r in range(pp)]
-    inflight = [in_flight(schedule, r, pp, v, m) for r in range(pp)]
+    rank_sections = tuple(tuple(s for sid in stage_ids(r, pp, v, style) for s in stages[sid]) for r in range(pp))
+    inflight = tuple(in_flight(schedule, r, pp, v, m) for r in range(pp))
     boundaries = max(sum(sid < pp * v - 1 for sid in stage_ids(r, pp, v, style)) for r in range(pp))
     return rank_sections, inflight, bubble_fraction(schedule, pp, v, m), boundaries
 
