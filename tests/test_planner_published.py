@@ -262,3 +262,10 @@ def test_the_planner_lists_the_published_layout_as_fitting(case):
     """Whatever the ranking: the published run fitted its GPUs, so the planner must list its layout as fitting."""
     result = result_of(case)
     assert result["published_sizes"] == published_sizes(case) and result["fits"], result
+
+
+def test_megatron_tokens_per_second_agree_with_the_papers_own_training_time():
+    """The conversion of Megatron's TFLOP/s into tokens/s, checked against the paper's own arithmetic (section 5.1):
+    GPT-3 175B (96 layers, hidden 12288) at 140 TFLOP/s per GPU on 1,024 A100 trains 300B tokens in 34 days."""
+    days = 300e9 / (megatron_tokens_per_s(140, 96, 12288) * 1024) / 86400
+    assert 33.5 <= days <= 35.0, days
