@@ -353,18 +353,14 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0) -> float
     return (3 * forward + recomputed) / (sheet.tp * sheet.cp) * sheet.microbatches
 
 
-_LINKS: dict[tuple, tuple[Hardware, tuple[int, float, float]]] = {}
-
-
 def _cached_link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float]:
     """``_link``, remembered across layouts (the same few mesh shapes recur in thousands of them)."""
-    key = (id(hw), dim, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp)
-    hit = _LINKS.get(key)
-    if hit is None or hit[0] is not hw:
-        if len(_LINKS) > 100_000:
-            _LINKS.clear()
-        hit = _LINKS[key] = (hw, _link(dim, dims, hw))
-    return hit[1]
+    return _link_of_sizes(dim, (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp), hw)
+
+
+@lru_cache(maxsize=4096)
+def _link_of_sizes(dim: str, sizes: tuple[int, ...], hw: Hardware) -> tuple[int, float, float]:
+    return _link(dim, ParallelDims(*sizes), hw)
 
 
 def _link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float]:

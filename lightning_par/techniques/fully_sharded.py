@@ -78,15 +78,16 @@ class FullySharded(Technique):
             gathers, scatters = m * (2 if self.reshard_after_forward else 1), m
         # units of one size (the blocks) are one Transfer with their counts summed: the same time, and planning
         # thousands of layouts of a 126-block model does not build a message per block
+        equal_units = Counter(units).items()
         if sheet.shard > 1:
-            for nbytes, k in Counter(units).items():
+            for nbytes, k in equal_units:
                 wire = nbytes * sheet.gather_scale
                 sheet.transfers.append(Transfer("fsdp_all_gather", "dp_shard_cp", "all_gather", wire, gathers * k,
                                                 True))
                 sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_shard_cp", "reduce_scatter", nbytes,
                                                 scatters * k, True))
         if dims.dp_replicate > 1:
-            for nbytes, k in Counter(units).items():
+            for nbytes, k in equal_units:
                 sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_replicate", "all_reduce",
                                                 nbytes / sheet.shard, scatters * k, True))
         sheet.buffer_bytes += 2 * max(gathered, default=0.0)
