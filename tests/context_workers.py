@@ -34,11 +34,12 @@ class Case:
     transposed: bool = False  # q/k/v are non-contiguous views of a (B, S, H, D) tensor
     via_sdpa: bool = False  # call through context_parallel_sdpa instead of context_parallel_attention
     window: int | None = None  # causal sliding window (Mistral-style), on global positions
+    sinks: bool = False  # a learned logit per head in every softmax's denominator (gpt-oss)
 
     def __str__(self) -> str:
         extras = "".join(
             f" {k}={getattr(self, k)}"
-            for k in ("scale", "transposed", "via_sdpa", "window")
+            for k in ("scale", "transposed", "via_sdpa", "window", "sinks")
             if getattr(self, k) not in (None, False)
         )
         return (
@@ -70,7 +71,29 @@ def cases_for(cp: int) -> list[Case]:
         for lb in (True, False)
         for w in (3, 5 * cp, 8 * cp + 1)
     ]
+    # attention sinks, with causal load balancing, a sliding window, GQA, and without causality
+    cases += [Case(alg, True, True, 8 * cp, 4, 2, sinks=True) for alg in ("ring", "allgather")]
+    cases += [Case("ring", True, False, 8 * cp, 4, 4, window=3, sinks=True), Case("ring", False, True, 4 * cp, 2, 1,
+                                                                                    sinks=True)]
     return cases
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, is_causal: bool,
+                   window: int | None = None, scale: float | None = None) -> torch.Tensor:
+    """One process, written out as transformers' eager gpt-oss attention: the sink logit joins each row's softmax
+    as one more column, which is then dropped."""
+    g = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = q @ k.transpose(-2, -1) * (q.size(-1) ** -0.5 if scale is None else scale)
+    n = q.size(2)
+    distance = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+    hidden = (distance < 0) if is_causal else torch.zeros(n, n, dtype=torch.bool)
+    if window is not None:
+        hidden |= distance >= window
+    scores = scores.masked_fill(hidden, float("-inf"))
+    column = sinks.view(1, -1, 1, 1).expand(q.size(0), -1, n, 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    return probs @ v
 
 
 def _run_case(case: Case, seed: int, group: dist.ProcessGroup | None) -> dict:
@@ -86,7 +109,11 @@ def _run_case(case: Case, seed: int, group: dist.ProcessGroup | None) -> dict:
 
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     gqa = case.heads != case.kv_heads
-    if case.window is None:
+    sinks = torch.randn(case.heads, generator=g) if case.sinks else None
+    ref_sinks = sinks.clone().requires_grad_() if case.sinks else None
+    if case.sinks:
+        ref_out = sink_attention(*ref, ref_sinks, case.is_causal, case.window, case.scale)
+    elif case.window is None:
         ref_out = F.scaled_dot_product_attention(*ref, is_causal=case.is_causal, scale=case.scale, enable_gqa=gqa)
     else:  # the dense sliding-window mask of one process
         distance = torch.arange(case.seq_len)[:, None] - torch.arange(case.seq_len)[None, :]
@@ -102,6 +129,7 @@ def _run_case(case: Case, seed: int, group: dist.ProcessGroup | None) -> dict:
     else:
         local = [shard(t) for t in (q, k, v)]
     local = [t.detach().requires_grad_() for t in local]
+    local_sinks = sinks.clone().requires_grad_() if case.sinks else None
     counter = CommCounter()
     if case.via_sdpa:
         attn = context_parallel_sdpa(
@@ -118,9 +146,13 @@ def _run_case(case: Case, seed: int, group: dist.ProcessGroup | None) -> dict:
             scale=case.scale,
             comm_counter=counter,
             window=case.window,
+            sinks=local_sinks,
         )
     out.backward(shard(dout))
     diffs = {"out": (out - shard(ref_out)).abs().max().item()}
+    if case.sinks:  # each rank's sink gradient covers its own query rows: their sum is the whole gradient
+        dist.all_reduce(local_sinks.grad, group=group)
+        diffs["dsinks"] = (local_sinks.grad - ref_sinks.grad).abs().max().item()
     for name, loc, full in zip(("dq", "dk", "dv"), local, ref):
         diffs[name] = (loc.grad - shard(full.grad)).abs().max().item()
     return {

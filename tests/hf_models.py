@@ -25,7 +25,15 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),  # mixture of experts
     # soft-capped attention logits (which transformers' SDPA path refuses too): refused by context parallelism
     "gemma2": ("Gemma2Config", {"head_dim": 8}),
+    "qwen3": ("Qwen3Config", {"head_dim": 8}),  # per-head q/k norms ('replicated_with_grad_allreduce' in its plan)
+    # attention sinks (a learned logit per head in every softmax), sliding and full layers, experts; no tp plan
+    "gpt_oss": ("GptOssConfig", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "sliding_window": 8}),
+    # hybrid: three linear-attention (gated delta rule) layers, then full attention
+    "qwen3_5": ("Qwen3_5TextConfig", {"head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                      "linear_num_key_heads": 2, "linear_num_value_heads": 4}),
 }
+_EAGER = ("gemma2", "gpt_oss")  # no SDPA path in transformers
 
 
 def tiny_hf_model(arch: str, **overrides: Any) -> torch.nn.Module:
@@ -33,7 +41,7 @@ def tiny_hf_model(arch: str, **overrides: Any) -> torch.nn.Module:
 
     config_cls, extra = TINY_CONFIGS[arch]
     config = getattr(transformers, config_cls)(**{**_COMMON, **extra, **overrides})
-    attention = "eager" if arch == "gemma2" else "sdpa"
+    attention = "eager" if arch in _EAGER else "sdpa"
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
 
 

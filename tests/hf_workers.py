@@ -7,12 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from hf_models import HFCausalLM, MaskedHFCausalLM, PaddedHFCausalLM
 from torch.utils.data import DataLoader
 from workers import SEED, error_of, fit, token_dataset
 
 from lightning_par import NDParallelStrategy
 from lightning_par.callbacks import PipelineTimelineMonitor
+from lightning_par.parallel.context_hf import _attention
+from lightning_par.parallel.context_routing import ContextParallelScope
 
 STEPS = 4
 ARCHS = ("llama", "qwen2", "mistral", "phi3", "gemma", "mixtral")
@@ -53,6 +57,10 @@ def world2(ckpt_dir: str) -> dict[str, Any]:
         "forward_breaks_the_contract": error_of(lambda: hf_fit(_pp(), 2, 1, module_cls=MaskedHFCausalLM)),
         "block_list_is_not_the_plans": error_of(lambda: hf_fit(_pp(block_list="model.model.norm"), 2, 1)),
         "experts_under_tp": error_of(lambda: hf_fit(NDParallelStrategy(dp_shard=1, tp=2), 2, 1, arch="mixtral")),
+        "linear_attention_under_cp": error_of(lambda: hf_fit(_cp(), 2, 1, arch="qwen3_5")),
+        # gpt-oss's plan in transformers names no attention projection: under SP attention would see a chunk
+        "sequence_parallel_with_whole_attention": error_of(lambda: hf_fit(
+            NDParallelStrategy(dp_shard=1, tp=2, sequence_parallel=True), 2, 1, arch="gpt_oss")),
     }}
     out["cp"] = {arch: hf_fit(_cp(), 2, 1, arch=arch) for arch in ARCHS}
     out["cp_allgather"] = hf_fit(_cp(cp_algorithm="allgather"), 2, 1, arch="llama")
@@ -70,6 +78,14 @@ def world2(ckpt_dir: str) -> dict[str, Any]:
     out["tp_sp_selective_activation_checkpointing"] = hf_fit(
         NDParallelStrategy(dp_shard=1, tp=2, sequence_parallel=True, activation_checkpointing="selective"), 2, 1,
         arch="llama")
+    # models beyond the six: attention sinks under cp; per-head q/k norms, whole-output (gathered) projections and
+    # a hybrid's linear-attention layers under tp with sequence and loss parallelism
+    out["cp_attention_sinks"] = hf_fit(_cp(), 2, 1, arch="gpt_oss")
+    sp_lp = dict(dp_shard=1, tp=2, sequence_parallel=True, loss_parallel=True)
+    out["tp_sp_lp_head_norms"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="qwen3")
+    out["tp_sp_lp_gathered_projections"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="phi3")
+    out["tp_sp_lp_linear_attention"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="qwen3_5")
+    out["errors"]["attention_bias_under_cp"] = error_of(_attention_with_a_bias_under_cp)
     out["validate"] = {"pp": validate(_pp(), 2), "cp": validate(_cp(), 2)}
     monitor = PipelineTimelineMonitor(every_n_steps=10, first_step=2, dirpath=str(Path(ckpt_dir) / "timeline"))
     hf_fit(_pp("1f1b", 4), 2, 1, max_steps=3, callbacks=[monitor])
@@ -80,6 +96,14 @@ def world2(ckpt_dir: str) -> dict[str, Any]:
     out["resumed_pp"] = hf_fit(_pp(), 2, 1, resume_from=ckpt)
     out["resumed_cp"] = hf_fit(_cp(), 2, 1, resume_from=ckpt)
     return out
+
+
+def _attention_with_a_bias_under_cp() -> None:
+    """transformers' attention call with an extra tensor (a relative position bias, as Inkling passes one)."""
+    module = HFCausalLM("llama").model.model.layers[0].self_attn
+    q = k = v = torch.zeros(1, 4, 8, 8)
+    with ContextParallelScope(dist.group.WORLD):
+        _attention(module, q, k, v, None, position_bias=torch.zeros(1, 4, 8, 16))
 
 
 def world4() -> dict[str, Any]:

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from context_workers import Case, cases_for, parity_worker
+from context_workers import Case, cases_for, parity_worker, sink_attention
 from launch import launch
 
 from lightning_par.parallel.context import (
@@ -181,6 +181,23 @@ def test_single_process_matches_sdpa(
         torch.testing.assert_close(a.grad, b.grad, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize(("is_causal", "window"), [(True, None), (True, 3), (False, None)])
+def test_single_process_attention_sinks_match_an_extra_softmax_column(is_causal: bool, window: int | None) -> None:
+    """gpt-oss's sinks: the lse-rescaled output and its gradients (q, k, v and the sinks themselves)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(2, h, 10, 8, generator=g) for h in (4, 2, 2, 4))
+    sinks = torch.randn(4, generator=g)
+    ours = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    ref = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out = context_parallel_attention(*ours[:3], is_causal=is_causal, window=window, sinks=ours[3])
+    expected = sink_attention(*ref[:3], ref[3], is_causal, window)
+    (out * dout).sum().backward()
+    (expected * dout).sum().backward()
+    torch.testing.assert_close(out, expected, atol=TOL, rtol=0)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.grad, b.grad, atol=TOL, rtol=0)
+
+
 def test_sdpa_helper_is_plain_sdpa_without_a_group() -> None:
     assert context_parallel_sdpa() is F.scaled_dot_product_attention
 
@@ -215,6 +232,7 @@ def _err(**overrides) -> str:
             r"local sequence length 0",
         ),
         ({"scale": "0.1"}, r"scale must be a float or None"),
+        ({"sinks": torch.randn(3)}, r"sinks must be a tensor of one logit per query head, shape \(4,\), got"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(overrides: dict, pattern: str) -> None:

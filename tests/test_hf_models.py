@@ -66,6 +66,16 @@ def test_pipeline_uneven_split_and_activation_checkpointing(w2, name):
     assert_parity(w2[0][name], reference(arch), steps=STEPS)
 
 
+@pytest.mark.parametrize(("name", "arch"), [("cp_attention_sinks", "gpt_oss"), ("tp_sp_lp_head_norms", "qwen3"),
+                                          ("tp_sp_lp_gathered_projections", "phi3"),
+                                          ("tp_sp_lp_linear_attention", "qwen3_5")])
+def test_more_architectures(w2, name, arch):
+    """gpt-oss's attention sinks under cp; under tp with SP and LP: Qwen3's per-head q/k norms (weights whole,
+    gradients summed over tp), Phi-3's projections whose outputs its plan gathers whole (the sequence is gathered
+    before the attention and MLP), and Qwen3.5's linear-attention layers (their output cut back to the chunk)."""
+    assert_parity(w2[0][name], reference(arch), steps=STEPS)
+
+
 def test_tied_embeddings_train_under_the_v_schedule(w2):
     """zbv keeps the first and the last stage on rank 0: the tied embedding/head weight gets both gradients."""
     assert_parity(w2[0]["zbv_tied"], reference(tie_word_embeddings=True), steps=STEPS)
@@ -104,6 +114,11 @@ def test_checkpoint_under_pp_resumes_under_pp_and_cp(w2, name):
                                     r"pipeline plan, which cuts 'model.model.layers'"),
     # mixture of experts trains under cp and pp (above); its experts' tensor-parallel style is Hugging Face's own
     ("experts_under_tp", r"is a Hugging Face style that lightning_par does not implement .* Override this entry"),
+    ("linear_attention_under_cp", r"Qwen3_5ForCausalLM has layers of type \['linear_attention'\].*Use cp=1"),
+    ("sequence_parallel_with_whole_attention", r"sequence_parallel=True: 'model.model.layers.0.self_attn' "
+                                               r"\(GptOssAttention\) would see only this rank's sequence chunk"),
+    ("attention_bias_under_cp", r"passes \['position_bias'\] to its attention, which context-parallel attention "
+                                r"does not apply"),
 ])
 def test_refused_on_every_rank(w2, case, pattern):
     assert_raised_on_every_rank([r["errors"] for r in w2], case, pattern)

@@ -79,6 +79,17 @@ def test_tensor_parallel_counts_every_collective_the_plan_makes(gpt, llama):
     assert ("all_gather", 1) in hf
 
 
+def test_per_head_norms_reduce_their_gradients_over_tp(llama):
+    """Qwen3's q/k norms ('head_norm') run on each rank's heads: 2 per layer x 4 layers, one gradient all-reduce
+    each, with or without sequence parallelism."""
+    with torch.device("meta"):
+        module = HFCausalLM("qwen3", num_key_value_heads=4)
+    ids = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long)
+    qwen3 = profile_model(module, (ids, ids))
+    assert ("all_reduce", 8) in counts(Layout(tp=2), qwen3, "tp")
+    assert ("all_reduce", 8) not in counts(Layout(tp=2), llama, "tp")
+
+
 def test_on_a_gpu_communication_hides_behind_compute_and_the_bubble_stretches_the_step(gpt):
     p = predict(Layout(pp=4, pp_schedule="1f1b", pp_microbatches=4), gpt, GPU, GLOBAL_BATCH, SEQ)
     busy = p.compute_s + sum(p.comm_s.values())

@@ -159,6 +159,18 @@ def test_styles_follow_sequence_and_loss_parallel():
     assert build_style("gather") is None  # HF: our rowwise already all-reduces
     style = ColwiseParallel()
     assert build_style(style) is style
+    # HF's rowwise_split_input feeds the residual stream: sequence-sharded under SP
+    assert build_style("rowwise_split_input", sequence_parallel=True).output_layouts == (Shard(1),)
+    # inside a module that gathered the sequence, a plain input is an inner activation of the whole sequence
+    assert build_style("colwise", sequence_parallel=True, input_gathered=True).input_layouts == (Replicate(),)
+    assert build_style("colwise_gather_output", sequence_parallel=True,
+                       input_gathered=True).input_layouts == (Replicate(),)
+    assert type(build_style("replicated_with_grad_allreduce")).__name__ == "_HeadNorm"  # HF alias of head_norm
+
+
+def test_head_norm_is_for_norms():
+    with pytest.raises(TypeError, match="'head_norm' is for norms, but 'model' is a Linear"):
+        validate_tp_plan(Holder(nn.Linear(4, 4)), {"model": "replicated_with_grad_allreduce"}, 2)
 
 
 def test_check_tp_size():

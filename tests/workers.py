@@ -51,6 +51,35 @@ class SGDGPT(GPTModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+class RareTokenExpertGPT(GPTModule):
+    """The tiny GPT with, in every block, one more layer that only the tokens equal to ``rare_token`` pass through
+    (a route per token, as in a mixture of experts). A rank whose batch holds none of them never calls the layer,
+    so its parameters get no gradient on that rank while they do on another."""
+
+    def __init__(self, rare_token: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.rare_token = rare_token
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        for block in self.model.blocks:
+            if not hasattr(block, "rare"):
+                block.rare = torch.nn.Linear(self.hparams.n_embd, self.hparams.n_embd)
+                block.register_forward_hook(self._through_rare_layer)
+
+    def _through_rare_layer(self, block: torch.nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        mask = self._ids == self.rare_token
+        if not bool(mask.any()):
+            return out
+        out = out.clone()
+        out[mask] = out[mask] + block.rare(out[mask])
+        return out
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        self._ids = idx
+        return super().forward(idx)
+
+
 class RecordLoss(Callback):
     """The training loss of every step, averaged over ranks (equal per-rank batches: the global-batch loss)."""
 

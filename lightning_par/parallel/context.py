@@ -163,15 +163,17 @@ def _block_backward(
     scale: float,
     causal: bool,
     visible: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of dq, dk, dv, given the FINAL (merged) out and lse of these query rows.
 
     With the final lse, exp(scores - lse) is this block's slice of the global softmax, so the ordinary attention
     backward applied block by block sums exactly to the full gradient (the flash-attention recomputation).
+    ``dlse``: the gradient reaching lse itself (attention sinks use it); d lse / d scores = P adds ``P * dlse``.
     """
     kv_heads = k.size(1)
     k, v = _expand_kv(k, v, q.size(1))
-    if _fused(q) and visible is None:
+    if _fused(q) and visible is None and dlse is None:
         seed = torch.empty(0, dtype=torch.int64, device=q.device)  # dropout is 0: the philox state is unused
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, None, out, lse.contiguous(), seed, seed, 0.0, [True, True, True, False], causal, scale=scale
@@ -182,7 +184,10 @@ def _block_backward(
         do = dout.to(p.dtype)
         dv = p.transpose(-2, -1) @ do
         # d(scores) = P * (dP - rowsum(dO * O)): rowsum(P * dP) over ALL blocks equals rowsum(dO * O).
-        ds = p * (do @ v.to(p.dtype).transpose(-2, -1) - (do * out.to(p.dtype)).sum(-1, keepdim=True)) * scale
+        delta = (do * out.to(p.dtype)).sum(-1, keepdim=True)
+        if dlse is not None:
+            delta = delta - dlse.to(p.dtype).unsqueeze(-1)
+        ds = p * (do @ v.to(p.dtype).transpose(-2, -1) - delta) * scale
         dq, dk = ds @ k.to(p.dtype), ds.transpose(-2, -1) @ q.to(p.dtype)
     return dq, _fold_kv_grad(dk, kv_heads), _fold_kv_grad(dv, kv_heads)
 
@@ -350,7 +355,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: _Setup) -> tu
     return out, lse
 
 
-def _backward(dout, q, k, v, out, lse, s: _Setup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(dout, q, k, v, out, lse, s: _Setup, dlse: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = q.size(2)
     dq = torch.zeros_like(q, dtype=_acc(q))
     ex = _exchange(s, "backward")
@@ -361,7 +367,7 @@ def _backward(dout, q, k, v, out, lse, s: _Setup) -> tuple[torch.Tensor, torch.T
             (kb, vb), (dkb, dvb), r, c = _unpack(kv, k, v), _unpack(dkv, k, v), blk.q, blk.kv
             gq, gk, gv = _block_backward(
                 dout[:, :, r], q[:, :, r], kb[:, :, c], vb[:, :, c], out[:, :, r], lse[:, :, r], s.scale, blk.causal,
-                visible,
+                visible, None if dlse is None else dlse[:, :, r],
             )
             dq[:, :, r] += gq
             dkb[:, :, c] += gk
@@ -372,20 +378,24 @@ def _backward(dout, q, k, v, out, lse, s: _Setup) -> tuple[torch.Tensor, torch.T
 
 
 class _ContextParallelAttention(torch.autograd.Function):
-    """Saves only local tensors (q, k, v, out, lse): activation memory per rank is 1/cp of the full attention."""
+    """Saves only local tensors (q, k, v, out, lse): activation memory per rank is 1/cp of the full attention.
+    Returns (out, lse); lse is differentiable (attention sinks rescale out by it) and costs nothing when unused."""
 
     @staticmethod
     def forward(ctx, q, k, v, setup: _Setup):
         out, lse = _forward(q, k, v, setup)
         out = out.to(q.dtype)
         ctx.setup = setup
+        ctx.set_materialize_grads(False)  # an unused lse gets no gradient tensor: the plain backward runs
         ctx.save_for_backward(q, k, v, out, lse)
-        return out
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_backward(dout.contiguous(), q, k, v, out, lse, ctx.setup), None)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        return (*_backward(dout.contiguous(), q, k, v, out, lse, ctx.setup, dlse), None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -470,6 +480,7 @@ def context_parallel_attention(
     scale: float | None = None,
     comm_counter: CommCounter | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over sequences sharded across ``group`` (the cp group); returns this rank's output shard.
 
@@ -478,7 +489,8 @@ def context_parallel_attention(
     may divide ``H`` (GQA). ``group=None`` means the default group, or cp = 1 if torch.distributed is not
     initialized. ``comm_counter`` collects the bytes this rank sends (forward and backward). ``window``: causal
     sliding-window attention, each query seeing the ``window`` latest tokens up to itself (Mistral's
-    ``sliding_window``), on global positions.
+    ``sliding_window``), on global positions. ``sinks`` (H,): a learned logit per head that joins every softmax's
+    denominator and attends to nothing (gpt-oss's attention sinks, transformers' ``s_aux``).
     """
     group, rank, size = _resolve_group(group)
     _validate(q, k, v, attn_mask, algorithm, load_balance, scale, size)
@@ -486,8 +498,16 @@ def context_parallel_attention(
         raise ValueError(f"window={window!r} must be a positive int, and only with is_causal=True (a causal "
                          f"sliding window); pass window=None for full causal attention.")
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q.size(1),)):
+        raise ValueError(f"sinks must be a tensor of one logit per query head, shape ({q.size(1)},), got "
+                         f"{getattr(sinks, 'shape', type(sinks).__name__)}.")
     setup = _Setup(group, rank, size, bool(is_causal), bool(load_balance), scale, algorithm, comm_counter, window)
-    return _ContextParallelAttention.apply(q, k, v, setup)
+    out, lse = _ContextParallelAttention.apply(q, k, v, setup)
+    if sinks is None:
+        return out
+    # softmax over [scores, sink]: the keys' share of the denominator is exp(lse) / (exp(lse) + exp(sink))
+    with_sink = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+    return (out * torch.exp(lse - with_sink).unsqueeze(-1)).to(q.dtype)
 
 
 def context_parallel_sdpa(

@@ -44,6 +44,12 @@ def route_attention(model: nn.Module) -> None:
         raise ValueError(
             f"{name} soft-caps its attention logits (attn_logit_softcapping={config.attn_logit_softcapping}), which "
             f"context-parallel attention does not implement. Set config.attn_logit_softcapping=None, or use cp=1.")
+    other = sorted(set(_layer_types(config)) - _CP_LAYER_TYPES)
+    if other:
+        raise ValueError(
+            f"{name} has layers of type {other} (config.layer_types): their sequence mixing (recurrent/linear "
+            f"attention, sparse or compressed attention) is not attention over whole keys, which context parallelism "
+            f"splits; it supports {sorted(_CP_LAYER_TYPES - {'dense', 'sparse'})} layers. Use cp=1 for this model.")
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; context parallelism supports decoder-only and "
                          f"encoder-only self-attention models. Use cp=1.")
@@ -56,6 +62,17 @@ def route_attention(model: nn.Module) -> None:
                 _ORIGINAL[id(sub.config)] = sub.config._attn_implementation or "sdpa"
         model.set_attn_implementation(ATTENTION)
     _install_position_hook(model)
+
+
+#: ``config.layer_types`` entries context-parallel attention computes exactly (the MLP kinds say nothing of attention)
+_CP_LAYER_TYPES = {"full_attention", "sliding_attention", "dense", "sparse"}
+#: tensors transformers passes to every attention function that carry no change to its math
+_HARMLESS_TENSOR_KWARGS = {"position_ids", "cache_position"}
+
+
+def _layer_types(config: Any) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    return [t for t in types if isinstance(t, str)] if isinstance(types, (list, tuple)) else []
 
 
 def _original(config: Any) -> str:
@@ -91,9 +108,19 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
             f"window masks are applied from the tokens' global positions).")
     if not causal and sliding_window is not None:
         raise ValueError(f"{where}: a bidirectional sliding window is not supported by context-parallel attention.")
+    packed = [name for name in ("cu_seq_lens_q", "cu_seq_lens_k") if kwargs.get(name) is not None]
+    if packed:
+        raise ValueError(f"{where} received {packed}: packed sequences with per-sequence boundaries are not supported "
+                         f"by context-parallel attention. Pass whole, equal-length sequences.")
+    extra = sorted(k for k, v in kwargs.items()
+                   if isinstance(v, torch.Tensor) and k not in _HARMLESS_TENSOR_KWARGS and k != "s_aux")
+    if extra:  # e.g. a relative position bias: a (q, k) term that would have to travel around the ring too
+        raise ValueError(f"{where} passes {extra} to its attention, which context-parallel attention does not "
+                         f"apply (it computes softmax(q k^T) v with causal/sliding masks and attention sinks). Use "
+                         f"cp=1 for this model.")
     out = context_parallel_attention(query, key, value, group=scope.group, is_causal=causal,
                                      algorithm=scope.algorithm, load_balance=scope.load_balance, scale=scaling,
-                                     window=sliding_window)
+                                     window=sliding_window, sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -87,10 +87,12 @@ def apply_tp(
             f"apply_tp: {type(module).__name__} already has DTensor parameters ({already[:3]}...): tensor "
             f"parallelism was applied before (or configure_model parallelized by hand). Apply it once."
         )
+    gathered = [name for name, style in resolved.items() if style == "gather_sequence"]
     styles = {
         name: built
         for name, style in resolved.items()
-        if (built := build_style(style, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)) is not None
+        if (built := build_style(style, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                                 input_gathered=any(name.startswith(g + ".") for g in gathered))) is not None
     }
     if styles:
         frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
@@ -103,9 +105,12 @@ def apply_tp(
 
 
 def build_style(
-    style: str | ParallelStyle, *, sequence_parallel: bool = False, loss_parallel: bool = False
+    style: str | ParallelStyle, *, sequence_parallel: bool = False, loss_parallel: bool = False,
+    input_gathered: bool = False,
 ) -> ParallelStyle | None:
-    """The torch ``ParallelStyle`` for a style name (see ``STYLES``); ``None`` where there is nothing to do."""
+    """The torch ``ParallelStyle`` for a style name (see ``STYLES``); ``None`` where there is nothing to do.
+    ``input_gathered``: the module sits inside a 'gather_sequence' module, so under SP a plain-tensor input of a
+    column-parallel layer is a whole sequence (an inner activation), not a chunk of the residual stream."""
     if isinstance(style, ParallelStyle):
         return style
     style = HF_ALIASES.get(style, style)
@@ -115,13 +120,13 @@ def build_style(
     if style is None:
         return None
     if style == "colwise":
-        return ColwiseParallel(input_layouts=seq if sp else rep)
+        return ColwiseParallel(input_layouts=seq if sp and not input_gathered else rep)
     if style == "rowwise":
         return RowwiseParallel(output_layouts=seq if sp else rep)
     if style == "colwise_rep":
-        return ColwiseParallel(input_layouts=seq if sp else rep, output_layouts=rep)
-    if style == "rowwise_rep":
-        return RowwiseParallel(input_layouts=rep, output_layouts=rep)
+        return ColwiseParallel(input_layouts=seq if sp and not input_gathered else rep, output_layouts=rep)
+    if style == "rowwise_rep":  # its output joins the residual stream, sequence-sharded under SP
+        return RowwiseParallel(input_layouts=rep, output_layouts=seq if sp else rep)
     if style == "vocab_parallel_embedding":
         return _SequenceChecked(RowwiseParallel(input_layouts=rep, output_layouts=seq if sp else rep), sp)
     if style == "embedding_rowwise":
@@ -139,10 +144,12 @@ def build_style(
         return SequenceParallel(sequence_dim=SEQ_DIM, use_local_output=True) if sp else None
     if style == "replicate":
         return _ShardOutputSequence() if sp else None
+    if style == "head_norm":
+        return _HeadNorm()
     if style == "split_sequence":
         return _FirstInput(_split_sequence, shrinks=True) if sp else None
     if style == "gather_sequence":
-        return _FirstInput(_gather_sequence) if sp else None
+        return _GatherSequence() if sp else None
     raise ValueError(f"unknown tensor-parallel style {style!r}; valid: {sorted(STYLES)}")  # validate_tp_plan caught it
 
 
@@ -199,6 +206,35 @@ class _FirstInput(ParallelStyle):
         return module
 
 
+class _GatherSequence(_FirstInput):
+    """'gather_sequence': the input's sequence is gathered once for the module's column-parallel children. An output
+    that comes out whole (its last projection gathers its output, as in Hugging Face's plans for linear-attention
+    layers) is cut back to this rank's chunk for the sequence-sharded residual stream (backward all-gathers)."""
+
+    def __init__(self) -> None:
+        super().__init__(_gather_sequence)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        local_len: list[int] = []
+
+        def remember(_mod: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+            local_len[:] = [x.size(SEQ_DIM)] if isinstance(x, torch.Tensor) else []
+
+        def cut(_mod: nn.Module, _args: tuple, _kwargs: dict[str, Any], out: Any) -> Any:
+            first = out[0] if isinstance(out, tuple) else out
+            if (not local_len or not isinstance(first, torch.Tensor) or isinstance(first, DTensor)
+                    or first.ndim < 2 or first.size(SEQ_DIM) != local_len[0] * device_mesh.size()):
+                return out
+            first = _split_sequence(first, device_mesh)
+            return (first, *out[1:]) if isinstance(out, tuple) else first
+
+        module.register_forward_pre_hook(remember, with_kwargs=True, prepend=True)
+        module.register_forward_hook(cut, with_kwargs=True)
+        return module
+
+
 class _ShardOutputSequence(ParallelStyle):
     """'replicate' under SP: a replicated module's output (e.g. a position embedding, (seq, hidden)) is cut to this
     rank's sequence chunk (dim -2) so it adds to the sharded residual stream; backward all-gathers its gradient, so
@@ -206,6 +242,26 @@ class _ShardOutputSequence(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_hook(lambda _m, _args, out: _split_sequence(out, device_mesh, out.ndim - 2))
+        return module
+
+
+class _HeadNorm(ParallelStyle):
+    """'head_norm': a norm over the last dim of this rank's attention heads (the output of a 'colwise' projection,
+    e.g. (batch, seq, local heads, head dim)). The weight is a replicated DTensor and the input is declared sharded
+    on its leading dim: any leading dim gives the same local math, and the weight's gradient, a sum over the rows
+    each rank holds, becomes a partial sum that DTensor all-reduces into the replicated gradient."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = nn.Parameter(DTensor.from_local(param.data, device_mesh, [Replicate()], run_check=False),
+                                      requires_grad=param.requires_grad)
+            module.register_parameter(name, replicated)
+
+        def to_dtensor(_mod: nn.Module, args: tuple) -> tuple:
+            return (DTensor.from_local(args[0], device_mesh, [Shard(0)], run_check=False), *args[1:])
+
+        module.register_forward_pre_hook(to_dtensor)
+        module.register_forward_hook(lambda _m, _args, out: out.to_local() if isinstance(out, DTensor) else out)
         return module
 
 

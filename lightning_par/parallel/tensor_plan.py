@@ -26,7 +26,7 @@ STYLES: dict[str, str] = {
     "rowwise": "nn.Linear sharded on in_features; output all-reduced. SP: reduce-scattered to sequence shards",
     "colwise_rep": "nn.Linear sharded on out_features; output all-gathered (replicated)",
     "rowwise_rep": "nn.Linear sharded on in_features with a replicated input (each rank slices it); output "
-    "all-reduced",
+    "all-reduced. SP: reduce-scattered to sequence shards",
     "vocab_parallel_embedding": "nn.Embedding sharded on the vocabulary; output all-reduced. SP: reduce-scattered "
     "to sequence shards (the sequence is split right after the embedding)",
     "embedding_rowwise": "Hugging Face's vocab-parallel embedding: like 'vocab_parallel_embedding' but the output "
@@ -37,6 +37,8 @@ STYLES: dict[str, str] = {
     "sequence_parallel": "norm/dropout on the residual stream: runs on sequence shards (SP only; else untouched)",
     "replicate": "replicated module added to the residual stream (e.g. a position embedding): SP slices its "
     "output's sequence dim (dim -2) to this rank's chunk; else untouched",
+    "head_norm": "a norm over each attention head's features (Qwen3's q_norm/k_norm) run on this rank's heads: its "
+    "weight stays whole on every rank and its gradient is summed over tp",
     "split_sequence": "SP only: the first tensor input (or `hidden_states=`) is full; keep this rank's sequence chunk",
     "gather_sequence": "SP only: all-gather the first tensor input (or `hidden_states=`) once for the module's "
     "colwise children (one all-gather instead of one per child)",
@@ -47,13 +49,14 @@ HF_ALIASES: dict[str, str | None] = {
     "rowwise_split_input": "rowwise_rep",
     "local_colwise": "colwise",
     "local_rowwise": "rowwise",
+    "replicated_with_grad_allreduce": "head_norm",
     "gather": None,
     "local": None,
 }
 #: Hugging Face styles that need HF's own forward hooks or packed weights.
 HF_UNSUPPORTED = (
     "packed_colwise", "packed_rowwise", "local_packed_rowwise", "mla_kv_a_proj", "moe_tp_experts",
-    "moe_identity_expert", "replicated_with_grad_allreduce", "all_reduce", "local_params", "grouped_gemm",
+    "moe_identity_expert", "all_reduce", "local_params", "grouped_gemm",
     "ep_router", "isolated",
 )
 _HF_NOOP_IN_HF_PLANS = ("replicate", "local", "gather")  # HF "replicate" = keep the full parameter: the default
@@ -179,14 +182,14 @@ def _hf_sequence_parallel_entries(model: nn.Module, plan: Mapping[str, str]) -> 
     base_fqn = next(name for name, m in model.named_modules() if m is base)
     lp = f"{base_fqn}.layers" if base_fqn else "layers"
     entries = {f"{lp}.0": "split_sequence"}
-    for name, child in layers[0].named_children():
+    for index, name, child in _sublayers(layers):  # hybrid models: layers of different kinds
         if "norm" in type(child).__name__.lower():
             entries[f"{lp}.*.{name}"] = "sequence_parallel"
         elif any(
-            fqn_matches(f"{lp}.0.{name}.{leaf}", key)
+            fqn_matches(f"{lp}.{index}.{name}.{leaf}", key)
             for leaf, _ in child.named_children()
             for key, style in plan.items()
-            if style in ("colwise", "local_colwise")
+            if HF_ALIASES.get(style, style) in ("colwise", "colwise_rep")
         ):
             entries[f"{lp}.*.{name}"] = "gather_sequence"
     after_layers = False
@@ -196,6 +199,15 @@ def _hf_sequence_parallel_entries(model: nn.Module, plan: Mapping[str, str]) -> 
         elif after_layers and "norm" in type(child).__name__.lower():
             entries[f"{base_fqn}.{name}" if base_fqn else name] = "sequence_parallel"
     return entries
+
+
+def _sublayers(layers: nn.ModuleList) -> list[tuple[int, str, nn.Module]]:
+    """(layer index, name, module) of the first child of each name across the decoder layers."""
+    seen: dict[str, tuple[int, str, nn.Module]] = {}
+    for index, layer in enumerate(layers):
+        for name, child in layer.named_children():
+            seen.setdefault(name, (index, name, child))
+    return list(seen.values())
 
 
 def _check_plan_types(plan: object, what: str) -> dict[str, str | ParallelStyle]:
@@ -286,7 +298,37 @@ def validate_tp_plan(
                 "'split_sequence') and every norm/dropout on the residual stream 'sequence_parallel'. Found styles "
                 f"{sorted(str(s) for s in styles)}; or pass sequence_parallel=False."
             )
+    if sequence_parallel:
+        _check_hf_sublayers_gather(module, resolved)
     return resolved
+
+
+_GATHERS_UNDER_SP = ("colwise", "colwise_rep", "vocab_parallel_head", "gather_sequence")
+
+
+def _check_hf_sublayers_gather(root: nn.Module, resolved: Mapping[str, str | ParallelStyle]) -> None:
+    """Under sequence parallelism each sublayer of a Hugging Face decoder layer that is not a norm sees a sequence
+    chunk, so some module of it must gather the sequence (a column-parallel projection). A model whose plan leaves
+    its attention or MLP whole (e.g. a plan that names only the head) cannot run sequence-parallel."""
+    for _, model in outermost_hf_models(root):
+        base = getattr(model, "base_model", model)
+        layers = getattr(base, "layers", None)
+        if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+            continue
+        layers_fqn = next(name for name, m in root.named_modules() if m is layers)
+        for index, name, child in _sublayers(layers):
+            if "norm" in type(child).__name__.lower() or next(child.parameters(), None) is None:
+                continue
+            sub = f"{layers_fqn}.{index}.{name}"
+            if not any((key == sub or key.startswith(sub + ".")) and (isinstance(style, ParallelStyle)
+                                                                        or style in _GATHERS_UNDER_SP)
+                       for key, style in resolved.items()):
+                raise ValueError(
+                    f"sequence_parallel=True: {sub!r} ({type(child).__name__}) would see only this rank's sequence "
+                    f"chunk, but the tp plan has no column-parallel entry in it to gather the sequence (the plan of "
+                    f"{type(model).__name__} leaves it whole). Give it tensor-parallel entries (e.g. its input "
+                    f"projections 'colwise', its output projection 'rowwise') in `tp_plan`, or pass "
+                    f"sequence_parallel=False.")
 
 
 def _follow_adapters(root: nn.Module, resolved: dict[str, str | ParallelStyle],
@@ -309,10 +351,8 @@ def _check_module(name: str, mod: nn.Module, style: str | ParallelStyle, tp: int
         raise TypeError(f"tp_plan: '{kind}' shards an nn.Linear, but {name!r} is a {type(mod).__name__}.")
     if kind in _ON_EMBEDDING and not isinstance(mod, nn.Embedding):
         raise TypeError(f"tp_plan: '{kind}' shards an nn.Embedding, but {name!r} is a {type(mod).__name__}.")
-    if kind == "sequence_parallel" and isinstance(mod, (nn.Linear, nn.Embedding)):
-        raise TypeError(
-            f"tp_plan: 'sequence_parallel' is for norms and dropout, but {name!r} is a {type(mod).__name__}."
-        )
+    if kind in ("sequence_parallel", "head_norm") and isinstance(mod, (nn.Linear, nn.Embedding)):
+        raise TypeError(f"tp_plan: '{kind}' is for norms, but {name!r} is a {type(mod).__name__}.")
     if kind in _SHARDED_SIZE:
         attr, what = _SHARDED_SIZE[kind]
         size = getattr(mod, attr)

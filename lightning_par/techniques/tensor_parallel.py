@@ -80,7 +80,8 @@ class TensorParallel(Technique):
         all-reduce, plus its gathered logits (a head that gathers them) or loss parallelism's three all-reduces of
         one number per token; and per step, under sequence parallelism, one all-reduce of the gradient of every
         parameter tp leaves whole on the sequence shards (norms, position embeddings): each rank saw only its
-        part of the sequence. Under sequence parallelism pipeline stages send 1/tp of the activations."""
+        part of the sequence; and per step one all-reduce of each 'head_norm' weight's gradient (each rank
+        normalized its own heads). Under sequence parallelism pipeline stages send 1/tp of the activations."""
         tp = sheet.dims.tp
         if tp == 1:
             return
@@ -90,7 +91,7 @@ class TensorParallel(Technique):
         tokens, m = sheet.microbatch_tokens, sheet.microbatches
         residual = tokens * sheet.profile.hidden_bytes * sheet.activation_scale
         sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, 4 * blocks * m, False))
-        embeddings, heads, whole = _planned_modules(sheet.profile, frozenset(sections))
+        embeddings, heads, whole, head_norms = _planned_modules(sheet.profile, frozenset(sections))
         for _ in range(embeddings):
             sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, m, False))
         for style, vocabulary, itemsize in heads:
@@ -102,6 +103,9 @@ class TensorParallel(Technique):
                 sheet.transfers.append(Transfer("tp", "tp", "all_gather", logits, m, False))
         if whole and self.sequence_parallel:  # one message each: the time of their mean size, len(whole) times
             sheet.transfers.append(Transfer("tp", "tp", "all_reduce", sum(whole) / len(whole), len(whole), False))
+        if head_norms:  # each rank normalized only its own heads
+            sheet.transfers.append(
+                Transfer("tp", "tp", "all_reduce", sum(head_norms) / len(head_norms), len(head_norms), False))
         if self.sequence_parallel:  # pipeline stages hand on this rank's sequence chunk, not the whole sequence
             sheet.transfers = [replace(t, nbytes=t.nbytes / tp) if t.kind == "pp_send_recv" else t
                                for t in sheet.transfers]
@@ -114,14 +118,15 @@ class TensorParallel(Technique):
 
 def _planned_modules(
     profile: ModelProfile, sections: frozenset[str]
-) -> tuple[int, list[tuple[str, int, int]], list[int]]:
+) -> tuple[int, list[tuple[str, int, int]], list[int], list[int]]:
     """What the plan's modules in ``sections`` communicate, worked out once per profile and pipeline cut (planning
     thousands of layouts): the number of vocabulary-parallel embeddings, each output head as (style, vocabulary,
-    item size), and the bytes of each trainable parameter tp leaves whole (all-reduced under sequence parallelism)."""
+    item size), the bytes of each trainable parameter tp leaves whole (all-reduced under sequence parallelism), and
+    those of each trainable 'head_norm' parameter (always all-reduced)."""
     cache = profile.__dict__.setdefault("_tp_messages", {})
     if sections in cache:
         return cache[sections]
-    embeddings, heads, whole = 0, [], []
+    embeddings, heads, whole, head_norms = 0, [], [], []
     for module, owned in params_by_planned_module(profile).items():
         style = profile.tp_plan[module]
         owned = [p for p in owned if p.section in sections]
@@ -134,5 +139,7 @@ def _planned_modules(
             heads.append((style, weight.shape[0], weight.itemsize))
         elif style in ("sequence_parallel", "replicate"):
             whole += [p.numel * p.itemsize for p in owned if p.trainable and p.tp_dim is None]
-    cache[sections] = (embeddings, heads, whole)
+        elif style == "head_norm":
+            head_norms += [p.numel * p.itemsize for p in owned if p.trainable]
+    cache[sections] = (embeddings, heads, whole, head_norms)
     return cache[sections]
