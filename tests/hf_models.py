@@ -32,6 +32,8 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # hybrid: three linear-attention (gated delta rule) layers, then full attention
     "qwen3_5": ("Qwen3_5TextConfig", {"head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
                                       "linear_num_key_heads": 2, "linear_num_value_heads": 4}),
+    # a learnable activation (xIELU) between the MLP's column- and row-parallel layers, which its tp plan leaves whole
+    "apertus": ("ApertusConfig", {"head_dim": 8}),
 }
 _EAGER = ("gemma2", "gpt_oss")  # no SDPA path in transformers
 
@@ -48,9 +50,9 @@ def tiny_hf_model(arch: str, **overrides: Any) -> torch.nn.Module:
 class HFCausalLM(pl.LightningModule):
     """A user's LightningModule around a Hugging Face causal LM."""
 
-    def __init__(self, arch: str = "llama", lr: float = 3e-3, **overrides: Any) -> None:
+    def __init__(self, arch: str = "llama", lr: float = 3e-3, optimizer: str = "adamw", **overrides: Any) -> None:
         super().__init__()
-        self.lr = lr
+        self.lr, self.optimizer = lr, optimizer
         self.model = tiny_hf_model(arch, **overrides)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,6 +72,8 @@ class HFCausalLM(pl.LightningModule):
         self.log("val/loss", self.loss(self(x), y), sync_dist=True)
 
     def configure_optimizers(self):
+        if self.optimizer == "sgd":  # updates in proportion to gradients: rounding in tiny gradients stays tiny
+            return torch.optim.SGD(self.parameters(), lr=0.1)
         return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=1e-6)
 
 

@@ -17,6 +17,7 @@ from lightning_par import NDParallelStrategy
 from lightning_par.callbacks import PipelineTimelineMonitor
 from lightning_par.parallel.context_hf import _attention
 from lightning_par.parallel.context_routing import ContextParallelScope
+from lightning_par.parallel.tensor import resolve_tp_plan
 
 STEPS = 4
 ARCHS = ("llama", "qwen2", "mistral", "phi3", "gemma", "mixtral")
@@ -86,6 +87,13 @@ def world2(ckpt_dir: str) -> dict[str, Any]:
     out["tp_sp_lp_gathered_projections"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="phi3")
     out["tp_sp_lp_linear_attention"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="qwen3_5")
     out["errors"]["attention_bias_under_cp"] = error_of(_attention_with_a_bias_under_cp)
+    # Apertus's plan leaves its xIELU activation whole on split activations: found after the first backward; with
+    # the activation marked 'head_norm' (whole weights, gradients summed over tp) it trains in parity
+    out["errors"]["plan_leaves_a_parameter_on_split_activations"] = error_of(
+        lambda: hf_fit(NDParallelStrategy(dp_shard=1, tp=2), 2, 1, arch="apertus"))
+    plan = {**resolve_tp_plan(HFCausalLM("apertus"), None), "model.model.layers.*.mlp.act_fn": "head_norm"}
+    out["tp_learnable_activation"] = hf_fit(NDParallelStrategy(dp_shard=1, tp=2, tp_plan=plan), 2, 1, arch="apertus",
+                                            optimizer="sgd")
     out["validate"] = {"pp": validate(_pp(), 2), "cp": validate(_cp(), 2)}
     monitor = PipelineTimelineMonitor(every_n_steps=10, first_step=2, dirpath=str(Path(ckpt_dir) / "timeline"))
     hf_fit(_pp("1f1b", 4), 2, 1, max_steps=3, callbacks=[monitor])

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from lightning_par.checks import check_optional_str
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.pipeline_live import LivePipeline
+from lightning_par.parallel.tensor_check import check_whole_parameters_agree
 from lightning_par.strategies.base import BaseParallelStrategy
 from lightning_par.techniques import Target, Technique, build_recipe
 from lightning_par.techniques.fully_sharded import register_step_methods
@@ -125,6 +126,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         (self.pipeline_parallel, self.tensor_parallel, self.context_parallel, self.activation_checkpointing,
          self.compile, self.fully_sharded) = self.techniques
         self.block_list = check_optional_str("block_list", block_list, "model.blocks")
+        self._tp_gradients_checked = False
         for technique in self.techniques:
             technique.check(dims)
         super().__init__(dims, process_group_backend=process_group_backend, timeout=timeout, pretrained=pretrained,
@@ -182,13 +184,16 @@ class NDParallelStrategy(BaseParallelStrategy):
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        # the schedule ran backward inside training_step; the hooks around it still run, once per step
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.pipeline_parallel.restore_gradients()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
+            closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        else:  # the schedule ran backward inside training_step; the hooks around it still run, once per step
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+            self.pipeline_parallel.restore_gradients()
+            closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+            self.post_backward(closure_loss)
+        if self.dims.tp > 1 and not self._tp_gradients_checked:
+            self._tp_gradients_checked = True
+            check_whole_parameters_agree(self.lightning_module, self.device_mesh["tp"])
         return closure_loss
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
