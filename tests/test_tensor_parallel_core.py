@@ -169,7 +169,8 @@ def test_styles_follow_sequence_and_loss_parallel():
 
 
 def test_head_norm_is_for_norms():
-    with pytest.raises(TypeError, match="'head_norm' is for norms, but 'model' is a Linear"):
+    with pytest.raises(TypeError, match=r"'head_norm' is for norms \(and other modules on split activations\), "
+                                        r"but 'model' is a Linear"):
         validate_tp_plan(Holder(nn.Linear(4, 4)), {"model": "replicated_with_grad_allreduce"}, 2)
 
 

@@ -352,7 +352,8 @@ def _check_module(name: str, mod: nn.Module, style: str | ParallelStyle, tp: int
     if kind in _ON_EMBEDDING and not isinstance(mod, nn.Embedding):
         raise TypeError(f"tp_plan: '{kind}' shards an nn.Embedding, but {name!r} is a {type(mod).__name__}.")
     if kind in ("sequence_parallel", "head_norm") and isinstance(mod, (nn.Linear, nn.Embedding)):
-        raise TypeError(f"tp_plan: '{kind}' is for norms, but {name!r} is a {type(mod).__name__}.")
+        what = "norms and dropout" if kind == "sequence_parallel" else "norms (and other modules on split activations)"
+        raise TypeError(f"tp_plan: '{kind}' is for {what}, but {name!r} is a {type(mod).__name__}.")
     if kind in _SHARDED_SIZE:
         attr, what = _SHARDED_SIZE[kind]
         size = getattr(mod, attr)
