@@ -99,8 +99,8 @@ class SweepLM(HFCausalLM):
     """The tests' user LightningModule (forward returns the logits) around any architecture's tiny model."""
 
     def __init__(self, arch: str = "llama", lr: float = 3e-3) -> None:
-        super(HFCausalLM, self).__init__()
-        self.lr = lr
+        super(HFCausalLM, self).__init__()  # HFCausalLM's own __init__ builds only the tests' listed configs
+        self.lr, self.optimizer = lr, "adamw"
         self.model = build(arch)
 
 

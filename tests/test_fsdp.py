@@ -111,7 +111,8 @@ def test_parity_world2(world2, reference, name):
 
 def test_parameters_used_on_one_rank_only(world2):
     """A layer that only some ranks' tokens reach: FSDP2 alone reduce-scatters only the gradients a rank has, so the
-    ranks' collectives differed and the job aborted (pytorch/pytorch#158719); now in parity with one process."""
+    ranks' collectives differed and the job aborted (pytorch/pytorch#158719); now in parity with one process, and a
+    layer no rank uses keeps no gradient (zero-filled on every rank, AdamW's weight decay would have moved it)."""
     data = token_dataset(96)
     halves = [list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=SEED)) for r in range(2)]
     has = [[bool((data.tensors[0][h[4 * step:4 * step + 4]] == RARE_TOKEN).any()) for h in halves]

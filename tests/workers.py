@@ -54,7 +54,8 @@ class SGDGPT(GPTModule):
 class RareTokenExpertGPT(GPTModule):
     """The tiny GPT with, in every block, one more layer that only the tokens equal to ``rare_token`` pass through
     (a route per token, as in a mixture of experts). A rank whose batch holds none of them never calls the layer,
-    so its parameters get no gradient on that rank while they do on another."""
+    so its parameters get no gradient on that rank while they do on another. A second extra layer is never called:
+    no rank gives it a gradient, and AdamW (weight decay 0.1) must skip it as in one process."""
 
     def __init__(self, rare_token: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -65,6 +66,7 @@ class RareTokenExpertGPT(GPTModule):
         for block in self.model.blocks:
             if not hasattr(block, "rare"):
                 block.rare = torch.nn.Linear(self.hparams.n_embd, self.hparams.n_embd)
+                block.unused = torch.nn.Linear(self.hparams.n_embd, self.hparams.n_embd)
                 block.register_forward_hook(self._through_rare_layer)
 
     def _through_rare_layer(self, block: torch.nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:

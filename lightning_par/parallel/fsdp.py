@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -42,11 +43,15 @@ def apply_fsdp(
             mp_policy=mp_policy,
             offload_policy=offload_policy,
         )
-        _zero_gradients_of_unused_parameters(units[i])
+        _zero_gradients_of_unused_parameters(units[i], record=root is not None)
     if root is None:
         return
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                 offload_policy=offload_policy)
+
+
+#: (unit, parameter name) of every gradient this rank zero-filled since the last :func:`drop_gradients_no_rank_had`
+_FILLED: list[tuple[nn.Module, str]] = []
 
 
 class _FillMissingGradients(torch.autograd.Function):
@@ -54,25 +59,50 @@ class _FillMissingGradients(torch.autograd.Function):
     first), gives every trainable parameter of the unit that got no gradient a zero one."""
 
     @staticmethod
-    def forward(ctx, unit: nn.Module, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.unit = unit
+    def forward(ctx, unit: nn.Module, record: bool, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.unit, ctx.record = unit, record
         return tuple(x.view_as(x) for x in inputs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[None | torch.Tensor, ...]:
-        for param in ctx.unit.parameters():
+        for name, param in ctx.unit.named_parameters():
             if param.requires_grad and param.grad is None:
                 param.grad = torch.zeros_like(param)
-        return (None, *grads)
+                if ctx.record:
+                    _FILLED.append((ctx.unit, name))
+        return (None, None, *grads)
 
 
-def _zero_gradients_of_unused_parameters(unit: nn.Module) -> None:
+def drop_gradients_no_rank_had(root: nn.Module, group: dist.ProcessGroup, had_none: list[str],
+                               device: torch.device) -> None:
+    """After a backward: a parameter that got no gradient on any rank of the data-parallel ``group`` (each rank
+    zero-filled it) gets none after all, as in one process, so the optimizer skips it (AdamW would otherwise decay
+    it and move it by its momentum). ``had_none``: the parameters without a gradient before this backward, in the
+    same order on every rank. One all-reduce of a flag per such parameter (every rank takes part, filled or not)."""
+    filled, _FILLED[:] = list(_FILLED), []
+    if not had_none:
+        return
+    names: set[str] = set()
+    if filled:
+        fqn_of = {id(module): fqn for fqn, module in root.named_modules()}
+        names = {f"{fqn_of[id(unit)]}.{name}".lstrip(".") for unit, name in filled if id(unit) in fqn_of}
+    flags = torch.tensor([name in names for name in had_none], dtype=torch.uint8).to(device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    dropped = [name for name, every_rank_filled in zip(had_none, flags.tolist()) if every_rank_filled]
+    if dropped:
+        params = dict(root.named_parameters())
+        for name in dropped:
+            params[name].grad = None
+
+
+def _zero_gradients_of_unused_parameters(unit: nn.Module, record: bool) -> None:
     """FSDP2 reduce-scatters only the parameters that got a gradient on this rank, so when ranks use different
     parameters (a mixture of experts whose routing left some experts without tokens on one rank), their
     reduce-scatters differ in size and the job aborts or hangs (pytorch/pytorch#158719, open in torch 2.13). With a
     zero gradient for each unused parameter every rank reduces the same tensors: the average is the one-process
-    gradient of the whole batch. Written by hand because torch has no option for it; costs nothing while every
-    parameter is used. (A parameter that no rank used gets a zero gradient where one process would have none.)"""
+    gradient of the whole batch. Written by hand because torch has no option for it. A parameter no rank used gets
+    its gradient taken back (:func:`drop_gradients_no_rank_had`, one small all-reduce per backward), where
+    ``record``: not for pipeline stages, whose schedules compute weight gradients after input gradients."""
 
     def wrap_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not torch.is_grad_enabled():
@@ -82,7 +112,7 @@ def _zero_gradients_of_unused_parameters(unit: nn.Module) -> None:
         tensors = [x for _, x in flat] + [kwargs[k] for k in keys]
         if not tensors:
             return None
-        wrapped = _FillMissingGradients.apply(module, *tensors)
+        wrapped = _FillMissingGradients.apply(module, record, *tensors)
         args = list(args)
         for (i, _), x in zip(flat, wrapped):
             args[i] = x

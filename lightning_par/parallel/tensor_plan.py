@@ -37,8 +37,9 @@ STYLES: dict[str, str] = {
     "sequence_parallel": "norm/dropout on the residual stream: runs on sequence shards (SP only; else untouched)",
     "replicate": "replicated module added to the residual stream (e.g. a position embedding): SP slices its "
     "output's sequence dim (dim -2) to this rank's chunk; else untouched",
-    "head_norm": "a norm over each attention head's features (Qwen3's q_norm/k_norm) run on this rank's heads: its "
-    "weight stays whole on every rank and its gradient is summed over tp",
+    "head_norm": "a module computing on this rank's share of split activations (Qwen3's per-head q/k norms, a "
+    "learnable activation between 'colwise' and 'rowwise'): its weights stay whole on every rank, their gradients "
+    "are summed over tp",
     "split_sequence": "SP only: the first tensor input (or `hidden_states=`) is full; keep this rank's sequence chunk",
     "gather_sequence": "SP only: all-gather the first tensor input (or `hidden_states=`) once for the module's "
     "colwise children (one all-gather instead of one per child)",
