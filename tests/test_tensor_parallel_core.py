@@ -165,7 +165,8 @@ def test_styles_follow_sequence_and_loss_parallel():
     assert build_style("colwise", sequence_parallel=True, input_gathered=True).input_layouts == (Replicate(),)
     assert build_style("colwise_gather_output", sequence_parallel=True,
                        input_gathered=True).input_layouts == (Replicate(),)
-    assert type(build_style("replicated_with_grad_allreduce")).__name__ == "_HeadNorm"  # HF alias of head_norm
+    head_norm = build_style("replicated_with_grad_allreduce")  # HF alias of head_norm
+    assert isinstance(head_norm, SequenceParallel) and head_norm.sequence_sharding == (Shard(0),)
 
 
 def test_head_norm_is_for_norms():

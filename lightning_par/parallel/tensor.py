@@ -145,7 +145,9 @@ def build_style(
     if style == "replicate":
         return _ShardOutputSequence() if sp else None
     if style == "head_norm":
-        return _HeadNorm()
+        # torch's SequenceParallel on the leading dim: weights replicated DTensors, the input declared sharded (any
+        # leading dim gives the same local math), so each weight gradient is a partial sum DTensor all-reduces
+        return SequenceParallel(sequence_dim=0, use_local_output=True)
     if style == "split_sequence":
         return _FirstInput(_split_sequence, shrinks=True) if sp else None
     if style == "gather_sequence":
@@ -242,26 +244,6 @@ class _ShardOutputSequence(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_hook(lambda _m, _args, out: _split_sequence(out, device_mesh, out.ndim - 2))
-        return module
-
-
-class _HeadNorm(ParallelStyle):
-    """'head_norm': a norm over the last dim of this rank's attention heads (the output of a 'colwise' projection,
-    e.g. (batch, seq, local heads, head dim)). The weight is a replicated DTensor and the input is declared sharded
-    on its leading dim: any leading dim gives the same local math, and the weight's gradient, a sum over the rows
-    each rank holds, becomes a partial sum that DTensor all-reduces into the replicated gradient."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, param in list(module.named_parameters(recurse=False)):
-            replicated = nn.Parameter(DTensor.from_local(param.data, device_mesh, [Replicate()], run_check=False),
-                                      requires_grad=param.requires_grad)
-            module.register_parameter(name, replicated)
-
-        def to_dtensor(_mod: nn.Module, args: tuple) -> tuple:
-            return (DTensor.from_local(args[0], device_mesh, [Shard(0)], run_check=False), *args[1:])
-
-        module.register_forward_pre_hook(to_dtensor)
-        module.register_forward_hook(lambda _m, _args, out: out.to_local() if isinstance(out, DTensor) else out)
         return module
 
 

@@ -176,9 +176,8 @@ def _head_keeps_vocab_shards(model: nn.Module, plan: dict[str, str]) -> dict[str
 def _hf_sequence_parallel_entries(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
     """For a decoder with ``base.layers``: split the sequence entering layer 0 (after HF computed positions and the
     mask from the full length), run the layers' norms and the final norm on shards, gather once per sublayer."""
-    base = getattr(model, "base_model", model)
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+    base, layers = _decoder_layers(model)
+    if layers is None:
         return {}
     base_fqn = next(name for name, m in model.named_modules() if m is base)
     lp = f"{base_fqn}.layers" if base_fqn else "layers"
@@ -200,6 +199,13 @@ def _hf_sequence_parallel_entries(model: nn.Module, plan: Mapping[str, str]) -> 
         elif after_layers and "norm" in type(child).__name__.lower():
             entries[f"{base_fqn}.{name}" if base_fqn else name] = "sequence_parallel"
     return entries
+
+
+def _decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList | None]:
+    """A Hugging Face model's base model and its ``layers`` list (None when it has no non-empty one)."""
+    base = getattr(model, "base_model", model)
+    layers = getattr(base, "layers", None)
+    return base, layers if isinstance(layers, nn.ModuleList) and len(layers) > 0 else None
 
 
 def _sublayers(layers: nn.ModuleList) -> list[tuple[int, str, nn.Module]]:
@@ -312,9 +318,8 @@ def _check_hf_sublayers_gather(root: nn.Module, resolved: Mapping[str, str | Par
     chunk, so some module of it must gather the sequence (a column-parallel projection). A model whose plan leaves
     its attention or MLP whole (e.g. a plan that names only the head) cannot run sequence-parallel."""
     for _, model in outermost_hf_models(root):
-        base = getattr(model, "base_model", model)
-        layers = getattr(base, "layers", None)
-        if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        _, layers = _decoder_layers(model)
+        if layers is None:
             continue
         layers_fqn = next(name for name, m in root.named_modules() if m is layers)
         for index, name, child in _sublayers(layers):
