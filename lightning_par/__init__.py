@@ -2,11 +2,13 @@
 
 from lightning_par.checkpoint import consolidate_checkpoint, full_state_dict
 from lightning_par.dims import ParallelDims
+from lightning_par.lightning_checkpoints import to_lightning_checkpoint
 from lightning_par.parallel.context_routing import context_positions
 from lightning_par.planner.search import plan_layouts
 from lightning_par.pretrained import load_hf_weights, save_hf_pretrained
 from lightning_par.strategies.auto import AutoParallelStrategy
 from lightning_par.strategies.base import BaseParallelStrategy
+from lightning_par.strategies.lightning_compat import ModelParallelStrategy
 from lightning_par.strategies.nd import NDParallelStrategy
 from lightning_par.strategies.presets import (
     ContextParallelStrategy,
@@ -23,6 +25,7 @@ __all__ = [
     "BaseParallelStrategy",
     "ContextParallelStrategy",
     "FSDP2Strategy",
+    "ModelParallelStrategy",
     "NDParallelStrategy",
     "ParallelDims",
     "PipelineParallelStrategy",
@@ -33,5 +36,6 @@ __all__ = [
     "load_hf_weights",
     "plan_layouts",
     "save_hf_pretrained",
+    "to_lightning_checkpoint",
 ]
 __version__ = "0.1.0"

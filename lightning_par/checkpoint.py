@@ -83,11 +83,11 @@ def save_sharded(tensors: dict[str, Any], meta: dict[str, Any], path: str | os.P
     if _is_rank_zero():
         torch.save(meta, staging / META_FILE)
         (staging / COMPLETE_FILE).write_text(json.dumps({"format": FORMAT, "keys": len(tensors)}))
-        _replace_dir(staging, path)
+        replace_dir(staging, path)
     _barrier()
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
+def replace_dir(src: Path, dst: Path) -> None:
     if dst.is_file() or dst.is_symlink():
         dst.unlink()
     elif dst.exists():
@@ -116,13 +116,19 @@ def check_complete(path: str | os.PathLike) -> Path:
             f"checkpoint already is what consolidation produces: resume from it with `trainer.fit(ckpt_path=...)` or "
             f"load its weights with `LightningModule.load_from_checkpoint`."
         )
-    if not is_complete(path):
+    if not is_complete(path) and not _written_by_lightning(path):
         missing = [f for f in (COMPLETE_FILE, ".metadata", META_FILE) if not (path / f).is_file()]
         raise ValueError(
-            f"ckpt_path={str(path)!r} holds no complete checkpoint (missing {missing}): its save was interrupted or "
-            f"it is not a lightning_par checkpoint. Resume from an earlier complete checkpoint."
+            f"ckpt_path={str(path)!r} holds no complete checkpoint (missing {missing}): its save was interrupted, or "
+            f"it is neither a lightning_par nor a Lightning ModelParallelStrategy checkpoint (those need .metadata "
+            f"and {META_FILE}). Resume from an earlier complete checkpoint."
         )
     return path
+
+
+def _written_by_lightning(path: Path) -> bool:
+    # Lightning's ModelParallelStrategy writes meta.pt after DCP's .metadata, which DCP writes after every shard
+    return (path / ".metadata").is_file() and (path / META_FILE).is_file() and not (path / COMPLETE_FILE).exists()
 
 
 def stored_shapes(path: str | os.PathLike, prefix: str) -> dict[str, torch.Size]:
@@ -153,10 +159,14 @@ def compare_shapes(path: Path, stored: Mapping[str, torch.Size], model_shapes: d
         )
 
 
+def clean_name(name: str) -> str:
+    """A parameter's state-dict name: the wrappers of activation checkpointing and compile left out."""
+    return ".".join(seg for seg in name.split(".") if seg not in ("_checkpoint_wrapped_module", "_orig_mod"))
+
+
 def trainable_names(module: torch.nn.Module) -> set[str]:
-    """State-dict names (wrappers of activation checkpointing and compile left out) of the trainable parameters."""
-    return {".".join(seg for seg in name.split(".") if seg not in ("_checkpoint_wrapped_module", "_orig_mod"))
-            for name, p in module.named_parameters() if p.requires_grad}
+    """State-dict names of the trainable parameters."""
+    return {clean_name(name) for name, p in module.named_parameters() if p.requires_grad}
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:

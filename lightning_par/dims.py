@@ -170,12 +170,30 @@ class ParallelDims:
         return self.world_mesh[name]
 
     def fsdp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP2 shards over: 1-D ``dp_shard_cp``, or 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP."""
+        """The mesh FSDP2 shards over: 1-D ``dp_shard_cp`` (the flattened mesh kept at build time: slicing a
+        flattened dim from the root mesh is deprecated), or 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP."""
         if self.dp_replicate > 1:
-            with warnings.catch_warnings():  # slicing a flattened dim warns of a future deprecation; it is the API
+            # torch 2.11-2.13 has no other way to a 2-D mesh whose second dim is flattened AND that shares the root
+            # of the tp mesh (FSDP2 x TP needs one root; ``DeviceMesh.from_group`` makes a new root): the slice warns
+            # of a deprecation, so it is silenced here, in this one place
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 return self.world_mesh["dp_replicate", "dp_shard_cp"]
-        return self.world_mesh["dp_shard_cp"]
+        return self.mesh("dp_shard_cp")
+
+    def lightning_mesh(self) -> DeviceMesh:
+        """Lightning's ``ModelParallelStrategy`` mesh: 2-D ``("data_parallel", "tensor_parallel")``, the data
+        dimension being this layout's ``dp`` (replicas x shards). Built from the groups that already exist
+        (``DeviceMesh.from_group``: no new process group), for layouts without pipeline or context parallelism."""
+        if self.pp > 1 or self.cp > 1:
+            raise ValueError(f"Lightning's 2-D (data_parallel, tensor_parallel) mesh cannot describe the layout {self}"
+                             f": it has no pipeline or context dimension. Use lightning_par's mesh names instead.")
+        coords = self.world_mesh.get_coordinate()
+        assert coords is not None
+        ranks = self.world_mesh.mesh[coords[0], :, :, coords[3], :].reshape(self.dp_size, self.tp)
+        return DeviceMesh.from_group([self.mesh("dp").get_group(), self.mesh("tp").get_group()],
+                                     self.world_mesh.device_type, mesh=ranks,
+                                     mesh_dim_names=("data_parallel", "tensor_parallel"))
 
     def coordinates(self) -> dict[str, int]:
         """This rank's index along every base and flattened dimension."""

@@ -22,19 +22,24 @@ from torch.distributed.tensor import DTensor, Replicate
 RELATIVE_TOLERANCE = 1e-4
 
 
-def _whole_over_tp(param: torch.Tensor) -> bool:
+def _whole_over_tp(param: torch.Tensor, tp_ranks: set[int]) -> bool:
+    """Whether ``param`` is the same whole tensor on every tp rank: a plain tensor, or a DTensor replicated along
+    the dimension of its mesh that spans the tp ranks. The dimension is found by its ranks, not its name: a model
+    parallelized by hand names it as it likes (Lightning's mesh says ``"tensor_parallel"``)."""
     if not isinstance(param, DTensor):
         return True
-    names = param.device_mesh.mesh_dim_names or ()
-    return "tp" not in names or isinstance(param.placements[names.index("tp")], Replicate)
+    mesh = param.device_mesh
+    return all(isinstance(placement, Replicate) or set(dist.get_process_group_ranks(mesh.get_group(i))) != tp_ranks
+               for i, placement in enumerate(param.placements))
 
 
 def check_whole_parameters_agree(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Raise (on every rank) naming the parameters the tp plan leaves whole whose gradients differ across tp."""
     names, checksums = [], []
+    tp_ranks = set(tp_mesh.mesh.flatten().tolist())
     for name, param in module.named_parameters():
         grad = param.grad
-        if grad is None or not _whole_over_tp(param):
+        if grad is None or not _whole_over_tp(param, tp_ranks):
             continue
         if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
             continue  # a partial sum DTensor itself reduces (a 'head_norm' or sequence-parallel norm's gradient)

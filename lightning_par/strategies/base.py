@@ -48,12 +48,14 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_par import checkpoint as ckpt
+from lightning_par import lightning_checkpoints as lightning_ckpt
 from lightning_par.checks import check_bool
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.init import materialize
 from lightning_par.strategies.precision import to_parallel_precision
 from lightning_par.strategies.resume import resumable_train_dataloader
 from lightning_par.strategies.summary import layout_summary
+from lightning_par.strategies.user_errors import explain_head_count_errors, foreach_problems
 
 # optimizer state keyed by parameter FQN, param-group settings included ("param_groups.<fqn>.lr"): the form that
 # stays meaningful when ranks hold different parameters (pipeline stages) and when a checkpoint changes layout
@@ -87,6 +89,8 @@ def _check_optimizers(model: nn.Module, optimizers: list[Optimizer], device: tor
     """Before the first step, the same verdict on every rank (one small all-reduce per optimizer; a pipeline stage may
     see what another does not):
 
+    * a ``foreach`` step over DTensor and plain parameters together is refused (torch fails at the first step);
+
     * an optimizer with nothing to train is refused;
     * an empty parameter group is refused: torch's sharded optimizer state (flattened by FQN) cannot be loaded back
       into it, so its checkpoints could not be resumed;
@@ -114,6 +118,7 @@ def _check_optimizers(model: nn.Module, optimizers: list[Optimizer], device: tor
                            f"(requires_grad=False, e.g. {frozen[:3]}). They get no gradient, so torch's optimizers "
                            f"neither update them nor keep state for them; pass only the trainable ones "
                            f"(`[p for p in self.parameters() if p.requires_grad]`) to make that explicit.")
+    ckpt.raise_on_every_rank(foreach_problems(model, optimizers))
 
 
 _EXIT = {"failed": False}  # set by on_exception: a failing rank leaves at once, without waiting for its peers
@@ -191,6 +196,7 @@ class BaseParallelStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.num_nodes = 1
+        self._parallelized_by_hand = False  # configure_model applied the parallelism itself (Lightning's way)
 
     # ---- what Lightning asks of a parallel strategy -------------------------------------------------------
     @property
@@ -275,7 +281,7 @@ class BaseParallelStrategy(ParallelStrategy):
         self.dims.build_mesh(self.root_device.type)
         self.precision_plugin.pipeline_group = self.dims.mesh("pp").get_group() if self.dims.pp > 1 else None
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self.dims.world_mesh
+        self.lightning_module._device_mesh = self.device_mesh
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -290,6 +296,22 @@ class BaseParallelStrategy(ParallelStrategy):
         they are materialized shard by shard after :meth:`parallelize`, so no rank ever holds the full model."""
         with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Around ``configure_model``: a user coming from Lightning's ``ModelParallelStrategy`` asks the mesh for
+        its dimension names; say what they are called here instead of torch's bare KeyError."""
+        try:
+            yield
+        except KeyError as e:
+            if not any(name in str(e) for name in ("data_parallel", "tensor_parallel")):
+                raise
+            raise KeyError(
+                f"{e.args[0]} -- `data_parallel` and `tensor_parallel` are the mesh names of Lightning's "
+                f"ModelParallelStrategy. Use `lightning_par.ModelParallelStrategy` (the same arguments and mesh "
+                f"names), or lightning_par's names on {type(self).__name__}'s mesh: FSDP over "
+                f"`self.trainer.strategy.dims.fsdp_mesh()`, tensor parallelism over `self.device_mesh['tp']`."
+            ) from None
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
@@ -323,10 +345,18 @@ class BaseParallelStrategy(ParallelStrategy):
         return ""
 
     def _materialize(self, module: nn.Module) -> None:
-        # one seed on every rank (rank 0's): the copies of a replicated tensor (tensor parallelism) start equal, and
-        # each module's values depend on its name, not on what was initialized before it
-        seed = self.broadcast(torch.initial_seed()) % 2**31
-        missing = materialize(module, self._materialization_device(), seed=seed)
+        if self._parallelized_by_hand:
+            # Lightning's ModelParallelStrategy way: every module re-initialized in module order from the global
+            # random stream, so what the model draws afterwards (its own re-initialization, dropout) is what it
+            # draws under Lightning. Every rank starts from rank 0's stream: the copies of a replicated tensor
+            # start equal even when the ranks were seeded differently (a no-op when seed_everything seeded them)
+            torch.set_rng_state(self.broadcast(torch.get_rng_state()))
+            missing = materialize(module, self._materialization_device())
+        else:
+            # the engine: one seed on every rank (rank 0's), and each module's values depend on its name, not on
+            # what was initialized before it nor on which pipeline stage holds it
+            seed = self.broadcast(torch.initial_seed()) % 2**31
+            missing = materialize(module, self._materialization_device(), seed=seed)
         if missing:
             rank_zero_warn(f"Modules of type {missing} were created on the meta device and have no reset_parameters() "
                            f"to initialize them: their tensors hold uninitialized memory. Give them a "
@@ -357,8 +387,9 @@ class BaseParallelStrategy(ParallelStrategy):
                     f"Parameter {name!r} is neither sharded nor replicated over the data-parallel ranks "
                     f"{sorted(replica_ranks)} (it is a {held}): each rank would train its own copy. "
                     f"If you parallelize by hand in `configure_model`, apply `fully_shard(..., "
-                    f"mesh=self.device_mesh['dp_shard_cp'])` to the whole model; or leave `configure_model` free of "
-                    f"parallelization and let the strategy apply it."
+                    f"mesh=self.trainer.strategy.dims.fsdp_mesh())` to the whole model (`self.device_mesh"
+                    f"['data_parallel']` under lightning_par.ModelParallelStrategy); or leave `configure_model` free "
+                    f"of parallelization and let the strategy apply it."
                 )
 
     # ---- steps --------------------------------------------------------------------------------------------
@@ -368,11 +399,11 @@ class BaseParallelStrategy(ParallelStrategy):
         return nullcontext()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.step_context():
+        with self.step_context(), explain_head_count_errors(self.lightning_module, self.dims.tp):
             return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.step_context():
+        with self.step_context(), explain_head_count_errors(self.lightning_module, self.dims.tp):
             return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -462,7 +493,13 @@ class BaseParallelStrategy(ParallelStrategy):
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = state
         checkpoint[ckpt.TRAINABLE_ONLY] = self.save_trainable_only
+        assert self.model is not None  # the groups let to_lightning_checkpoint write Lightning's layout offline
+        checkpoint[lightning_ckpt.PARAM_GROUPS] = lightning_ckpt.param_group_names(
+            self.model, self._plain_optimizers(), self.dims.pp > 1)
         ckpt.save_sharded(tensors, checkpoint, path)
+
+    def _plain_optimizers(self) -> list[Optimizer]:
+        return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
@@ -493,10 +530,23 @@ class BaseParallelStrategy(ParallelStrategy):
         stored = ckpt.stored_shapes(path, "state_dict.")
         (ckpt.check_same_trainable if trainable_only else ckpt.compare_shapes)(path, stored, shapes)
         tensors: dict[str, Any] = {"state_dict": model_sd}
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizers = self._plain_optimizers()
+        nested: dict[str, list[dict[str, Any]]] = {}  # param groups stored in Lightning's layout, by optimizer key
         for i, optimizer in enumerate(optimizers):
-            tensors[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer, options=_OPTIMIZER_OPTIONS)
+            key = f"optimizer_{i}"
+            tensors[key] = get_optimizer_state_dict(self.model, optimizer, options=_OPTIMIZER_OPTIONS)
+            if lightning_ckpt.stores_nested_groups(path, key):
+                nested[key] = lightning_ckpt.nested_param_groups(path, key)
+                tensors[key] = {k: v for k, v in tensors[key].items() if not k.startswith("param_groups.")}
         meta = ckpt.load_sharded(tensors, path)
+        problems = []
+        for key, groups in nested.items():  # each parameter takes its stored group's options (lr, betas, ...)
+            optimizer = optimizers[int(key.split("_")[1])]
+            flat = get_optimizer_state_dict(self.model, optimizer, options=_OPTIMIZER_OPTIONS)
+            groups_only = {k: v for k, v in flat.items() if k.startswith("param_groups.")}
+            problems += lightning_ckpt.fill_flat_param_groups(groups_only, groups, f"ckpt_path={str(path)!r}")
+            tensors[key].update(groups_only)
+        ckpt.raise_on_every_rank(problems)
         set_model_state_dict(self.model, tensors["state_dict"], options=StateDictOptions(strict=not trainable_only))
         for i, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(self.model, optimizer, tensors[f"optimizer_{i}"], options=_OPTIMIZER_OPTIONS)

@@ -36,6 +36,7 @@ from lightning_par.parallel.fsdp import drop_gradients_no_rank_had
 from lightning_par.parallel.pipeline_live import LivePipeline
 from lightning_par.parallel.tensor_check import check_whole_parameters_agree
 from lightning_par.strategies.base import BaseParallelStrategy
+from lightning_par.strategies.summary import describe_hand_parallelization
 from lightning_par.techniques import Target, Technique, build_recipe
 from lightning_par.techniques.fully_sharded import register_step_methods
 
@@ -157,6 +158,7 @@ class NDParallelStrategy(BaseParallelStrategy):
                                  "apply it.")
             # configure_model parallelized by hand (Lightning's ModelParallelStrategy way): respect it; setup then
             # checks that nothing was left unsharded over the data-parallel ranks.
+            self._parallelized_by_hand = True
             register_step_methods(module)
             return
         target = Target(module, self._materialization_device(), str(getattr(self.precision_plugin, "precision", "")),
@@ -165,6 +167,8 @@ class NDParallelStrategy(BaseParallelStrategy):
             technique.apply(target, self.dims)
 
     def describe(self) -> str:
+        if self._parallelized_by_hand:
+            return describe_hand_parallelization(self.lightning_module)
         parts = [d for t in self.techniques if (d := t.describe(self.dims))]
         return ", ".join(parts) or "no parallelism (one process)"
 
@@ -191,7 +195,8 @@ class NDParallelStrategy(BaseParallelStrategy):
         """FSDP zero-fills gradients a rank's forward left out (``parallel/fsdp.py``); with dp x cp > 1 the ones no
         rank had are taken back after backward. Not under a pipeline: torch's schedules compute weight gradients
         after input gradients, so every parameter is zero-filled first and "filled" no longer means "unused"."""
-        return self.dims.dp_replicate * self.dims.dp_shard * self.dims.cp > 1 and self.dims.pp == 1
+        return (self.dims.dp_replicate * self.dims.dp_shard * self.dims.cp > 1 and self.dims.pp == 1
+                and not self._parallelized_by_hand)  # only the engine's FSDP units zero-fill
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.pipeline is None:
@@ -203,12 +208,12 @@ class NDParallelStrategy(BaseParallelStrategy):
             closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
             self.post_backward(closure_loss)
         if self._takes_back_unused_gradients():
-            drop_gradients_no_rank_had(self.lightning_module, self.device_mesh["dp_cp"].get_group(),
+            drop_gradients_no_rank_had(self.lightning_module, self.dims.mesh("dp_cp").get_group(),
                                        self._no_gradient_before, self.root_device)
             self._no_gradient_before = []
         if self.dims.tp > 1 and not self._tp_gradients_checked:
             self._tp_gradients_checked = True
-            check_whole_parameters_agree(self.lightning_module, self.device_mesh["tp"])
+            check_whole_parameters_agree(self.lightning_module, self.dims.mesh("tp"))
         return closure_loss
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:

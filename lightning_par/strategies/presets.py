@@ -11,6 +11,7 @@ from typing import Any
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_par.strategies.auto import AutoParallelStrategy
+from lightning_par.strategies.lightning_compat import ModelParallelStrategy
 from lightning_par.strategies.nd import NDParallelStrategy
 
 
@@ -73,6 +74,7 @@ def register_strategies() -> None:
         ("pipeline_parallel", PipelineParallelStrategy, "lightning_par pipeline parallelism (torch pipelining)"),
         ("nd_parallel", NDParallelStrategy, "lightning_par N-D parallelism on one DeviceMesh"),
         ("auto_parallel", AutoParallelStrategy, "lightning_par: the layout the planner predicts fastest"),
+        ("model_parallel", ModelParallelStrategy, "lightning_par's drop-in for Lightning's ModelParallelStrategy"),
     ):
         if name not in StrategyRegistry:
             StrategyRegistry.register(name, cls, description=description)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Any
+
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -43,3 +46,27 @@ def layout_summary(dims: ParallelDims, module: nn.Module, backend: str, what: st
         lines.append(f"  {rank:>4}  {cells}   {n:>12,} ({nb / 2**20:.2f} MiB){'  ' + extra if extra else ''}")
     lines.append(f"  sum over ranks: {total:,} parameter elements")
     return "\n".join(lines)
+
+
+def describe_hand_parallelization(module: nn.Module) -> str:
+    """What a ``configure_model`` that parallelized by hand applied, read off the modules (no collective): how many
+    modules ``fully_shard`` made FSDP2 units, and the parameters by placement and mesh (FSDP shards show as
+    ``Shard(0)`` over the data-parallel dimension, tensor-parallel ones over the tensor-parallel dimension)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = sum(isinstance(m, FSDPModule) for m in module.modules())
+    kinds: Counter[str] = Counter(
+        f"{_placements(p)} over {_mesh_words(p.device_mesh)}" if isinstance(p, DTensor) else "plain (not DTensor)"
+        for p in module.parameters()
+    )
+    found = "; ".join(f"{n} {kind}" for kind, n in kinds.most_common())
+    return f"parallelized in configure_model: fully_shard on {units} modules; parameters: {found}"
+
+
+def _mesh_words(mesh: Any) -> str:
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return " x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape))
+
+
+def _placements(p: DTensor) -> str:
+    return "(" + ", ".join(str(pl) for pl in p.placements) + ")"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -32,9 +33,11 @@ class FullySharded(Technique):
         self.cpu_offload = check_bool("cpu_offload", cpu_offload)
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
-        units = target.units(self.shard_units)  # resolved even when off: a bad pattern fails in every layout
         if not dims.fsdp_enabled and not self.cpu_offload:  # one rank: nothing to shard, unless offloading
+            if self.shard_units is not None:
+                target.units(self.shard_units)  # resolved even when off: a bad pattern fails in every layout
             return
+        units = self._units(target)
         half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(target.precision)
         apply_fsdp(  # mixed precision: half-precision all-gathers, fp32 reductions and master weights
             target.fsdp_root,
@@ -47,6 +50,19 @@ class FullySharded(Technique):
         )
         if target.fsdp_root is not None:
             register_step_methods(target.fsdp_root)
+
+    def _units(self, target: Target) -> list[str]:
+        """The shard units; a model without a list of blocks (and no ``shard_units``) is one unit, the root, as
+        under Lightning's FSDP with no wrap policy: it trains, it only gathers all its parameters at once."""
+        if self.shard_units is not None or target.keep is not None:
+            return target.units(self.shard_units)
+        try:
+            return target.blocks
+        except ValueError as e:
+            if target.fsdp_root is None:
+                raise
+            warnings.warn(f"FSDP2 shards the whole model as one unit: {e}", stacklevel=2)
+            return []
 
     def describe(self, dims: ParallelDims) -> str | None:
         if not dims.fsdp_enabled:
