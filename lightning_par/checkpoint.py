@@ -127,8 +127,12 @@ def check_complete(path: str | os.PathLike) -> Path:
 
 
 def _written_by_lightning(path: Path) -> bool:
-    # Lightning's ModelParallelStrategy writes meta.pt after DCP's .metadata, which DCP writes after every shard
-    return (path / ".metadata").is_file() and (path / META_FILE).is_file() and not (path / COMPLETE_FILE).exists()
+    """A complete checkpoint of Lightning's ModelParallelStrategy: it writes meta.pt after DCP's .metadata, which
+    DCP writes after every shard. A lightning_par checkpoint without its marker (its meta.pt says lightning_par
+    wrote it) is not one: lightning_par never publishes a directory before the marker is in it."""
+    if (path / COMPLETE_FILE).exists() or not (path / ".metadata").is_file() or not (path / META_FILE).is_file():
+        return False
+    return TRAINABLE_ONLY not in read_meta(path)
 
 
 def stored_shapes(path: str | os.PathLike, prefix: str) -> dict[str, torch.Size]:

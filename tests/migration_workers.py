@@ -3,6 +3,7 @@ Lightning's strategy and under ``lightning_par.ModelParallelStrategy``, nothing 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -173,10 +174,13 @@ def migration_world2(tmp: str) -> dict[str, Any]:
         "hard_coded_heads": error_of(lambda: run("lightning_par", HardCodedHeads, 1, 2)),
         "foreach_mixed": error_of(lambda: run("lightning_par", PartlyParallel, 1, 2)),
     }
-    no_blocks = run(lightning_par.FSDP2Strategy(), EngineLitModel, 2, 1)
+    with warnings.catch_warnings(record=True) as seen:  # what an FSDP2 run of ours warns about
+        warnings.simplefilter("always")
+        no_blocks = run(lightning_par.FSDP2Strategy(), EngineLitModel, 2, 1)
     return {
         "errors": errors,
         "no_blocks_losses": no_blocks["losses"],
+        "fsdp_warnings": [str(w.message) for w in seen],
         "dp2": llama_both_ways(tmp, 2, 1, other_layout=(1, 2)),
         "tp2": llama_both_ways(tmp, 1, 2),
         "file_tp2": single_file_both_ways(tmp, 1, 2),

@@ -113,6 +113,12 @@ def test_model_without_block_list_trains_under_fsdp(world2):
         assert len(rank["no_blocks_losses"]) == 4
 
 
+def test_no_mesh_slicing_deprecation_from_our_own_code(world2):
+    """lightning_par keeps its flattened meshes instead of slicing them from the root mesh (deprecated in torch)."""
+    for rank in world2:
+        assert not [w for w in rank["fsdp_warnings"] if "Slicing a flattened dim" in w], rank["fsdp_warnings"]
+
+
 def test_constructor_takes_lightnings_arguments():
     from lightning.pytorch import Trainer
 
