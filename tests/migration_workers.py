@@ -177,8 +177,11 @@ def migration_world2(tmp: str) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as seen:  # what an FSDP2 run of ours warns about
         warnings.simplefilter("always")
         no_blocks = run(lightning_par.FSDP2Strategy(), EngineLitModel, 2, 1)
+    plan = {"model.w1": "colwise", "model.w2": "rowwise", "model.w3": "colwise"}  # the docs' plan, as data
+    engine_tp = run(lightning_par.TensorParallelStrategy(tp=2, tp_plan=plan), EngineLitModel, 1, 2)
     return {
         "errors": errors,
+        "plan_instead_of_configure_model": compare(engine_tp, run("lightning", LitModel, 1, 2)),
         "no_blocks_losses": no_blocks["losses"],
         "fsdp_warnings": [str(w.message) for w in seen],
         "dp2": llama_both_ways(tmp, 2, 1, other_layout=(1, 2)),

@@ -113,6 +113,12 @@ def test_model_without_block_list_trains_under_fsdp(world2):
         assert len(rank["no_blocks_losses"]) == 4
 
 
+def test_a_plan_replaces_the_hand_written_parallelization(world2):
+    """The docs model left to the engine with its plan as data trains like Lightning's hand-parallelized run."""
+    for rank in world2:
+        _assert_close(rank["plan_instead_of_configure_model"], steps=4)
+
+
 def test_no_mesh_slicing_deprecation_from_our_own_code(world2):
     """lightning_par keeps its flattened meshes instead of slicing them from the root mesh (deprecated in torch)."""
     for rank in world2:
@@ -126,9 +132,12 @@ def test_constructor_takes_lightnings_arguments():
                                                    save_distributed_checkpoint=False)
     Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
     assert (strategy.dims.dp_shard, strategy.dims.tp) == (1, 2)  # Lightning's rule: tp within the node
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (1, 2)  # resolved, as Lightning's
     strategy = lightning_par.ModelParallelStrategy(data_parallel_size=2)
     Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
     assert (strategy.dims.dp_shard, strategy.dims.tp) == (2, 1)  # "auto" takes what the other leaves
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="model_parallel", logger=False)
+    assert isinstance(trainer.strategy, lightning_par.ModelParallelStrategy)
     with pytest.raises(ValueError, match=r"data_parallel_size=0 must be a positive number of processes or 'auto'"):
         lightning_par.ModelParallelStrategy(data_parallel_size=0)
     with pytest.raises(TypeError, match=r"not \['pp'\]: for pipeline.*use NDParallelStrategy"):

@@ -81,6 +81,8 @@ class ModelParallelStrategy(NDParallelStrategy):
             dp, tp = self.num_nodes, self.num_processes
         self.dims = ParallelDims(dp_shard=-1 if dp == "auto" else dp, tp=-1 if tp == "auto" else tp)
         super()._validate_configuration()
+        # resolved, as Lightning's strategy holds them after setup (code that reads them finds numbers)
+        self._data_parallel_size, self._tensor_parallel_size = self.dims.dp_size, self.dims.tp
 
     @property
     def device_mesh(self) -> DeviceMesh:

@@ -34,7 +34,7 @@ class FullySharded(Technique):
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
         if not dims.fsdp_enabled and not self.cpu_offload:  # one rank: nothing to shard, unless offloading
-            if self.shard_units is not None:
+            if self.shard_units is not None or target.block_list is not None:
                 target.units(self.shard_units)  # resolved even when off: a bad pattern fails in every layout
             return
         units = self._units(target)
@@ -54,7 +54,7 @@ class FullySharded(Technique):
     def _units(self, target: Target) -> list[str]:
         """The shard units; a model without a list of blocks (and no ``shard_units``) is one unit, the root, as
         under Lightning's FSDP with no wrap policy: it trains, it only gathers all its parameters at once."""
-        if self.shard_units is not None or target.keep is not None:
+        if self.shard_units is not None or target.keep is not None or target.block_list is not None:
             return target.units(self.shard_units)
         try:
             return target.blocks
