@@ -113,7 +113,7 @@ def profile(cfg: dict[str, Any], model: str) -> Any:
     """The planner's trace of ``model`` at the global batch, built on the meta device."""
     import torch
 
-    from lightning_par.planner.profile import profile_model
+    from lightning_par.costs.profile import profile_model
 
     with torch.device("meta"):
         module = build_module(cfg, model, 1)

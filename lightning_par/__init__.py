@@ -1,6 +1,7 @@
 """lightning_par: PyTorch Lightning strategies for models too big or too slow for one GPU."""
 
-from lightning_par.checkpoint import consolidate_checkpoint, full_state_dict
+from lightning_par.checkpoint import consolidate_checkpoint
+from lightning_par.collectives import full_state_dict
 from lightning_par.dims import ParallelDims
 from lightning_par.lightning_checkpoints import to_lightning_checkpoint
 from lightning_par.parallel.context_routing import context_positions

@@ -47,14 +47,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from lightning_par.collectives import is_rank_zero, raise_on_every_rank
+
 META_FILE = "meta.pt"  # the name Lightning's ModelParallelStrategy uses for the same content
 COMPLETE_FILE = "COMPLETE"
 FORMAT = "lightning_par-dcp-1"
 TRAINABLE_ONLY = "lightning_par_trainable_only"  # meta key: the checkpoint holds the trainable parameters only
-
-
-def _is_rank_zero() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _barrier() -> None:
@@ -75,12 +73,12 @@ def save_sharded(tensors: dict[str, Any], meta: dict[str, Any], path: str | os.P
     """Collective: every rank writes its shards of ``tensors``; rank 0 writes ``meta``; then publish atomically."""
     path = Path(path)
     staging = partial_path(path)
-    if _is_rank_zero():
+    if is_rank_zero():
         shutil.rmtree(staging, ignore_errors=True)  # left over by an interrupted save
         staging.mkdir(parents=True)
     _barrier()
     dcp.save(tensors, checkpoint_id=staging)
-    if _is_rank_zero():
+    if is_rank_zero():
         torch.save(meta, staging / META_FILE)
         (staging / COMPLETE_FILE).write_text(json.dumps({"format": FORMAT, "keys": len(tensors)}))
         replace_dir(staging, path)
@@ -221,26 +219,6 @@ def consolidate_checkpoint(path: str | os.PathLike, output_file: str | os.PathLi
     return checkpoint
 
 
-def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: the module's full (unsharded) weights on CPU, on rank 0; an empty dict on other ranks.
-
-    Keys are the module's own parameter names (activation-checkpoint wrappers stripped), whatever the layout;
-    under pipeline parallelism each rank holds only its stages, and rank 0 merges them.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    keys: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
-    if dist.is_initialized() and len(keys) > 1:
-        dist.all_gather_object(keys, sorted(module.state_dict().keys()))
-    if all(k == keys[0] for k in keys):  # every rank holds the whole model (sharded or replicated)
-        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    # pipeline stages: each rank gathers its own stages' full tensors, rank 0 merges them
-    local = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-    parts: list[Any] | None = [None] * len(keys) if _is_rank_zero() else None
-    dist.gather_object({k: v.cpu() for k, v in local.items()}, parts, dst=0)
-    return {k: v for part in parts or [] for k, v in part.items()}
-
-
 # ---- single-file Lightning checkpoints into a sharded model ----------------------------------------------------
 
 
@@ -296,18 +274,6 @@ class MappedTensorsReader(StorageReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
-
-
-def raise_on_every_rank(problems: list[str]) -> None:
-    """Raise one ``ValueError`` on every rank if any rank found a problem. Ranks holding different parameters
-    (pipeline stages) find different problems; one small all-gather, so no rank is left waiting in a later
-    collective."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, problems)
-        problems = list(dict.fromkeys(p for part in gathered for p in part))
-    if problems:
-        raise ValueError(" ".join(problems))
 
 
 def _model_shapes(model_state: Mapping[str, Any], pipeline: bool) -> dict[str, torch.Size]:
@@ -377,7 +343,7 @@ def load_single_file(model: torch.nn.Module, optimizers: list[torch.optim.Optimi
     optimizer_states: list[dict[str, Any]] = []
     problems: list[str] = []
     if optimizers and not saved_optimizers:
-        if _is_rank_zero():
+        if is_rank_zero():
             warnings.warn(f"ckpt_path={str(path)!r} holds no optimizer state (a consolidated or weights-only "
                           f"checkpoint): the weights and loops are restored, the optimizers start fresh.", stacklevel=2)
     elif optimizers:

@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from lightning_par.planner.profile import profile_model
+    from lightning_par.costs.profile import profile_model
     from lightning_par.planner.search import plan_layouts
 
     start = time.perf_counter()

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_par.checkpoint import raise_on_every_rank
+from lightning_par.collectives import full_state_dict, raise_on_every_rank
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.lora import is_lora_layer
 
@@ -255,8 +255,6 @@ def save_hf_pretrained(module: nn.Module, directory: str | os.PathLike) -> None:
     into the base weights (PEFT's own ``merge_and_unload``). Works under any layout: the full weights are gathered on
     rank 0 (``full_state_dict``), which alone writes; the copy it builds starts on the meta device and takes the
     gathered tensors as they are (no second copy)."""
-    from lightning_par.checkpoint import full_state_dict
-
     prefix, hf_model = find_hf_model(module)
     peft_prefix, peft_model = _peft_root(module)
     state = full_state_dict(module)

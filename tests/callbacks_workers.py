@@ -174,7 +174,7 @@ def summarize_worker(values_by_rank: list[dict[str, float]], names: list[str]) -
     """Init a gloo group, summarize this rank's values across ranks, and return the summary."""
     import torch.distributed as dist
 
-    from lightning_par.callbacks.summary import summarize_across_ranks
+    from lightning_par.callbacks.cross_rank import summarize_across_ranks
 
     dist.init_process_group("gloo")
     try:

@@ -25,9 +25,9 @@ from launch import launch
 
 from lightning_par.callbacks import CommOverlapMonitor, DeviceUtilizationMonitor, MemoryMonitor
 from lightning_par.callbacks import intervals as iv
+from lightning_par.callbacks.cross_rank import summarize, summarize_across_ranks
 from lightning_par.callbacks.nvml import NvmlSampler
 from lightning_par.callbacks.overlap import window_metrics
-from lightning_par.callbacks.summary import summarize, summarize_across_ranks
 from lightning_par.callbacks.trace import MONITOR_MARK, TraceEvent, classify
 from lightning_par.callbacks.utilization import default_num_tokens, lookup_peak_flops
 

@@ -20,7 +20,7 @@ from lightning_par.parallel.pipeline import (
     validate_pipeline,
 )
 from lightning_par.parallel.pipeline_live import LivePipeline, plan_stages
-from lightning_par.parallel.pipeline_timeline import COMPUTE, draw_timeline, figure_to_array, theory_idle
+from lightning_par.parallel.schedule_recorder import COMPUTE, draw_timeline, figure_to_array, theory_idle
 from tests.launch import launch
 from tests.pipeline_workers import MB, gpt_config, reference, train_layouts
 

@@ -21,9 +21,9 @@ from workers import GLOBAL_BATCH, TINY_GPT
 
 from example_projects.gpt.lit import GPTModule
 from lightning_par import AutoParallelStrategy, NDParallelStrategy, plan_layouts
+from lightning_par.costs.profile import profile_model
 from lightning_par.devices import Hardware, known_hardware
 from lightning_par.planner.predict import Layout, account, predict
-from lightning_par.planner.profile import profile_model
 from lightning_par.strategies.auto import _recipe_options
 from lightning_par.techniques import build_recipe
 

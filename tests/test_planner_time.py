@@ -10,9 +10,9 @@ from hf_models import HFCausalLM
 from workers import GLOBAL_BATCH, TINY_GPT
 
 from example_projects.gpt.lit import GPTModule
+from lightning_par.costs.profile import ModelProfile, profile_model
 from lightning_par.devices import Hardware
 from lightning_par.planner.predict import OVERLAP, Layout, account, predict
-from lightning_par.planner.profile import ModelProfile, profile_model
 
 SEQ = 16
 CPU = Hardware("cpu (x86_64, 1 threads)", 2e10, None, 4, 2e9, 2e-5, 2e9, 2e-5, "as planner.probe names a CPU")

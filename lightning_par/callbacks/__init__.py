@@ -5,10 +5,10 @@ per logging step in a hook every rank runs, and logged on rank 0 as ``<name>/min
 ``<name>/max_rank`` through the Trainer's loggers. The README's "Monitoring callbacks" section lists every metric.
 """
 
+from lightning_par.callbacks.cross_rank import summarize_across_ranks
 from lightning_par.callbacks.memory import MemoryMonitor
 from lightning_par.callbacks.overlap import CommOverlapMonitor
 from lightning_par.callbacks.pipeline_timeline import PipelineTimelineMonitor
-from lightning_par.callbacks.summary import summarize_across_ranks
 from lightning_par.callbacks.utilization import DeviceUtilizationMonitor
 
 __all__ = ["CommOverlapMonitor", "DeviceUtilizationMonitor", "MemoryMonitor", "PipelineTimelineMonitor",

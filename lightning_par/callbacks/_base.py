@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_par.callbacks.summary import log_on_rank_zero, summarize_across_ranks
+from lightning_par.callbacks.cross_rank import log_on_rank_zero, summarize_across_ranks
 
 _overhead_s = [0.0]  # seconds this process has spent in the monitors' own summaries, logging and trace analysis
 

@@ -166,7 +166,7 @@ def mean_over_batch_sharers(local: float, dims: Any) -> tuple[float, int]:
     """Collective (one small all_gather, every rank): the mean of ``local`` over the ranks that read the same batch
     (same data-parallel coordinate of lightning_par's ``ParallelDims``), and how many they are. NaN on every rank if
     any rank has NaN, so that all ranks log flops or none does."""
-    from lightning_par.callbacks.summary import gather_values
+    from lightning_par.callbacks.cross_rank import gather_values
 
     mine = float(dims.coordinates()["dp"])
     rows = gather_values([mine, float(local)])

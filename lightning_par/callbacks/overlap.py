@@ -20,6 +20,11 @@ before and after a window on a GPU. So the monitor asks for the teardown before 
 (``teardown_cupti``). A value the user or torch set is kept: torch sets ``0`` itself where CUDA graphs with
 CUDA < 12.6 make the teardown crash. Windows are hundreds of steps apart, so the teardown of one has long finished
 when the next starts (kineto once crashed on back-to-back sessions).
+
+kineto prints two ``USDT: ... profiler_start/stop`` lines per rank for every window on stderr (torch 2.13), which
+read like errors in a training log. Its level switch ``KINETO_LOG_LEVEL`` ranks those lines above its errors, so
+the monitor sets it to ``6`` (nothing) unless the environment already decides it: set it yourself, e.g. ``4``,
+to see kineto's errors again (``quiet_kineto``).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_par.callbacks import intervals as iv
 from lightning_par.callbacks._base import RankSummaryCallback, check_positive_int, monitor_overhead
-from lightning_par.callbacks.summary import log_figure_on_rank_zero, log_on_rank_zero, summarize_across_ranks
+from lightning_par.callbacks.cross_rank import log_figure_on_rank_zero, log_on_rank_zero, summarize_across_ranks
 from lightning_par.callbacks.trace import (
     _MARK,
     COMM_KINDS,
@@ -193,6 +198,7 @@ class CommOverlapMonitor(RankSummaryCallback):
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
                 if self.teardown_cupti:
                     request_cupti_teardown()
+            quiet_kineto()
             self._prof = torch.profiler.profile(activities=activities)
             self._prof.start()
 
@@ -295,6 +301,15 @@ def request_cupti_teardown() -> bool:
     """
     os.environ.setdefault(CUPTI_TEARDOWN_ENV, "1")
     return os.environ[CUPTI_TEARDOWN_ENV] == "1"
+
+
+#: kineto's log level (read when the first trace starts): 0 verbose ... 4 errors, 5 its USDT probe lines, 6 nothing
+KINETO_LOG_LEVEL_ENV = "KINETO_LOG_LEVEL"
+
+
+def quiet_kineto() -> None:
+    """Keep kineto's ``USDT: ... profiler_start`` lines out of the training log, unless the environment decides."""
+    os.environ.setdefault(KINETO_LOG_LEVEL_ENV, "6")
 
 
 def timeline_figure(ranks: Sequence[dict[str, Any]]) -> Any:

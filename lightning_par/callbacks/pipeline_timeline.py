@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
-from lightning_par.parallel.pipeline_timeline import (
+from lightning_par.parallel.schedule_recorder import (
     draw_timeline,
     figure_to_array,
     gather_timelines,

@@ -53,7 +53,7 @@ from lightning_par.parallel.pipeline_hf import (
     find_hf_pipeline_model,
     shared_buffer_modules,
 )
-from lightning_par.parallel.pipeline_timeline import ScheduleRecorder
+from lightning_par.parallel.schedule_recorder import ScheduleRecorder
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ class LivePipeline:
         self.template = meta_clone(model, share=share)
         keep_local(model, self.plan, self.stage_ids)
         self.loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
-        self.record_next = False  # set to time the next training step (see pipeline_timeline)
+        self.record_next = False  # set to time the next training step (see parallel/schedule_recorder.py)
         self.last_recording: ScheduleRecorder | None = None
         self._cache: dict[tuple, _Compiled] = {}
         self._calls: dict[tuple, dict[str, tuple[int, bool]]] = {}

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_par.costs.profile import ModelProfile
+from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.dims import MESH_DIM_NAMES, ParallelDims
-from lightning_par.planner.profile import ModelProfile
-from lightning_par.planner.sheet import CostSheet, Transfer
 from lightning_par.techniques import build_recipe
 
 if TYPE_CHECKING:

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from lightning_par.costs.profile import ModelProfile, profile_model
 from lightning_par.parallel.pipeline import validate_pipeline
 from lightning_par.parallel.tensor_plan import validate_tp_plan
 from lightning_par.planner.predict import Layout, Prediction, predict
-from lightning_par.planner.profile import ModelProfile, profile_model
 
 if TYPE_CHECKING:
     from lightning_par.devices import Hardware

@@ -101,8 +101,8 @@ class AutoParallelStrategy(NDParallelStrategy):
         if self.plan_device is not None:
             hardware = known_hardware(self.plan_device, precision=_kind(precision), gpus_per_node=per_node)
         else:
+            from lightning_par.costs.profile import profile_model
             from lightning_par.planner.probe import probe_hardware
-            from lightning_par.planner.profile import profile_model
 
             profile = profile_model(module, batch, block_list=self.block_list, share=(trainer,))
             hardware = probe_hardware(self.root_device, _dtype(precision), _matmul_shapes(profile), per_node)

@@ -50,11 +50,12 @@ from torch.optim import Optimizer
 from lightning_par import checkpoint as ckpt
 from lightning_par import lightning_checkpoints as lightning_ckpt
 from lightning_par.checks import check_bool
+from lightning_par.collectives import raise_on_every_rank
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.init import materialize
 from lightning_par.strategies.precision import to_parallel_precision
 from lightning_par.strategies.resume import resumable_train_dataloader
-from lightning_par.strategies.summary import layout_summary
+from lightning_par.strategies.startup_summary import layout_summary
 from lightning_par.strategies.user_errors import explain_head_count_errors, foreach_problems
 
 # optimizer state keyed by parameter FQN, param-group settings included ("param_groups.<fqn>.lr"): the form that
@@ -118,7 +119,7 @@ def _check_optimizers(model: nn.Module, optimizers: list[Optimizer], device: tor
                            f"(requires_grad=False, e.g. {frozen[:3]}). They get no gradient, so torch's optimizers "
                            f"neither update them nor keep state for them; pass only the trainable ones "
                            f"(`[p for p in self.parameters() if p.requires_grad]`) to make that explicit.")
-    ckpt.raise_on_every_rank(foreach_problems(model, optimizers))
+    raise_on_every_rank(foreach_problems(model, optimizers))
 
 
 _EXIT = {"failed": False}  # set by on_exception: a failing rank leaves at once, without waiting for its peers
@@ -546,7 +547,7 @@ class BaseParallelStrategy(ParallelStrategy):
             groups_only = {k: v for k, v in flat.items() if k.startswith("param_groups.")}
             problems += lightning_ckpt.fill_flat_param_groups(groups_only, groups, f"ckpt_path={str(path)!r}")
             tensors[key].update(groups_only)
-        ckpt.raise_on_every_rank(problems)
+        raise_on_every_rank(problems)
         set_model_state_dict(self.model, tensors["state_dict"], options=StateDictOptions(strict=not trainable_only))
         for i, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(self.model, optimizer, tensors[f"optimizer_{i}"], options=_OPTIMIZER_OPTIONS)

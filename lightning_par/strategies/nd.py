@@ -3,7 +3,7 @@
 The recipe, in the order it is applied (each step wraps what the earlier ones produced, as in torchtitan):
 
 1. pipeline split (pp): cut the block list into stages; this rank keeps only its stages' modules and tensors, and
-   its LightningModule's ``forward``/loss method are routed through the schedule (``strategies/pipeline_adapter``).
+   its LightningModule's ``forward``/loss method are routed through the schedule (``techniques/pipeline_adapter``).
    First, because every later step wraps only the modules this rank keeps
 2. tensor parallelism: ``parallelize_module`` with the plan (FQN globs -> styles) over the tp mesh, after the
    weights are broadcast within the tp group so every rank starts from the same values
@@ -36,7 +36,7 @@ from lightning_par.parallel.fsdp import drop_gradients_no_rank_had
 from lightning_par.parallel.pipeline_live import LivePipeline
 from lightning_par.parallel.tensor_check import check_whole_parameters_agree
 from lightning_par.strategies.base import BaseParallelStrategy
-from lightning_par.strategies.summary import describe_hand_parallelization
+from lightning_par.strategies.startup_summary import describe_hand_parallelization
 from lightning_par.techniques import Target, Technique, build_recipe
 from lightning_par.techniques.fully_sharded import register_step_methods
 

@@ -94,7 +94,7 @@ class ParallelMixedPrecision(_ShardedClipping, MixedPrecision):
 
     ``16-mixed`` scales the loss with a :class:`ParallelGradScaler`; Lightning's loop unscales the gradients before
     clipping, and skips the optimizer step on every rank alike when any rank's gradients hold an inf or NaN. Under
-    pipeline parallelism the schedule's per-micro-batch loss is scaled (``strategies/pipeline_adapter.py``). The
+    pipeline parallelism the schedule's per-micro-batch loss is scaled (``techniques/pipeline_adapter.py``). The
     scaler's state (scale, growth tracker) is saved in checkpoints as Lightning's own plugin saves it.
     """
 

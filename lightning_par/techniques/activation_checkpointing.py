@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from lightning_par.checks import check_bool, check_checkpointing
+from lightning_par.costs.sheet import CostSheet
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.checkpointing import (
+from lightning_par.parallel.context_routing import recompute_in_active_scope
+from lightning_par.parallel.hf import outermost_hf_models
+from lightning_par.parallel.recompute import (
     ContextFn,
     apply_activation_checkpointing,
     combine_contexts,
     selective_checkpoint_contexts,
 )
-from lightning_par.parallel.context_routing import recompute_in_active_scope
-from lightning_par.parallel.hf import outermost_hf_models
-from lightning_par.planner.sheet import CostSheet
 from lightning_par.techniques.technique import Target, Technique
 
 

@@ -10,12 +10,12 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from lightning_par.checks import check_bool, check_choice
+from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.context import ALGORITHMS
 from lightning_par.parallel.context_hf import route_attention
 from lightning_par.parallel.context_routing import ContextParallelScope, shard_batch
 from lightning_par.parallel.hf import outermost_hf_models
-from lightning_par.planner.sheet import CostSheet, Transfer
 from lightning_par.techniques.technique import Target, Technique
 
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from lightning_par.checks import check_bool, check_str_list
+from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.fsdp import apply_fsdp
-from lightning_par.planner.sheet import CostSheet, Transfer
 from lightning_par.techniques.technique import Target, Technique
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")

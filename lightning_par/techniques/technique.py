@@ -20,7 +20,7 @@ from lightning_par.dims import ParallelDims
 from lightning_par.parallel.modules import find_block_list, match_modules
 
 if TYPE_CHECKING:
-    from lightning_par.planner.sheet import CostSheet
+    from lightning_par.costs.sheet import CostSheet
 
 
 @dataclass

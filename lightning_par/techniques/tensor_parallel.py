@@ -12,11 +12,11 @@ import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_par.checks import check_bool
+from lightning_par.costs.profile import ModelProfile
+from lightning_par.costs.sheet import CostSheet, Transfer, params_by_planned_module
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.tensor import apply_tp, broadcast_replicated_parameters
 from lightning_par.parallel.tensor_plan import resolve_tp_plan, validate_tp_plan
-from lightning_par.planner.profile import ModelProfile
-from lightning_par.planner.sheet import CostSheet, Transfer, params_by_planned_module
 from lightning_par.techniques.technique import Target, Technique
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lightning_par.costs.profile import ModelProfile, ParamInfo
 from lightning_par.dims import ParallelDims
-from lightning_par.planner.profile import ModelProfile, ParamInfo
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode  # the documented home of the base class (torch 2.13)
 from torch.utils.flop_counter import flop_registry
 
-from lightning_par.parallel.checkpointing import SelectivePolicy
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.modules import find_block_list
+from lightning_par.parallel.recompute import SelectivePolicy
 from lightning_par.parallel.tensor_plan import resolve_tp_plan, sharded_dims, validate_tp_plan
 
 _aten = torch.ops.aten
