@@ -35,7 +35,11 @@ def _scalars(log_dir: Path) -> dict[str, list]:
 
 @pytest.mark.parametrize("strategy_args", [[], ["--trainer.strategy=fsdp2"]], ids=["yaml_class_path", "by_name"])
 def test_gpt_example_trains_through_lightning_cli(tmp_path, strategy_args):
-    _, log_dir = _train(tmp_path, *strategy_args)
+    """The README's main job, its overlap monitor profiling steps 1-3: it trains, logs, and its console is quiet."""
+    window = ["--trainer.callbacks.init_args.every_n_steps=3", "--trainer.callbacks.init_args.window_steps=2",
+              "--trainer.callbacks.init_args.start_step=1"]
+    output, log_dir = _train(tmp_path, *window, *strategy_args)
+    _assert_quiet(output)
     assert log_dir.is_dir() and str(log_dir).startswith(str(tmp_path))
     scalars = _scalars(log_dir)
     assert {"train/loss", "val/loss", "val/perplexity"} <= set(scalars), sorted(scalars)
@@ -46,8 +50,18 @@ def test_gpt_example_trains_through_lightning_cli(tmp_path, strategy_args):
     assert len(losses) == 6 and all(0 < v < 10 for v in losses)
     assert losses[-1] < losses[0]
     # the sharded checkpoint Lightning's ModelCheckpoint wrote at the end is complete
+    assert {"comm/overlap_ratio/max", "comm/exposed_s_per_step/max"} <= set(scalars)  # the profiler ran
     (ckpt,) = (log_dir / "checkpoints").iterdir()
     assert (ckpt / "COMPLETE").is_file()
+
+
+def _assert_quiet(output: str) -> None:
+    """What a user reads: the start-up summary, the progress bar, the pointer to the logs; nothing like an error."""
+    assert "lightning_par: dp_shard=2 on 2 processes (gloo); FSDP2 (ZeRO-3)" in output
+    assert re.search(r"Epoch 0 +━+ 6/6", output), output  # Lightning 2.6 alone reads "Epoch 0/-2"
+    assert "TensorBoard logs:" in output
+    noise = ["USDT", "Warning", "warn", "deprecated", "FLOPs", "Traceback", "terminate called"]
+    assert not [line for line in output.splitlines() if any(word in line for word in noise)], output
 
 
 @pytest.mark.parametrize("strategy_args", [

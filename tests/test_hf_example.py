@@ -26,7 +26,8 @@ STEPS = 6
 SMALL = [f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=2",
          "--trainer.log_every_n_steps=1", "--data.max_chars=60000", "--data.seq_len=32", "--data.batch_size=4",
          "--model.num_hidden_layers=2", "--model.hidden_size=32", "--model.intermediate_size=64",
-         "--model.num_attention_heads=4", "--model.num_key_value_heads=2", "--model.warmup_steps=2"]
+         "--model.num_attention_heads=4", "--model.num_key_value_heads=2", "--model.warmup_steps=2",
+         "--trainer.enable_model_summary=true"]  # off in the examples; its table names the model's class
 # the configs' last callback is the CommOverlapMonitor: profile steps 2-4 (after one warm-up step), log at step 4
 PROFILE_EARLY = ["--trainer.callbacks.init_args.start_step=1", "--trainer.callbacks.init_args.every_n_steps=4"]
 

@@ -14,15 +14,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # make `example_projects` importable as a package
 
-from lightning.pytorch.cli import LightningCLI  # noqa: E402
-
 import lightning_par  # noqa: E402, F401  (registers the strategy names: fsdp2, nd_parallel, ...)
+from example_projects.console import ExampleCLI  # noqa: E402
 from example_projects.gpt.data import CharDataModule  # noqa: E402
 from example_projects.hf_lm.lit import HFCausalLMModule  # noqa: E402
 
 
-class HFCLI(LightningCLI):
+class HFCLI(ExampleCLI):
     def add_arguments_to_parser(self, parser) -> None:
+        super().add_arguments_to_parser(parser)
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.seq_len", "model.max_seq_len")
         parser.link_arguments("trainer.max_steps", "model.max_steps")

@@ -52,6 +52,7 @@ from lightning_par import lightning_checkpoints as lightning_ckpt
 from lightning_par.checks import check_bool
 from lightning_par.collectives import raise_on_every_rank
 from lightning_par.dims import ParallelDims
+from lightning_par.known_warnings import silence_known_warnings
 from lightning_par.parallel.init import materialize
 from lightning_par.strategies.precision import to_parallel_precision
 from lightning_par.strategies.resume import resumable_train_dataloader
@@ -178,6 +179,7 @@ class BaseParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        silence_known_warnings()
         if not isinstance(dims, ParallelDims):
             raise TypeError(f"dims must be a lightning_par.ParallelDims, got {type(dims).__name__}")
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
