@@ -63,3 +63,10 @@ def test_no_two_top_level_modules_import_each_other():
 def test_module_names_do_not_collide_across_folders():
     names = Counter(p.name for p in PACKAGE.rglob("*.py") if p.name != "__init__.py")
     assert [name for name, count in names.items() if count > 1] == []
+
+
+def test_every_folder_is_a_package_that_an_install_ships():
+    """setuptools' ``packages.find`` (pyproject.toml) ships only folders with an ``__init__.py``; an editable install
+    imports the others anyway, so only a wheel would miss them."""
+    folders = [p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py"))]
+    assert [str(p.relative_to(PACKAGE)) for p in folders if not (p / "__init__.py").is_file()] == []
