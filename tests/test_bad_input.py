@@ -31,7 +31,8 @@ def _trainer(strategy, **kwargs):
         (lambda: FSDP2Strategy(timeout=-5), ValueError, r"timeout=-5 must be a positive number of seconds"),
         (lambda: FSDP2Strategy(reshard_after_forward="yes"), TypeError, r"reshard_after_forward='yes' must be True"),
         (lambda: FSDP2Strategy(shard_units="Block"), TypeError, r"shard_units='Block' must be a list"),
-        (lambda: FSDP2Strategy(tp=2), ValueError, r"FSDP2Strategy does not take tp=2: it sets only \(\)"),
+        (lambda: FSDP2Strategy(tp=2), ValueError, r"FSDP2Strategy does not take tp=2: it sets only dp_replicate, "
+                                                   r"dp_shard\. Use NDParallelStrategy"),
         (lambda: NDParallelStrategy(cp=2, compile=True), ValueError, r"compile=True with cp=2: .* not supported yet"),
         (lambda: NDParallelStrategy(pp=2, pp_schedule="pipedream"), ValueError,
          r"pp_schedule='pipedream' is not a pipeline schedule; choose one of \['1f1b', 'gpipe'"),

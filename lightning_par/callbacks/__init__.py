@@ -2,7 +2,7 @@
 
 Each callback observes training and never changes it. Per-rank values are gathered with one small ``all_gather``
 per logging step in a hook every rank runs, and logged on rank 0 as ``<name>/min``, ``<name>/max`` and
-``<name>/max_rank`` through the Trainer's loggers. The README's "Monitoring callbacks" section lists every metric.
+``<name>/max_rank`` through the Trainer's loggers. ``docs/monitoring.md`` lists every metric.
 """
 
 from lightning_par.callbacks.cross_rank import summarize_across_ranks

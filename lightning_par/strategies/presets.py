@@ -19,7 +19,7 @@ def _refuse_other_sizes(preset: str, kwargs: dict[str, Any], *allowed: str) -> N
     for size in ("dp_replicate", "dp_shard", "cp", "tp", "pp"):
         if size in kwargs and size not in allowed and kwargs[size] != 1:  # LightningCLI passes every default
             raise ValueError(
-                f"{preset} does not take {size}={kwargs[size]!r}: it sets only {allowed}. "
+                f"{preset} does not take {size}={kwargs[size]!r}: it sets only {', '.join(allowed)}. "
                 f"Use NDParallelStrategy to combine other dimensions."
             )
 
@@ -29,7 +29,7 @@ class FSDP2Strategy(NDParallelStrategy):
     ``dp_replicate > 1``). Registered as ``"fsdp2"``."""
 
     def __init__(self, dp_replicate: int = 1, dp_shard: int = -1, **kwargs: Any) -> None:
-        _refuse_other_sizes("FSDP2Strategy", kwargs)
+        _refuse_other_sizes("FSDP2Strategy", kwargs, "dp_replicate", "dp_shard")
         super().__init__(dp_replicate=dp_replicate, dp_shard=dp_shard, **kwargs)
 
 
@@ -39,7 +39,7 @@ class TensorParallelStrategy(NDParallelStrategy):
     to the LightningModule's ``tp_plan`` attribute, else a Hugging Face model's own plan."""
 
     def __init__(self, tp: int = -1, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Any) -> None:
-        _refuse_other_sizes("TensorParallelStrategy", kwargs)
+        _refuse_other_sizes("TensorParallelStrategy", kwargs, "tp", "dp_shard", "dp_replicate")
         super().__init__(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, **kwargs)
 
 
@@ -50,7 +50,7 @@ class ContextParallelStrategy(NDParallelStrategy):
     weights)."""
 
     def __init__(self, cp: int = -1, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Any) -> None:
-        _refuse_other_sizes("ContextParallelStrategy", kwargs)
+        _refuse_other_sizes("ContextParallelStrategy", kwargs, "cp", "dp_shard", "dp_replicate")
         super().__init__(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, **kwargs)
 
 
@@ -58,10 +58,10 @@ class PipelineParallelStrategy(NDParallelStrategy):
     """Pipeline parallelism: the block list cut into ``pp`` stages (more per rank for interleaved schedules), run
     by a torch.distributed.pipelining schedule (``pp_schedule``, ``pp_microbatches``; ``pp_microbatches=1`` is
     plain layer-split model parallelism); composes with FSDP2 over ``dp_shard`` and HSDP. Registered as
-    ``"pipeline_parallel"``. The LightningModule's contract is in the README ("Pipeline parallelism")."""
+    ``"pipeline_parallel"``. The LightningModule's contract is in ``docs/strategies.md`` ("Pipeline parallelism")."""
 
     def __init__(self, pp: int = -1, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Any) -> None:
-        _refuse_other_sizes("PipelineParallelStrategy", kwargs)
+        _refuse_other_sizes("PipelineParallelStrategy", kwargs, "pp", "dp_shard", "dp_replicate")
         super().__init__(dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, **kwargs)
 
 

@@ -1,7 +1,7 @@
 """How a plain LightningModule's steps run through a pipeline schedule, unchanged.
 
-The contract (README, "Pipeline parallelism"): in a step, the module calls ``self(*inputs)`` once and passes
-what it returned to ``self.loss(outputs, targets)`` (the method's name is the strategy's ``pp_loss_method``).
+The contract (``docs/strategies.md``, "Pipeline parallelism"): in a step, the module calls ``self(*inputs)`` once
+and passes what it returned to ``self.loss(outputs, targets)`` (the method's name is the strategy's ``pp_loss_method``).
 
 * In ``training_step`` a pipeline fuses forward and backward over micro-batches, so ``forward`` cannot return
   logits yet: it returns :class:`PipelineOutputs`, a placeholder holding the inputs. ``self.loss(placeholder,
