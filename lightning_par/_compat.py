@@ -16,8 +16,8 @@ import torch
 # wrapper, and FSDP2's state-dict handling knows this one's ``_checkpoint_wrapped_module`` prefix
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-__all__ = ["checkpoint_wrapper", "move_graph_to_device", "pipeline_stage_class", "train_dataloader_of",
-           "without_function_modes"]
+__all__ = ["checkpoint_wrapper", "move_graph_to_device", "pipeline_stage_class", "set_device_mesh",
+           "train_dataloader_of", "without_function_modes"]
 
 
 def train_dataloader_of(trainer: Any) -> Any:
@@ -29,6 +29,12 @@ def train_dataloader_of(trainer: Any) -> Any:
         raise ValueError("auto_parallel plans from one training batch, and the Trainer has no training dataloader: "
                          "pass one to trainer.fit(...) or define train_dataloader().")
     return loader
+
+
+def set_device_mesh(module: Any, mesh: Any) -> None:
+    """Hand the mesh to the LightningModule, so that ``configure_model`` reads it as ``self.device_mesh``. Lightning
+    2.6: the property has no setter; Lightning's own ``ModelParallelStrategy`` writes ``_device_mesh`` too."""
+    module._device_mesh = mesh
 
 
 @contextmanager

@@ -13,7 +13,7 @@ from hf_models import HFCausalLM, MaskedHFCausalLM, PaddedHFCausalLM
 from torch.utils.data import DataLoader
 from workers import SEED, error_of, fit, token_dataset
 
-from lightning_par import NDParallelStrategy
+from lightning_par import ModelParallelStrategy, NDParallelStrategy
 from lightning_par.callbacks import PipelineTimelineMonitor
 from lightning_par.parallel.context_hf import _attention
 from lightning_par.parallel.context_routing import ContextParallelScope
@@ -94,6 +94,10 @@ def world2(ckpt_dir: str) -> dict[str, Any]:
     plan = {**resolve_tp_plan(HFCausalLM("apertus"), None), "model.model.layers.*.mlp.act_fn": "head_norm"}
     out["tp_learnable_activation"] = hf_fit(NDParallelStrategy(dp_shard=1, tp=2, tp_plan=plan), 2, 1, arch="apertus",
                                             optimizer="sgd")
+    # Lightning's ModelParallelStrategy arguments on a model that does not parallelize itself: the engine applies
+    # the model's own tp plan (dense Llama), or FSDP2 over data_parallel_size (Mixtral, a mixture of experts)
+    out["model_parallel_tp"] = hf_fit(ModelParallelStrategy(tensor_parallel_size=2), 2, 1, arch="llama")
+    out["model_parallel_dp_moe"] = hf_fit(ModelParallelStrategy(data_parallel_size=2), 2, 2, arch="mixtral")
     out["validate"] = {"pp": validate(_pp(), 2), "cp": validate(_cp(), 2)}
     monitor = PipelineTimelineMonitor(every_n_steps=10, first_step=2, dirpath=str(Path(ckpt_dir) / "timeline"))
     hf_fit(_pp("1f1b", 4), 2, 1, max_steps=3, callbacks=[monitor])

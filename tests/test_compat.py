@@ -83,3 +83,11 @@ def test_checkpoint_wrapper_recomputes_and_names_the_wrapped_module():
     wrapped(x).sum().backward()
     expected = torch.autograd.grad(block(x).sum(), x)[0]
     assert torch.equal(x.grad, expected)
+
+
+def test_the_lightning_module_reads_the_mesh_it_was_handed():
+    from lightning.pytorch import LightningModule
+
+    module, mesh = LightningModule(), object()
+    _compat.set_device_mesh(module, mesh)
+    assert module.device_mesh is mesh

@@ -138,3 +138,10 @@ def test_two_dimensional_layouts(w4, name):
 def test_pp_x_dp_shard_x_tp_at_world_8():
     result = launch(8, world8, timeout=900)
     assert_parity(result[0]["pp2_x_dp_shard2_x_tp2"], reference(), steps=STEPS)
+
+
+@pytest.mark.parametrize(("name", "arch"), [("model_parallel_tp", "llama"), ("model_parallel_dp_moe", "mixtral")])
+def test_lightnings_model_parallel_arguments_train_hugging_face_models(w2, name, arch):
+    """``ModelParallelStrategy(tensor_parallel_size=2)`` on a Llama (its own tp plan) and
+    ``ModelParallelStrategy(data_parallel_size=2)`` on a Mixtral (FSDP2), without a configure_model."""
+    assert_parity(w2[0][name], reference(arch), steps=STEPS)

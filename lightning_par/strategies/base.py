@@ -49,6 +49,7 @@ from torch.optim import Optimizer
 
 from lightning_par import checkpoint as ckpt
 from lightning_par import lightning_checkpoints as lightning_ckpt
+from lightning_par._compat import set_device_mesh
 from lightning_par.checks import check_bool
 from lightning_par.collectives import raise_on_every_rank
 from lightning_par.dims import ParallelDims
@@ -284,7 +285,7 @@ class BaseParallelStrategy(ParallelStrategy):
         self.dims.build_mesh(self.root_device.type)
         self.precision_plugin.pipeline_group = self.dims.mesh("pp").get_group() if self.dims.pp > 1 else None
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self.device_mesh
+        set_device_mesh(self.lightning_module, self.device_mesh)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -481,7 +482,7 @@ class BaseParallelStrategy(ParallelStrategy):
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         assert self.model is not None
         return get_optimizer_state_dict(self.model, optimizer, options=_OPTIMIZER_OPTIONS)
 
@@ -502,7 +503,8 @@ class BaseParallelStrategy(ParallelStrategy):
         ckpt.save_sharded(tensors, checkpoint, path)
 
     def _plain_optimizers(self) -> list[Optimizer]:
-        return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        """The torch optimizers inside Lightning's ``LightningOptimizer`` wrappers."""
+        return [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
@@ -516,9 +518,8 @@ class BaseParallelStrategy(ParallelStrategy):
         path = self.broadcast(os.fspath(checkpoint_path))
         assert self.model is not None
         if os.path.isfile(path):  # single-file Lightning checkpoint: one process's save, or consolidate_checkpoint
-            optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-            return ckpt.load_single_file(self.model, optimizers, path, _OPTIMIZER_OPTIONS, self.dims.pp > 1,
-                                         weights_only)
+            return ckpt.load_single_file(self.model, self._plain_optimizers(), path, _OPTIMIZER_OPTIONS,
+                                         self.dims.pp > 1, weights_only)
         path = ckpt.check_complete(path)
         model_sd = get_model_state_dict(self.model)
         trainable_only = bool(ckpt.read_meta(path).get(ckpt.TRAINABLE_ONLY, False))

@@ -104,7 +104,7 @@ class ModelParallelStrategy(NDParallelStrategy):
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         assert self.model is not None
         if self._save_distributed_checkpoint:  # torch's nested form, keyed by FQN: what Lightning writes
             return get_optimizer_state_dict(self.model, optimizer)

@@ -53,7 +53,7 @@ class PipelineParallel(Technique):
             module, schedule=self.schedule, pp_rank=pp_mesh.get_local_rank(), pp=dims.pp,
             n_microbatches=self.microbatches, group=pp_mesh.get_group(), device=target.device,
             stages_per_rank=self.stages_per_rank, split_points=self.split_points, block_list=target.block_list,
-            share=(getattr(module, "_trainer", None), getattr(module, "_device_mesh", None)))
+            share=(getattr(module, "_trainer", None), getattr(module, "device_mesh", None)))
         self.adapter = PipelineAdapter(module, self.pipeline, self.loss_method)
         materialize_local(module, self.pipeline.plan, self.pipeline.stage_ids, target.device,
                           seed=torch.initial_seed())
