@@ -140,6 +140,10 @@ def test_constructor_takes_lightnings_arguments():
     assert isinstance(trainer.strategy, lightning_par.ModelParallelStrategy)
     with pytest.raises(ValueError, match=r"data_parallel_size=0 must be a positive number of processes or 'auto'"):
         lightning_par.ModelParallelStrategy(data_parallel_size=0)
+    with pytest.raises(TypeError, match=r"save_distributed_checkpoint='yes' must be True or False"):
+        lightning_par.ModelParallelStrategy(save_distributed_checkpoint="yes")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2.0 must be a positive number"):
+        lightning_par.ModelParallelStrategy(tensor_parallel_size=2.0)
     with pytest.raises(TypeError, match=r"not \['pp'\]: for pipeline.*use NDParallelStrategy"):
         lightning_par.ModelParallelStrategy(pp=2)
     with pytest.raises(ValueError, match=r"layout dp_shard=3 multiplies to 3 processes, but the world size is 2"):

@@ -470,8 +470,12 @@ class BaseParallelStrategy(ParallelStrategy):
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._model_state(StateDictOptions(cpu_offload=False))
+
+    def _model_state(self, options: StateDictOptions) -> dict[str, Any]:
+        """The model's state dict as ``options`` ask for it; only the trainable tensors with save_trainable_only."""
         assert self.model is not None
-        state = get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+        state = get_model_state_dict(self.model, options=options)
         if self.save_trainable_only:
             keep = ckpt.trainable_names(self.model)
             state = {k: v for k, v in state.items() if k in keep}

@@ -10,12 +10,13 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_par import checkpoint as ckpt
 from lightning_par import lightning_checkpoints as lightning_ckpt
+from lightning_par.checks import check_bool
 from lightning_par.dims import ParallelDims
 from lightning_par.strategies.nd import NDParallelStrategy
 
@@ -68,10 +69,7 @@ class ModelParallelStrategy(NDParallelStrategy):
         kwargs = {k: v for k, v in kwargs.items() if k not in _NOT_LIGHTNINGS}
         self._data_parallel_size = _check_size("data_parallel_size", data_parallel_size)
         self._tensor_parallel_size = _check_size("tensor_parallel_size", tensor_parallel_size)
-        if not isinstance(save_distributed_checkpoint, bool):
-            raise TypeError(f"ModelParallelStrategy: save_distributed_checkpoint={save_distributed_checkpoint!r} "
-                            f"must be True or False.")
-        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._save_distributed_checkpoint = check_bool("save_distributed_checkpoint", save_distributed_checkpoint)
         self._lightning_mesh: DeviceMesh | None = None
         super().__init__(dp_shard=-1, tp=1, process_group_backend=process_group_backend, timeout=timeout, **kwargs)
 
@@ -95,12 +93,8 @@ class ModelParallelStrategy(NDParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._save_distributed_checkpoint:
             return super().lightning_module_state_dict()
-        assert self.model is not None  # full weights on rank 0 (a collective), as Lightning's strategy does
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.save_trainable_only:
-            keep = ckpt.trainable_names(self.model)
-            state = {k: v for k, v in state.items() if k in keep}
-        return state
+        # full weights on rank 0 (a collective), as Lightning's strategy does
+        return self._model_state(StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
