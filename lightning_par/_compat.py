@@ -17,7 +17,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 __all__ = ["checkpoint_wrapper", "move_graph_to_device", "pipeline_stage_class", "set_device_mesh",
-           "train_dataloader_of", "without_function_modes"]
+           "torch_dispatch_mode", "train_dataloader_of", "without_function_modes"]
 
 
 def train_dataloader_of(trainer: Any) -> Any:
@@ -49,6 +49,15 @@ def without_function_modes() -> Iterator[None]:
     finally:
         for mode in reversed(modes):
             torch._C._push_on_torch_function_stack(mode)
+
+
+def torch_dispatch_mode() -> type:
+    """The base class of Python dispatch modes, which see every aten op a forward runs, also those called from C++
+    (a boolean mask's ``index``); the public ``TorchFunctionMode`` sees only Python-level calls. torch 2.11-2.13:
+    ``torch.utils._python_dispatch.TorchDispatchMode``, no public equivalent."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
 
 
 def pipeline_stage_class() -> type:

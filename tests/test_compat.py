@@ -28,6 +28,21 @@ def test_function_modes_are_suspended_and_restored():
         assert _Count.calls > before
 
 
+def test_dispatch_mode_sees_the_aten_ops_called_from_cpp():
+    seen = []
+
+    class Record(_compat.torch_dispatch_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func._overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.arange(4.0)
+    with Record():
+        x[x > 1]  # a boolean mask: aten.index with a bool index, the op the unused-parameter probe looks for
+        x.sum().item()
+    assert "index" in seen and "_local_scalar_dense" in seen, seen
+
+
 def test_stage_warm_up_skips_its_own_rank():
     from torch.distributed.pipelining import PipelineStage
 

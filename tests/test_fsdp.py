@@ -33,6 +33,16 @@ class _KeepModule(Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         self.sink.append(pl_module)
 
+class _HooksLeft(Callback):
+    """Which FSDP units still zero-fill unused gradients after training (parallel/unused_parameters.py)."""
+
+    def __init__(self) -> None:
+        self.kept: list[bool] = []
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self.kept = [w.handle is not None for w in trainer.strategy.fully_sharded.unused_parameters.watched]
+
+
 CLIP = 0.5
 RARE_TOKEN = 30  # in every global batch of the 10 steps, but missing from one rank's half in 4 of them
 PRECISIONS = {"bf16-mixed": torch.float32, "bf16-true": torch.bfloat16}  # -> dtype of the stored weights
@@ -69,11 +79,14 @@ def _run_configs(world_size: int, configs: dict) -> dict:
         out["meta_init"] = fit(FSDP2Strategy(), devices=2, dp_size=2, empty_init=True, module_cls=InitProbe,
                                callbacks=[_KeepModule(probe)])
         out["meta_init"]["initial"] = probe[0].initial_weights
+    dense_hooks, routed_hooks = _HooksLeft(), _HooksLeft()
     out["clipped"] = fit(FSDP2Strategy(), devices=world_size, dp_size=world_size, gradient_clip_val=CLIP,
-                         module_cls=SGDGPT)
+                         module_cls=SGDGPT, callbacks=[dense_hooks])
+    out["clipped"]["hooks_kept"] = dense_hooks.kept
     if world_size == 2:
         out["rare_token_expert"] = fit(FSDP2Strategy(), devices=2, dp_size=2, module_cls=RareTokenExpertGPT,
-                                       rare_token=RARE_TOKEN)
+                                       rare_token=RARE_TOKEN, callbacks=[routed_hooks])
+        out["rare_token_expert"]["hooks_kept"] = routed_hooks.kept
     return out
 
 
@@ -119,6 +132,20 @@ def test_parameters_used_on_one_rank_only(world2):
            for step in range(10)]
     assert all(any(step) for step in has) and sum(a != b for a, b in has) >= 2  # the case the test is about
     assert_parity(world2[0]["rare_token_expert"], fit_reference(module_cls=RareTokenExpertGPT, rare_token=RARE_TOKEN))
+
+
+@pytest.mark.parametrize("world", ["world2", "world4"])
+def test_only_units_that_route_keep_the_unused_gradient_hook(world, request):
+    """The zero-fill hook and its all-reduce are paid only by units whose forward decides from tensor values: the
+    dense GPT's blocks lose theirs after the first backward (nothing per step from then on), the blocks with a
+    routed layer keep theirs (their parity is the test above)."""
+    runs = request.getfixturevalue(world)
+    for run in runs:
+        kept = run["clipped"]["hooks_kept"]
+        assert kept and not any(kept), kept
+        if world == "world2":
+            routed = run["rare_token_expert"]["hooks_kept"]
+            assert routed and all(routed), routed
 
 
 @pytest.mark.parametrize("name", list(WORLD4_CONFIGS))

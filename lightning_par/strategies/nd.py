@@ -32,7 +32,6 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.checks import check_optional_str
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.fsdp import drop_gradients_no_rank_had
 from lightning_par.parallel.pipeline_live import LivePipeline
 from lightning_par.parallel.tensor_check import check_whole_parameters_agree
 from lightning_par.strategies.base import BaseParallelStrategy
@@ -129,7 +128,6 @@ class NDParallelStrategy(BaseParallelStrategy):
          self.compile, self.fully_sharded) = self.techniques
         self.block_list = check_optional_str("block_list", block_list, "model.blocks")
         self._tp_gradients_checked = False
-        self._no_gradient_before: list[str] = []
         for technique in self.techniques:
             technique.check(dims)
         super().__init__(dims, process_group_backend=process_group_backend, timeout=timeout, pretrained=pretrained,
@@ -185,9 +183,8 @@ class NDParallelStrategy(BaseParallelStrategy):
             yield
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._takes_back_unused_gradients():  # which parameters have no gradient yet (the same on every dp rank)
-            self._no_gradient_before = [name for name, p in self.lightning_module.named_parameters()
-                                        if p.requires_grad and p.grad is None]
+        if self._takes_back_unused_gradients():
+            self.fully_sharded.unused_parameters.before_backward(self.lightning_module)
         with self.pipeline_parallel.training_step_context(self.lightning_module):
             return super().training_step(*args, **kwargs)
 
@@ -196,7 +193,8 @@ class NDParallelStrategy(BaseParallelStrategy):
         rank had are taken back after backward. Not under a pipeline: torch's schedules compute weight gradients
         after input gradients, so every parameter is zero-filled first and "filled" no longer means "unused"."""
         return (self.dims.dp_replicate * self.dims.dp_shard * self.dims.cp > 1 and self.dims.pp == 1
-                and not self._parallelized_by_hand)  # only the engine's FSDP units zero-fill
+                and self.fully_sharded.unused_parameters is not None  # only the engine's FSDP units zero-fill
+                and self.fully_sharded.unused_parameters.active)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.pipeline is None:
@@ -208,9 +206,8 @@ class NDParallelStrategy(BaseParallelStrategy):
             closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
             self.post_backward(closure_loss)
         if self._takes_back_unused_gradients():
-            drop_gradients_no_rank_had(self.lightning_module, self.dims.mesh("dp_cp").get_group(),
-                                       self._no_gradient_before, self.root_device)
-            self._no_gradient_before = []
+            self.fully_sharded.unused_parameters.after_backward(self.lightning_module,
+                                                                self.dims.mesh("dp_cp").get_group(), self.root_device)
         if self.dims.tp > 1 and not self._tp_gradients_checked:
             self._tp_gradients_checked = True
             check_whole_parameters_agree(self.lightning_module, self.dims.mesh("tp"))

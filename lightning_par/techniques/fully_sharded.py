@@ -13,6 +13,7 @@ from lightning_par.checks import check_bool, check_str_list
 from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.fsdp import apply_fsdp
+from lightning_par.parallel.unused_parameters import UnusedParameterGuard
 from lightning_par.techniques.technique import Target, Technique
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -31,6 +32,7 @@ class FullySharded(Technique):
                                           ["Block", "model.blocks.*"])
         self.reshard_after_forward = check_bool("reshard_after_forward", reshard_after_forward)
         self.cpu_offload = check_bool("cpu_offload", cpu_offload)
+        self.unused_parameters: UnusedParameterGuard | None = None  # set by apply
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
         if not dims.fsdp_enabled and not self.cpu_offload:  # one rank: nothing to shard, unless offloading
@@ -39,7 +41,8 @@ class FullySharded(Technique):
             return
         units = self._units(target)
         half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(target.precision)
-        apply_fsdp(  # mixed precision: half-precision all-gathers, fp32 reductions and master weights
+        # mixed precision: half-precision all-gathers, fp32 reductions and master weights
+        self.unused_parameters = apply_fsdp(
             target.fsdp_root,
             dims.fsdp_mesh(),
             [target.module.get_submodule(fqn) for fqn in units],
