@@ -16,8 +16,8 @@ import torch
 # wrapper, and FSDP2's state-dict handling knows this one's ``_checkpoint_wrapped_module`` prefix
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-__all__ = ["checkpoint_wrapper", "move_graph_to_device", "pipeline_stage_class", "set_device_mesh",
-           "torch_dispatch_mode", "train_dataloader_of", "without_function_modes"]
+__all__ = ["all_to_all_single_autograd", "checkpoint_wrapper", "move_graph_to_device", "pipeline_stage_class",
+           "set_device_mesh", "torch_dispatch_mode", "train_dataloader_of", "without_function_modes"]
 
 
 def train_dataloader_of(trainer: Any) -> Any:
@@ -49,6 +49,17 @@ def without_function_modes() -> Iterator[None]:
     finally:
         for mode in reversed(modes):
             torch._C._push_on_torch_function_stack(mode)
+
+
+def all_to_all_single_autograd(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                               group: Any) -> torch.Tensor:
+    """All-to-all of ``x``'s rows with uneven splits, differentiable (backward: the reverse all-to-all). torch
+    2.11-2.13: ``torch.distributed._functional_collectives.all_to_all_single_autograd`` (what torchtitan uses); the
+    public ``torch.distributed.nn.functional.all_to_all_single`` does the same but is deprecated in its favour."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd as a2a
+    from torch.distributed._functional_collectives import wait_tensor
+
+    return wait_tensor(a2a(x, output_splits, input_splits, group))
 
 
 def torch_dispatch_mode() -> type:

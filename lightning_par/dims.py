@@ -20,12 +20,18 @@ FLAT_MESHES = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # the loss and the gradients are averaged over it
 }
 
+#: The experts' mesh (only with ``ep > 1``): the same ranks, the data/context-parallel ranks ``dp_shard x cp`` cut
+#: into ``efsdp x ep`` (ep innermost, so each expert group is ranks next to each other), as torchtitan lays it out.
+#: Experts are split over ``ep`` and FSDP-sharded over ``efsdp`` (and replicated over ``dp_replicate``).
+EXPERT_MESH_DIM_NAMES = ("pp", "dp_replicate", "efsdp", "ep", "tp")
+
 
 @dataclass
 class ParallelDims:
-    """Sizes of the five parallel dimensions; their product is the world size.
+    """Sizes of the five parallel dimensions; their product is the world size. ``ep`` (expert parallelism) is not a
+    sixth: it borrows its ranks from ``dp_shard x cp``, which it must divide.
 
-    ``-1`` on exactly one dimension means "whatever is left of the world size". Call :meth:`resolve` with the
+    ``-1`` on exactly one of the five means "whatever is left of the world size". Call :meth:`resolve` with the
     world size to fill it in and validate, then :meth:`build_mesh` once the process group exists.
     """
 
@@ -34,11 +40,15 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         fills = []
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "ep" and value == -1:
+                raise ValueError("ParallelDims: `ep=-1` is not a valid size: expert parallelism borrows its ranks "
+                                 "from dp_shard x cp. Pass a positive size that divides dp_shard x cp.")
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(
                     f"ParallelDims: `{f.name}` must be an int, got {value!r} ({type(value).__name__}). "
@@ -58,6 +68,7 @@ class ParallelDims:
             )
         self._mesh: DeviceMesh | None = None
         self._flat_meshes: dict[str, DeviceMesh] = {}
+        self._expert_mesh: DeviceMesh | None = None
 
     # ---- sizes ---------------------------------------------------------------------------------------------
     def sizes(self) -> dict[str, int]:
@@ -82,7 +93,15 @@ class ParallelDims:
                 f"size is {world_size}. Change the sizes so that their product is {world_size} "
                 f"(or set one of them to -1), or launch {known} processes."
             )
-        return ParallelDims(**sizes)
+        borrowed = sizes["dp_shard"] * sizes["cp"]
+        if borrowed % self.ep != 0:
+            fits = [d for d in range(1, borrowed + 1) if borrowed % d == 0]
+            raise ValueError(
+                f"ParallelDims: `ep={self.ep}` must divide dp_shard x cp = {borrowed} in the layout "
+                f"{self._describe(sizes)}: expert parallelism borrows its ranks from the data/context-parallel ranks. "
+                f"Choose ep in {fits}, or give dp_shard x cp a multiple of {self.ep}."
+            )
+        return ParallelDims(**sizes, ep=self.ep)
 
     @staticmethod
     def _describe(sizes: dict[str, int]) -> str:
@@ -115,7 +134,7 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard * self.cp > 1
 
     def __str__(self) -> str:
-        return self._describe(self.sizes())
+        return self._describe(self.sizes()) + (f" (ep={self.ep} within dp_shard x cp)" if self.ep > 1 else "")
 
     def mesh_size(self, name: str) -> int:
         """Size of a base or flattened mesh dimension, from the sizes alone (no mesh needed)."""
@@ -150,6 +169,10 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
         self._flat_meshes = {flat_name: mesh[dims]._flatten(flat_name) for flat_name, dims in FLAT_MESHES.items()}
         self._mesh = mesh
+        if self.ep > 1:  # the same ranks, laid out for the experts (a mesh of its own: its own process groups)
+            expert_shape = (self.pp, self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, self.tp)
+            self._expert_mesh = DeviceMesh(device_type, mesh.mesh.reshape(expert_shape),
+                                           mesh_dim_names=EXPERT_MESH_DIM_NAMES)
         return mesh
 
     @property
@@ -180,6 +203,19 @@ class ParallelDims:
                 warnings.simplefilter("ignore", UserWarning)
                 return self.world_mesh["dp_replicate", "dp_shard_cp"]
         return self.mesh("dp_shard_cp")
+
+    def expert_mesh(self) -> DeviceMesh:
+        """The experts' mesh (:data:`EXPERT_MESH_DIM_NAMES`), built with the world mesh when ``ep > 1``."""
+        if self._expert_mesh is None:
+            raise RuntimeError(f"ParallelDims: there is no experts' mesh in the layout {self} (ep=1), or the mesh is "
+                               f"not built yet (the strategy's setup builds it).")
+        return self._expert_mesh
+
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards experts over: ``efsdp`` (the data/context ranks outside the expert group), 2-D
+        ``(dp_replicate, efsdp)`` with replicas. A size-1 mesh still matters: FSDP divides the experts' gradients."""
+        mesh = self.expert_mesh()
+        return mesh["dp_replicate", "efsdp"] if self.dp_replicate > 1 else mesh["efsdp"]
 
     def lightning_mesh(self) -> DeviceMesh:
         """Lightning's ``ModelParallelStrategy`` mesh: 2-D ``("data_parallel", "tensor_parallel")``, the data

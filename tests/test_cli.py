@@ -55,6 +55,15 @@ def test_gpt_example_trains_through_lightning_cli(tmp_path, strategy_args):
     assert (ckpt / "COMPLETE").is_file()
 
 
+def test_mixture_of_experts_example_trains_with_expert_parallelism(tmp_path):
+    """configs/moe_ep2.yaml through LightningCLI: 2 of 4 experts per rank, the start-up summary names the ep
+    groups, and the loss falls."""
+    output, log_dir = _train(tmp_path, config="moe_ep2.yaml")
+    assert "expert parallel (ep=2" in output and "ep            groups of 2: [[0, 1]]" in output, output[-3000:]
+    losses = [e.value for e in _scalars(log_dir)["train/loss"]]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+
+
 def _assert_quiet(output: str) -> None:
     """What a user reads: the start-up summary, the progress bar, the pointer to the logs; nothing like an error."""
     assert "lightning_par: dp_shard=2 on 2 processes (gloo); FSDP2 (ZeRO-3)" in output

@@ -106,3 +106,16 @@ def test_the_lightning_module_reads_the_mesh_it_was_handed():
     module, mesh = LightningModule(), object()
     _compat.set_device_mesh(module, mesh)
     assert module.device_mesh is mesh
+
+
+def test_all_to_all_single_autograd_on_one_rank(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        x = torch.arange(6.0).view(3, 2).requires_grad_()
+        y = _compat.all_to_all_single_autograd(x, [3], [3], dist.group.WORLD)
+        (y * 2).sum().backward()
+        assert torch.equal(y, x.detach()) and torch.equal(x.grad, torch.full((3, 2), 2.0))
+    finally:
+        dist.destroy_process_group()

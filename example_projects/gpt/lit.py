@@ -32,23 +32,35 @@ class GPTModule(pl.LightningModule):
     tensor-parallel size dividing it can split them; the extra logits are never targets and only learn to stay small.
     """
 
-    #: the tensor-parallel plan lightning_par strategies use when none is given (keys relative to this module)
-    tp_plan = prefix_plan(GPT_TP_PLAN, "model")
+    #: the experts modules expert parallelism splits (``n_experts > 0``)
+    ep_plan = ["model.blocks.*.mlp.experts"]
 
     def __init__(self, vocab_size: int = 97, block_size: int = 128, n_layer: int = 4, n_head: int = 4,
                  n_embd: int = 128, dropout: float = 0.0, lr: float = 1e-3, weight_decay: float = 0.1,
                  warmup_steps: int = 20, max_steps: int = 1000, adam_eps: float = 1e-8,
-                 vocab_multiple: int = 1) -> None:
+                 vocab_multiple: int = 1, n_experts: int = 0, moe_top_k: int = 2, moe_hidden: int = 0,
+                 moe_router: str = "softmax", moe_shared_expert: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.padded_vocab_size = padded_vocab_size(vocab_size, vocab_multiple)
         self.model: GPT | None = None
         self.val_perplexity = Perplexity()
 
+    @property
+    def tp_plan(self) -> dict[str, str]:
+        """The tensor-parallel plan lightning_par strategies use when none is given (keys relative to this module).
+        A mixture of experts leaves its router and experts whole on every tp rank (expert parallelism splits the
+        experts), so its plan has no MLP entries."""
+        plan = prefix_plan(GPT_TP_PLAN, "model")
+        if self.hparams.n_experts:
+            plan = {k: v for k, v in plan.items() if not k.startswith("model.blocks.*.mlp")}
+        return plan
+
     def configure_model(self) -> None:
         if self.model is None:
             hp = self.hparams
-            config = GPTConfig(self.padded_vocab_size, hp.block_size, hp.n_layer, hp.n_head, hp.n_embd, hp.dropout)
+            config = GPTConfig(self.padded_vocab_size, hp.block_size, hp.n_layer, hp.n_head, hp.n_embd, hp.dropout,
+                               hp.n_experts, hp.moe_top_k, hp.moe_hidden, hp.moe_router, hp.moe_shared_expert)
             self.model = GPT(config)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from example_projects.gpt.moe import MoE
 from lightning_par.parallel.context_routing import context_positions
 
 
@@ -24,6 +25,11 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    n_experts: int = 0  # > 0: every block's MLP is a mixture of experts (moe.py)
+    moe_top_k: int = 2
+    moe_hidden: int = 0  # each expert's hidden width; 0: 2 x n_embd
+    moe_router: str = "softmax"
+    moe_shared_expert: bool = False
 
 
 class CausalSelfAttention(nn.Module):
@@ -66,7 +72,9 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.norm2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MLP(cfg) if cfg.n_experts == 0 else MoE(
+            cfg.n_embd, cfg.n_experts, cfg.moe_top_k, cfg.moe_hidden or 2 * cfg.n_embd, cfg.moe_router,
+            cfg.moe_shared_expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))

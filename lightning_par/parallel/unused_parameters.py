@@ -17,6 +17,8 @@ Written by hand because torch has no option for it (DDP's ``find_unused_paramete
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -34,6 +36,19 @@ _DATA_DEPENDENT_OPS = frozenset({
 })
 #: Tensor methods that read values into Python without an aten op
 _VALUE_READS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy})
+_bookkeeping_depth = 0
+
+
+@contextmanager
+def not_a_routing_decision() -> Iterator[None]:
+    """Around value reads that decide no parameter's use (expert parallelism's split sizes, which move tokens but
+    leave every expert weight used): the probe does not count them."""
+    global _bookkeeping_depth
+    _bookkeeping_depth += 1
+    try:
+        yield
+    finally:
+        _bookkeeping_depth -= 1
 
 
 class _Watched:
@@ -184,13 +199,15 @@ class _DataDependenceProbe:
         class Ops(torch_dispatch_mode()):  # type: ignore[misc]
             def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
                 name = func._overloadpacket.__name__
-                if name in _DATA_DEPENDENT_OPS or (name == "index" and _has_mask(args)):
+                if _bookkeeping_depth:
+                    pass
+                elif name in _DATA_DEPENDENT_OPS or (name == "index" and _has_mask(args)):
                     probe.watched.data_dependent = True
                 return func(*args, **(kwargs or {}))
 
         class Reads(TorchFunctionMode):
             def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-                if func in _VALUE_READS:
+                if func in _VALUE_READS and not _bookkeeping_depth:
                     probe.watched.data_dependent = True
                 return func(*args, **(kwargs or {}))
 

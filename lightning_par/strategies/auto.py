@@ -80,8 +80,8 @@ class AutoParallelStrategy(NDParallelStrategy):
         self.dims = ParallelDims(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.pp).resolve(
             self.num_nodes * self.num_processes)
         self.techniques = build_recipe(**{**self._options, **_recipe_options(layout)})
-        (self.pipeline_parallel, self.tensor_parallel, self.context_parallel, self.activation_checkpointing,
-         self.compile, self.fully_sharded) = self.techniques
+        (self.pipeline_parallel, self.tensor_parallel, self.context_parallel, self.expert_parallel,
+         self.activation_checkpointing, self.compile, self.fully_sharded) = self.techniques
         self.build_mesh()
         rank_zero_info(self._summary())
         if self.plot_dir is not None:

@@ -10,11 +10,13 @@ The recipe, in the order it is applied (each step wraps what the earlier ones pr
 3. context parallelism: nothing to change in the module; at run time every batch's sequence dimension is sharded
    (``batch_to_device``) and ``F.scaled_dot_product_attention`` is routed to ring/all-gather attention over the
    cp group (``step_context``)
-4. activation checkpointing of each block: before FSDP, so FSDP's all-gather hooks run around the recompute
-5. ``torch.compile`` of each block (``compile=True``): per block, so every block reuses one compiled graph, and
+4. expert parallelism (ep, borrowed from dp_shard x cp): the ``ep_plan``'s experts modules split over the ep
+   mesh, their tokens dispatched to their expert's rank by all-to-all and back
+5. activation checkpointing of each block: before FSDP, so FSDP's all-gather hooks run around the recompute
+6. ``torch.compile`` of each block (``compile=True``): per block, so every block reuses one compiled graph, and
    before FSDP, whose hooks stay outside the compiled region
-6. FSDP2 ``fully_shard`` of each shard unit, then of the root (the LightningModule): last, because it shards
-   whatever parameters (plain or already DTensor) the earlier steps left
+7. FSDP2 ``fully_shard`` of each shard unit, then of the root (the LightningModule): last, because it shards
+   whatever parameters (plain or already DTensor) the earlier steps left; experts modules over their own mesh
 """
 
 from __future__ import annotations
@@ -48,12 +50,19 @@ def is_parallelized(module: nn.Module) -> bool:
 
 
 class NDParallelStrategy(BaseParallelStrategy):
-    """Pipeline, sharded data (FSDP2/HSDP), tensor and context parallelism on one DeviceMesh.
+    """Pipeline, sharded data (FSDP2/HSDP), tensor, context and expert parallelism on one DeviceMesh.
 
     Args:
         dp_replicate: replicas of the sharded model (HSDP when > 1 together with ``dp_shard``).
         dp_shard: ranks each parameter is sharded over (FSDP2). ``-1``: the rest of the world size.
         cp, tp, pp: context, tensor and pipeline parallel sizes.
+        ep: expert parallel size: each expert group of ``ep`` ranks splits the experts of every mixture-of-experts
+            layer (``num_experts / ep`` each) and sends tokens to their expert by all-to-all. Borrowed from the
+            data/context-parallel ranks (it must divide ``dp_shard x cp``); the experts are FSDP-sharded over the
+            ranks left. Needs an ``ep_plan``.
+        ep_plan: FQN globs or class names of the experts modules (called as ``experts(x, num_tokens_per_expert)``
+            with tokens grouped by expert; parameters with the experts on dim 0). Default: the LightningModule's
+            ``ep_plan`` attribute.
         cp_algorithm: ``"ring"`` (K/V passed around the cp group point to point) or ``"allgather"``.
         cp_load_balance: split each sequence into 2*cp chunks, rank i holding chunks i and 2*cp-1-i, so causal
             attention costs every rank the same (the sequence length must then be divisible by 2*cp).
@@ -91,6 +100,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         cp: int = 1,
         tp: int = 1,
         pp: int = 1,
+        ep: int = 1,
         *,
         block_list: str | None = None,
         shard_units: list[str] | None = None,
@@ -102,6 +112,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         cp_load_balance: bool = True,
         cp_seq_dim: int = 1,
         tp_plan: Mapping[str, Any] | None = None,
+        ep_plan: list[str] | None = None,
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
         pp_schedule: str = "1f1b",
@@ -115,7 +126,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         save_trainable_only: bool = False,
         **lightning_kwargs: Any,
     ) -> None:
-        dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
+        dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep)
         # the recipe, in the order it is applied (see the module docstring)
         self.techniques: tuple[Technique, ...] = build_recipe(
             pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_stages_per_rank=pp_stages_per_rank,
@@ -123,9 +134,9 @@ class NDParallelStrategy(BaseParallelStrategy):
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, cp_algorithm=cp_algorithm,
             cp_load_balance=cp_load_balance, cp_seq_dim=cp_seq_dim, activation_checkpointing=activation_checkpointing,
             compile=compile, shard_units=shard_units, reshard_after_forward=reshard_after_forward,
-            cpu_offload=cpu_offload)
-        (self.pipeline_parallel, self.tensor_parallel, self.context_parallel, self.activation_checkpointing,
-         self.compile, self.fully_sharded) = self.techniques
+            cpu_offload=cpu_offload, ep_plan=ep_plan)
+        (self.pipeline_parallel, self.tensor_parallel, self.context_parallel, self.expert_parallel,
+         self.activation_checkpointing, self.compile, self.fully_sharded) = self.techniques
         self.block_list = check_optional_str("block_list", block_list, "model.blocks")
         self._tp_gradients_checked = False
         for technique in self.techniques:

@@ -38,6 +38,13 @@ def layout_summary(dims: ParallelDims, module: nn.Module, backend: str, what: st
         if size > 1:
             groups = mesh.movedim(i, -1).reshape(-1, size).tolist()
             lines.append(f"  {name:<13} groups of {size}: {groups}")
+    if dims.ep > 1:  # the experts' mesh: ep groups (experts split), efsdp groups (experts FSDP-sharded)
+        experts = dims.expert_mesh().mesh
+        for i, name in ((3, "ep"), (2, "efsdp")):
+            size = experts.size(i)
+            if size > 1:
+                groups = experts.movedim(i, -1).reshape(-1, size).tolist()
+                lines.append(f"  {name:<13} groups of {size}: {groups}")
     header = "  rank  " + "  ".join(f"{n:>12}" for n in MESH_DIM_NAMES) + "   parameters held"
     lines.append(header)
     total = sum(r[3] for r in rows)

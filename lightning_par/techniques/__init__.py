@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning_par.techniques.activation_checkpointing import ActivationCheckpointing, Compile
 from lightning_par.techniques.context_parallel import ContextParallel
+from lightning_par.techniques.expert_parallel import ExpertParallel
 from lightning_par.techniques.fully_sharded import FullySharded
 from lightning_par.techniques.pipeline_parallel import PipelineParallel
 from lightning_par.techniques.technique import Target, Technique
@@ -18,12 +19,13 @@ def build_recipe(*, pp_schedule: str = "1f1b", pp_microbatches: int | None = Non
                  sequence_parallel: bool = False, loss_parallel: bool = False, cp_algorithm: str = "ring",
                  cp_load_balance: bool = True, cp_seq_dim: int = 1, activation_checkpointing: bool | str = False,
                  compile: bool = False, shard_units: list[str] | None = None, reshard_after_forward: bool = True,
-                 cpu_offload: bool = False) -> tuple[Technique, ...]:
+                 cpu_offload: bool = False, ep_plan: list[str] | None = None) -> tuple[Technique, ...]:
     """The engine's recipe: every technique with its options, in the order they are applied (and accounted)."""
     return (
         PipelineParallel(pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points, pp_loss_method),
         TensorParallel(tp_plan, sequence_parallel, loss_parallel),
         ContextParallel(cp_algorithm, cp_load_balance, cp_seq_dim),
+        ExpertParallel(ep_plan),
         ActivationCheckpointing(activation_checkpointing),
         Compile(compile),
         FullySharded(shard_units, reshard_after_forward, cpu_offload),
@@ -34,6 +36,7 @@ __all__ = [
     "ActivationCheckpointing",
     "Compile",
     "ContextParallel",
+    "ExpertParallel",
     "FullySharded",
     "PipelineParallel",
     "Target",

@@ -41,6 +41,9 @@ class FullySharded(Technique):
             return
         units = self._units(target)
         half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(target.precision)
+        if target.experts:  # first: children before the blocks that hold them
+            shard_experts(target, dims, reshard_after_forward=self.reshard_after_forward, param_dtype=half,
+                          cpu_offload=self.cpu_offload)
         # mixed precision: half-precision all-gathers, fp32 reductions and master weights
         self.unused_parameters = apply_fsdp(
             target.fsdp_root,
@@ -110,6 +113,18 @@ class FullySharded(Technique):
                 sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_replicate", "all_reduce",
                                                 nbytes / sheet.shard, scatters * k, True))
         sheet.buffer_bytes += 2 * max(gathered, default=0.0)
+
+
+def shard_experts(target: Target, dims: ParallelDims, *, reshard_after_forward: bool, param_dtype: torch.dtype | None,
+                  cpu_offload: bool) -> None:
+    """Each expert-parallel module is an FSDP unit of its own over the experts' FSDP mesh (``efsdp``, the data ranks
+    outside its expert group; a mesh of one rank too, which keeps its parameters out of the block's unit). FSDP
+    averages their gradients over that mesh; the dispatch has already divided them by ``ep``."""
+    for fqn in target.experts:
+        module = target.module.get_submodule(fqn)
+        apply_fsdp(None, dims.expert_fsdp_mesh(), [module], reshard_after_forward=reshard_after_forward,
+                   param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None,
+                   cpu_offload=cpu_offload)
 
 
 def unit_bytes(sheet: CostSheet) -> list[float]:

@@ -40,6 +40,7 @@ class Target:
     whole: nn.Module | None = None  # None: ``module`` itself
     keep: list[str] | None = None  # FQNs of the modules this rank runs; None: all of them
     fsdp_root: nn.Module | None = None  # set in __post_init__ to ``module`` unless a pipeline cleared it
+    experts: list[str] = field(default_factory=list)  # FQNs of the expert-parallel modules (FSDP: their own mesh)
     _blocks: list[str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

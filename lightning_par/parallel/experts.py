@@ -1,0 +1,125 @@
+"""Expert parallelism: each rank of an ``ep`` group holds ``num_experts / ep`` of a mixture-of-experts layer's experts,
+and tokens travel to their expert's rank and back by all-to-all (dropless: every routed token is computed).
+
+The experts module's contract (torchtitan's ``GroupedExperts``, and the example GPT's): ``forward(x,
+num_tokens_per_expert)`` with ``x`` the routed tokens, one row per (token, choice), grouped by expert in expert
+order, and ``num_tokens_per_expert`` a 1-D integer tensor of the group sizes; every parameter has the experts on
+dim 0. :func:`apply_expert_parallel` splits those parameters ``Shard(0)`` over the ``ep`` mesh (DTensors, so that
+checkpoints reshard across ep sizes) and wraps the forward: before it the tokens go to the rank of their expert (two
+all-to-alls: the counts, then the rows), after it they come back. The module reads its weights through
+``.to_local()`` when they are DTensors (only its own experts take part in its grouped matmul).
+
+Gradients: an expert's weight gradient sums the tokens of all ``ep`` ranks of its group, each rank's loss being the
+mean over its own batch; data parallelism (FSDP, last in the recipe) averages it over the other data ranks only. So
+the experts' part of backward is scaled by ``1/ep`` (their output gradient), and the gradient that flows back to the
+tokens by ``ep`` again: the weights get the average over every data-parallel rank, everything else is unchanged.
+FSDP's own divide factor would do the first half, but torch versions divide differently on a one-rank mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from lightning_par._compat import all_to_all_single_autograd
+from lightning_par.parallel.unused_parameters import not_a_routing_decision
+
+
+def num_experts_of(module: nn.Module, fqn: str) -> int:
+    """The expert count of an experts module: the dim 0 its parameters share. Refuses a module without
+    parameters or whose parameters disagree (it is then not an experts module in the sense above)."""
+    sizes = {name: p.shape[0] if p.ndim else 0 for name, p in module.named_parameters()}
+    if not sizes or len(set(sizes.values())) != 1 or 0 in sizes.values():
+        raise ValueError(
+            f"ep_plan: `{fqn}` ({type(module).__name__}) is not an experts module: expert parallelism splits the "
+            f"parameters of an experts module on dim 0 (one row per expert), and its parameters' dim 0 are {sizes}. "
+            f"Name the module that holds the stacked expert weights (e.g. `model.blocks.*.mlp.experts`).")
+    return next(iter(sizes.values()))
+
+
+def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Split ``module``'s experts over ``ep_mesh`` (1-D) and route its tokens to them (see the module docstring)."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        sharded = nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]), requires_grad=param.requires_grad)
+        module.register_parameter(name, sharded)
+    dispatch = _TokenDispatch(ep_mesh.get_group(), ep_mesh.size())  # one per module: its forward never nests
+    module.register_forward_pre_hook(dispatch.send, with_kwargs=True)
+    module.register_forward_hook(dispatch.receive)
+
+
+class _TokenDispatch:
+    """The all-to-alls around one experts module. State from the forward's start to its end (the splits, the
+    permutation) lives here; a module's forward never interleaves with another forward of itself."""
+
+    def __init__(self, group: dist.ProcessGroup, ep: int) -> None:
+        self.group, self.ep = group, ep
+        self._pending: list[tuple[list[int], list[int], torch.Tensor]] = []
+
+    def send(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x, counts = _routed_args(args, kwargs)
+        with not_a_routing_decision():  # tokens move, every expert weight stays in use
+            return self._send(x, counts)
+
+    def _send(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[tuple, dict]:
+        local_experts = counts.numel() // self.ep
+        # how many rows each rank sends to each of this rank's experts: [ep (source), local experts]
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+        sent_counts, received_counts = counts.tolist(), received.tolist()  # the one host sync per layer
+        input_splits = [sum(sent_counts[r * local_experts:(r + 1) * local_experts]) for r in range(self.ep)]
+        output_splits = [sum(received_counts[r * local_experts:(r + 1) * local_experts]) for r in range(self.ep)]
+        rows = all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, self.group)
+        # received: by source rank, then by local expert; the experts want them by local expert
+        by_source = received.view(self.ep, local_experts)
+        order = _group_by_expert(by_source, rows.shape[0])
+        self._pending.append((input_splits, output_splits, order))
+        return (_ScaleGradient.apply(rows[order], float(self.ep)), by_source.sum(dim=0)), {}
+
+    def receive(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        input_splits, output_splits, order = self._pending.pop()
+        output = _ScaleGradient.apply(output, 1.0 / self.ep)
+        by_source = torch.empty_like(output).index_copy(0, order, output)  # undo the grouping by expert
+        return all_to_all_single_autograd(by_source.contiguous(), input_splits, output_splits, self.group)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by ``factor`` in backward (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def _routed_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    values = list(args) + list(kwargs.values())
+    if len(values) != 2 or not all(isinstance(v, torch.Tensor) for v in values):
+        raise TypeError(
+            "expert parallelism: an experts module is called as `experts(x, num_tokens_per_expert)` (tokens grouped "
+            f"by expert, and the group sizes); it was called with {len(values)} arguments of types "
+            f"{[type(v).__name__ for v in values]}.")
+    return values[0], values[1]
+
+
+def _group_by_expert(by_source: torch.Tensor, total: int) -> torch.Tensor:
+    """Row order that regroups rows laid out by (source rank, local expert) into (local expert, source rank)."""
+    counts = by_source.flatten()
+    starts = (counts.cumsum(0) - counts).view_as(by_source)  # where each (source, expert) group begins
+    lengths = by_source.t().flatten()  # in the new order: expert-major
+    new_starts = lengths.cumsum(0) - lengths
+    shift = torch.repeat_interleave(starts.t().flatten() - new_starts, lengths, output_size=total)
+    return torch.arange(total, device=by_source.device) + shift
+
+
+def local_experts(weight: Any) -> torch.Tensor:
+    """This rank's experts of a weight: the local shard of an expert-parallel DTensor, the tensor itself otherwise."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight

@@ -1,0 +1,62 @@
+"""Expert parallelism as a technique of the engine: the experts modules of the ``ep_plan`` split over the ``ep`` mesh
+(borrowed from ``dp_shard x cp``), their tokens dispatched by all-to-all; FSDP (last in the recipe) then shards them
+over the ranks left (``efsdp``)."""
+
+from __future__ import annotations
+
+from lightning_par.checks import check_str_list
+from lightning_par.costs.sheet import CostSheet
+from lightning_par.dims import ParallelDims
+from lightning_par.parallel.experts import apply_expert_parallel, num_experts_of
+from lightning_par.parallel.modules import match_modules
+from lightning_par.techniques.technique import Target, Technique
+
+
+class ExpertParallel(Technique):
+    """Each rank of an ``ep`` group holds ``num_experts / ep`` experts of every experts module the plan names (FQN
+    globs or class names; default: the LightningModule's ``ep_plan`` attribute). Dropless: every routed token is
+    computed by its expert, so the result is the one-process result."""
+
+    def __init__(self, plan: list[str] | None = None) -> None:
+        self.plan = check_str_list("ep_plan", plan, "FQN globs or class names of experts modules",
+                                   ["model.blocks.*.mlp.experts"])
+
+    def check(self, dims: ParallelDims) -> None:
+        if dims.ep > 1 and dims.pp != 1:
+            raise ValueError(
+                f"ep={dims.ep} with pp={dims.pp}: expert parallelism does not combine with pipeline parallelism yet "
+                f"(the pipeline split traces the model on the meta device, and grouped-matmul experts do not trace "
+                f"there in fp32). Use ep with dp_shard, dp_replicate, cp and tp, or pp without ep.")
+
+    def apply(self, target: Target, dims: ParallelDims) -> None:
+        if dims.ep == 1:
+            return
+        plan = self.plan if self.plan is not None else getattr(target.module, "ep_plan", None)
+        if not plan:
+            raise ValueError(
+                f"ep={dims.ep} needs to know which modules are the experts: give `ep_plan` (FQN globs of the experts "
+                f"modules, e.g. ['model.blocks.*.mlp.experts']) to the strategy, or an `ep_plan` attribute to "
+                f"{type(target.module).__name__}.")
+        plan = check_str_list("ep_plan", list(plan), "FQN globs or class names of experts modules",
+                              ["model.blocks.*.mlp.experts"])
+        everywhere = match_modules(target.whole, plan, "ep_plan")  # the whole model: every rank checks the same
+        for fqn, module in everywhere:
+            experts = num_experts_of(module, fqn)
+            if experts % dims.ep:
+                raise ValueError(
+                    f"ep={dims.ep} must divide the number of experts: `{fqn}` has {experts}. Choose ep among "
+                    f"{[d for d in range(1, experts + 1) if experts % d == 0]}.")
+        mine = [fqn for fqn, _ in everywhere if target.keep is None
+                or any(fqn == owner or fqn.startswith(owner + ".") for owner in target.keep)]
+        ep_mesh = dims.expert_mesh()["ep"]
+        for fqn in mine:
+            apply_expert_parallel(target.module.get_submodule(fqn), ep_mesh)
+        target.experts = mine
+
+    def describe(self, dims: ParallelDims) -> str | None:
+        if dims.ep == 1:
+            return None
+        return f"expert parallel (ep={dims.ep}, experts FSDP-sharded over {dims.dp_shard * dims.cp // dims.ep})"
+
+    def account(self, sheet: CostSheet) -> None:
+        """Not priced yet: the planner plans layouts without ``ep`` (see the planner's documentation)."""
