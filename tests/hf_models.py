@@ -35,6 +35,17 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # a learnable activation (xIELU) between the MLP's column- and row-parallel layers, which its tp plan leaves whole
     "apertus": ("ApertusConfig", {"head_dim": 8}),
 }
+#: more mixtures of experts, for expert parallelism (tests/test_expert_parallel.py)
+TINY_CONFIGS.update({
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32}),
+    # multi-head latent attention, a shared expert, group-limited sigmoid routing, a dense first layer
+    "deepseek_v3": ("DeepseekV3Config", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                         "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
+                                         "topk_group": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
+                                         "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8,
+                                         "head_dim": 4}),
+})
 _EAGER = ("gemma2", "gpt_oss")  # no SDPA path in transformers
 
 

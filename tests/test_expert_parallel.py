@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_models import HFCausalLM
 from launch import launch
 from workers import assert_parity, error_of, fit, fit_reference
 
@@ -19,6 +20,8 @@ from lightning_par.parallel.experts import _group_by_expert
 
 MOE = dict(n_experts=4, moe_top_k=2)
 SHARED_SIGMOID = dict(n_experts=4, moe_top_k=2, moe_shared_expert=True, moe_router="sigmoid")
+#: transformers' mixtures of experts, unchanged: ep from their config's base_model_ep_plan
+HF_MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 WORLD4 = {  # name -> (strategy options, model options)
     "ep2_efsdp2": (dict(dp_shard=4, ep=2), MOE),
     "ep4_activation_checkpointing": (dict(dp_shard=4, ep=4, activation_checkpointing=True), MOE),
@@ -38,6 +41,8 @@ def _world2(ckpt_dir: str) -> dict:
     # a checkpoint written at ep2 (step 5) resumed without expert parallelism: DCP reshards the experts
     fit(NDParallelStrategy(ep=2), 2, 2, max_steps=5, ckpt_dir=ckpt_dir, ckpt_every_n_steps=5, **MOE)
     out["resumed_at_ep1"] = fit(NDParallelStrategy(), 2, 2, resume_from=f"{ckpt_dir}/step=5.ckpt", **MOE)
+    for arch in HF_MOE:
+        out[arch] = fit(NDParallelStrategy(ep=2), 2, 2, module_cls=HFCausalLM, arch=arch)
     return out
 
 
@@ -72,6 +77,13 @@ def world4():
 def test_expert_parallel_world2_in_parity(world2, reference, reference_shared_sigmoid):
     assert_parity(world2["ep2"], reference)
     assert_parity(world2["ep2_shared_sigmoid"], reference_shared_sigmoid)
+
+
+@pytest.mark.parametrize("arch", HF_MOE)
+def test_hugging_face_mixtures_of_experts_at_ep2(world2, arch):
+    """Mixtral, Qwen3-MoE, DeepSeek-V3 (latent attention, shared expert, group-limited sigmoid routing, a dense first
+    layer) and gpt-oss (expert biases, attention sinks): the model's own experts forward on each rank's experts."""
+    assert_parity(world2[arch], fit_reference(module_cls=HFCausalLM, arch=arch))
 
 
 def test_checkpoint_from_ep2_resumes_without_expert_parallelism(world2, reference):

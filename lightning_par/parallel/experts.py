@@ -1,13 +1,21 @@
 """Expert parallelism: each rank of an ``ep`` group holds ``num_experts / ep`` of a mixture-of-experts layer's experts,
 and tokens travel to their expert's rank and back by all-to-all (dropless: every routed token is computed).
 
-The experts module's contract (torchtitan's ``GroupedExperts``, and the example GPT's): ``forward(x,
-num_tokens_per_expert)`` with ``x`` the routed tokens, one row per (token, choice), grouped by expert in expert
-order, and ``num_tokens_per_expert`` a 1-D integer tensor of the group sizes; every parameter has the experts on
-dim 0. :func:`apply_expert_parallel` splits those parameters ``Shard(0)`` over the ``ep`` mesh (DTensors, so that
-checkpoints reshard across ep sizes) and wraps the forward: before it the tokens go to the rank of their expert (two
-all-to-alls: the counts, then the rows), after it they come back. The module reads its weights through
-``.to_local()`` when they are DTensors (only its own experts take part in its grouped matmul).
+Two contracts of an experts module, every parameter of which has the experts on dim 0:
+
+- grouped tokens (torchtitan's ``GroupedExperts``, the example GPT's): ``forward(x, num_tokens_per_expert)`` with
+  ``x`` the routed tokens, one row per (token, choice), grouped by expert in expert order, and
+  ``num_tokens_per_expert`` a 1-D integer tensor of the group sizes. The module reads its weights through
+  :func:`local_experts` (only its own experts take part in its grouped matmul);
+- Hugging Face transformers' experts (``@use_experts_implementation``: Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss, ...):
+  ``forward(hidden_states, top_k_index, top_k_weights)`` -> the weighted sum of each token's experts. Under ep their
+  forward is called on the rows this rank's experts received, each with its local expert and weight 1, with the
+  module's weights swapped for their local shards while it runs (the model's code is not changed); the routing
+  weights and the sum over choices are applied after the rows come back.
+
+:func:`apply_expert_parallel` splits the parameters ``Shard(0)`` over the ``ep`` mesh (DTensors, so that checkpoints
+reshard across ep sizes) and wraps the forward: before it the tokens go to the rank of their expert (two
+all-to-alls: the counts, then the rows), after it they come back.
 
 Gradients: an expert's weight gradient sums the tokens of all ``ep`` ranks of its group, each rank's loss being the
 mean over its own batch; data parallelism (FSDP, last in the recipe) averages it over the other data ranks only. So
@@ -48,8 +56,59 @@ def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
         sharded = nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]), requires_grad=param.requires_grad)
         module.register_parameter(name, sharded)
     dispatch = _TokenDispatch(ep_mesh.get_group(), ep_mesh.size())  # one per module: its forward never nests
-    module.register_forward_pre_hook(dispatch.send, with_kwargs=True)
-    module.register_forward_hook(dispatch.receive)
+    if is_hf_experts(module):
+        _route_hf_experts(module, dispatch)
+    else:
+        module.register_forward_pre_hook(dispatch.send, with_kwargs=True)
+        module.register_forward_hook(dispatch.receive)
+
+
+def is_hf_experts(module: nn.Module) -> bool:
+    """A transformers experts module (``@use_experts_implementation`` sets ``_is_expert_parallel`` in its init)."""
+    return hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts")
+
+
+def _route_hf_experts(module: nn.Module, dispatch: _TokenDispatch) -> None:
+    """Replace the instance's forward: sort the (token, choice) rows by expert, send them, run the model's own forward
+    on this rank's experts, send the rows back, weight them and sum each token's choices."""
+    inner = module.forward
+    num_experts = module.num_experts
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        k = top_k_index.shape[-1]
+        choices = top_k_index.reshape(-1)
+        with not_a_routing_decision():
+            order = choices.argsort(stable=True)
+            counts = torch.bincount(choices, minlength=num_experts)
+            (rows, local_counts), _ = dispatch.send(module, (hidden_states[order // k], counts), {})
+            local_index = torch.repeat_interleave(torch.arange(local_counts.numel(), device=rows.device),
+                                                  local_counts, output_size=rows.shape[0]).unsqueeze(1)
+        with _local_shards(module, local_counts.numel()):
+            out = inner(rows, local_index, rows.new_ones(rows.shape[0], 1))
+        out = dispatch.receive(module, (), out) * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, order // k, out.to(hidden_states.dtype))
+
+    module.forward = forward
+
+
+class _local_shards:  # noqa: N801 - used as a context manager
+    """The module's parameters as their local shards (differentiable views of what FSDP gathered) while its own
+    forward runs, and ``num_experts`` the local count; put back afterwards."""
+
+    def __init__(self, module: nn.Module, local_experts: int) -> None:
+        self.module, self.local_experts = module, local_experts
+
+    def __enter__(self) -> None:
+        params = self.module._parameters
+        self.saved = dict(params), self.module.num_experts
+        for name, p in self.saved[0].items():
+            if p is not None and hasattr(p, "to_local"):
+                params[name] = p.to_local()  # a plain view; nn.Module reads _parameters as they are
+        self.module.num_experts = self.local_experts
+
+    def __exit__(self, *exc: object) -> None:
+        self.module._parameters.update(self.saved[0])
+        self.module.num_experts = self.saved[1]
 
 
 class _TokenDispatch:

@@ -4,10 +4,13 @@ over the ranks left (``efsdp``)."""
 
 from __future__ import annotations
 
+from torch import nn
+
 from lightning_par.checks import check_str_list
 from lightning_par.costs.sheet import CostSheet
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.experts import apply_expert_parallel, num_experts_of
+from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.modules import match_modules
 from lightning_par.techniques.technique import Target, Technique
 
@@ -31,12 +34,13 @@ class ExpertParallel(Technique):
     def apply(self, target: Target, dims: ParallelDims) -> None:
         if dims.ep == 1:
             return
-        plan = self.plan if self.plan is not None else getattr(target.module, "ep_plan", None)
+        plan = self.plan if self.plan is not None else getattr(target.module, "ep_plan", None) or hf_ep_plan(
+            target.whole)
         if not plan:
             raise ValueError(
                 f"ep={dims.ep} needs to know which modules are the experts: give `ep_plan` (FQN globs of the experts "
                 f"modules, e.g. ['model.blocks.*.mlp.experts']) to the strategy, or an `ep_plan` attribute to "
-                f"{type(target.module).__name__}.")
+                f"{type(target.module).__name__} (Hugging Face models bring theirs: `config.base_model_ep_plan`).")
         plan = check_str_list("ep_plan", list(plan), "FQN globs or class names of experts modules",
                               ["model.blocks.*.mlp.experts"])
         everywhere = match_modules(target.whole, plan, "ep_plan")  # the whole model: every rank checks the same
@@ -60,3 +64,15 @@ class ExpertParallel(Technique):
 
     def account(self, sheet: CostSheet) -> None:
         """Not priced yet: the planner plans layouts without ``ep`` (see the planner's documentation)."""
+
+
+def hf_ep_plan(root: nn.Module) -> list[str]:
+    """The experts modules of the Hugging Face models in ``root``: their config's ``base_model_ep_plan`` entries of
+    style ``ep_dispatch_experts`` (the others name the parameters inside them), relative to ``root``."""
+    plan = []
+    for fqn, sub in outermost_hf_models(root):
+        base = sub.base_model_prefix if isinstance(getattr(sub, sub.base_model_prefix, None), nn.Module) else ""
+        for key, style in (getattr(sub.config, "base_model_ep_plan", None) or {}).items():
+            if style == "ep_dispatch_experts":
+                plan.append(".".join(p for p in (fqn, base, key) if p))
+    return plan
