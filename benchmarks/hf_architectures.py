@@ -4,11 +4,13 @@ Not a timing benchmark: a compatibility sweep of models nobody here wrote. For e
 ``...ForCausalLM`` whose config has ``base_model_pp_plan``), a tiny config is made from its defaults (hidden 32, 4
 heads, 4 layers, vocabulary 32, experts 4, dropout 0; multi-head latent attention with rope/nope dims 4), the
 model trains 4 AdamW steps in one process, then under cp=2, pp=2 (1F1B, 2 micro-batches), tp=2, tp=2 with sequence
-and loss parallelism, and FSDP2 dp_shard=2 on 2 gloo processes (one launch per architecture). Each cell is the
+and loss parallelism, FSDP2 dp_shard=2, and expert parallelism ep=2 over dp_shard=2 on 2 gloo processes (one
+launch per architecture). Each cell is the
 largest difference (losses and final weights) from the one-process run, or the error the layout raised.
 
     python benchmarks/hf_architectures.py                      # all (~30 min on 2 cores)
     python benchmarks/hf_architectures.py llama qwen3 gpt_oss  # some
+    python benchmarks/hf_architectures.py --layouts ep2 --moe  # one column, the mixtures of experts only
 
 Reading it: ``parity`` is <= 1e-5. A larger number with an architecture whose one-process run moves by as much when
 only the batch is split in two (see ``--order-check``) is the model's own sensitivity to summation order, not a
@@ -53,6 +55,7 @@ LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {  # strategy arguments, data-p
     "tp2": (dict(dp_shard=1, tp=2), 1),
     "tp2_sp_lp": (dict(dp_shard=1, tp=2, sequence_parallel=True, loss_parallel=True), 1),
     "fsdp2": (dict(dp_shard=2), 2),
+    "ep2": (dict(dp_shard=2, ep=2), 2),  # mixtures of experts (from base_model_ep_plan); refused without experts
 }
 
 
@@ -104,14 +107,23 @@ class SweepLM(HFCausalLM):
         self.model = build(arch)
 
 
-def _layouts_worker(arch: str) -> dict[str, Any]:
+def moe_architectures() -> list[str]:
+    """The architectures whose config names experts modules for expert parallelism (``base_model_ep_plan``)."""
+    from transformers import CONFIG_MAPPING
+
+    return [t for t in architectures()
+            if "ep_dispatch_experts" in (getattr(CONFIG_MAPPING[t], "base_model_ep_plan", None) or {}).values()]
+
+
+def _layouts_worker(arch: str, layouts: list[str]) -> dict[str, Any]:
     quiet_worker()
     from workers import fit
 
     from lightning_par import NDParallelStrategy
 
     out: dict[str, Any] = {}
-    for name, (kwargs, dp) in LAYOUTS.items():
+    for name in layouts:
+        kwargs, dp = LAYOUTS[name]
         try:
             out[name] = fit(NDParallelStrategy(**kwargs), devices=2, dp_size=dp, max_steps=STEPS, module_cls=SweepLM,
                             arch=arch)
@@ -161,32 +173,38 @@ def show(value: Any) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("archs", nargs="*", help="model types (default: every one with a pipeline plan)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated subset of {list(LAYOUTS)}")
+    parser.add_argument("--moe", action="store_true", help="only the architectures with a base_model_ep_plan")
     parser.add_argument("--order-check", action="store_true",
                         help="also measure each model's own sensitivity to splitting the batch (one process)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hf_architectures.json"))
     args = parser.parse_args()
+    layouts = [name.strip() for name in args.layouts.split(",")]
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown:
+        parser.error(f"--layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
     quiet_worker()
     from workers import fit_reference
 
     rows, results = [], {}
-    for arch in args.archs or architectures():
+    for arch in args.archs or (moe_architectures() if args.moe else architectures()):
         start = time.perf_counter()
         try:
             reference = fit_reference(module_cls=SweepLM, max_steps=STEPS, arch=arch)
         except Exception as e:  # noqa: BLE001 - a tiny config this script cannot make: reported, not fatal
             results[arch] = {"build": f"{type(e).__name__}: {e}"}
-            rows.append([arch, f"not built: {type(e).__name__}", *[""] * len(LAYOUTS)])
+            rows.append([arch, f"not built: {type(e).__name__}", *[""] * len(layouts)])
             continue
-        runs = launch(2, _layouts_worker, arch, timeout=900)[0]
-        results[arch] = {name: cell(runs[name], reference) for name in LAYOUTS}
+        runs = launch(2, _layouts_worker, arch, layouts, timeout=900)[0]
+        results[arch] = {name: cell(runs[name], reference) for name in layouts}
         if args.order_check:
             results[arch]["order_sensitivity"] = order_sensitivity(arch)
-        rows.append([arch, f"{time.perf_counter() - start:.0f} s", *(show(results[arch][n]) for n in LAYOUTS)])
+        rows.append([arch, f"{time.perf_counter() - start:.0f} s", *(show(results[arch][n]) for n in layouts)])
         print(" | ".join(rows[-1]), flush=True)
     print()
-    print(format_table(["architecture", "time", *LAYOUTS], rows))
+    print(format_table(["architecture", "time", *layouts], rows))
     counts = {name: sum(isinstance(r.get(name), float) and r[name] <= TOL for r in results.values())
-              for name in LAYOUTS}
+              for name in layouts}
     print(f"\nin parity (<= {TOL:g}) of {len(results)}: " + ", ".join(f"{n} {c}" for n, c in counts.items()))
     out = write_json(args.out, {"metadata": run_metadata(), "tolerance": TOL, "steps": STEPS, "results": results,
                                 "parity_counts": counts})

@@ -3,8 +3,10 @@
 from lightning_par.checkpoint import consolidate_checkpoint
 from lightning_par.collectives import full_state_dict
 from lightning_par.dims import ParallelDims
+from lightning_par.expert_balance import ExpertBiasBalancer
 from lightning_par.lightning_checkpoints import to_lightning_checkpoint
 from lightning_par.parallel.context_routing import context_positions
+from lightning_par.parallel.experts import local_experts
 from lightning_par.planner.search import plan_layouts
 from lightning_par.pretrained import load_hf_weights, save_hf_pretrained
 from lightning_par.strategies.auto import AutoParallelStrategy
@@ -25,6 +27,7 @@ __all__ = [
     "AutoParallelStrategy",
     "BaseParallelStrategy",
     "ContextParallelStrategy",
+    "ExpertBiasBalancer",
     "FSDP2Strategy",
     "ModelParallelStrategy",
     "NDParallelStrategy",
@@ -34,6 +37,7 @@ __all__ = [
     "consolidate_checkpoint",
     "context_positions",
     "full_state_dict",
+    "local_experts",
     "load_hf_weights",
     "plan_layouts",
     "save_hf_pretrained",

@@ -16,8 +16,9 @@ import torch
 # wrapper, and FSDP2's state-dict handling knows this one's ``_checkpoint_wrapped_module`` prefix
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-__all__ = ["all_to_all_single_autograd", "checkpoint_wrapper", "move_graph_to_device", "pipeline_stage_class",
-           "set_device_mesh", "torch_dispatch_mode", "train_dataloader_of", "without_function_modes"]
+__all__ = ["all_to_all_single_autograd", "checkpoint_wrapper", "in_backward", "move_graph_to_device",
+           "pipeline_stage_class", "set_device_mesh", "torch_dispatch_mode", "train_dataloader_of",
+           "without_function_modes"]
 
 
 def train_dataloader_of(trainer: Any) -> Any:
@@ -62,6 +63,13 @@ def all_to_all_single_autograd(x: torch.Tensor, output_splits: list[int], input_
     return wait_tensor(a2a(x, output_splits, input_splits, group))
 
 
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (a forward it runs is activation
+    checkpointing's recompute, also inside a pipeline schedule's backward). torch 2.11-2.13:
+    ``torch._C._current_graph_task_id()``, -1 outside backward; no public equivalent."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def torch_dispatch_mode() -> type:
     """The base class of Python dispatch modes, which see every aten op a forward runs, also those called from C++
     (a boolean mask's ``index``); the public ``TorchFunctionMode`` sees only Python-level calls. torch 2.11-2.13:
@@ -71,8 +79,23 @@ def torch_dispatch_mode() -> type:
     return TorchDispatchMode
 
 
+_metadata_inference = [0]  # > 0 while a pipeline stage runs its metadata-inference forward
+
+
+def in_pipeline_metadata_inference() -> bool:
+    """Whether a pipeline stage is running the forward torch uses to learn its shapes (torch 2.13 runs the stage's
+    real modules once on the first step, with real inputs on the first stage and empty ones after it; not a training
+    forward: routers' token counts must not see it)."""
+    return _metadata_inference[0] > 0
+
+
+#: the private PipelineStage methods that run the stage's modules for shapes (torch 2.13; 2.11-2.12 the second)
+_INFERENCE_METHODS = ("_forward_metadata_inference", "_shape_inference")
+
+
 def pipeline_stage_class() -> type:
-    """``PipelineStage`` whose warm-up sends skip the stage's own rank. torch 2.11's schedules warm the p2p
+    """``PipelineStage`` whose warm-up sends skip the stage's own rank, and whose shape-inference forward is flagged
+    (:func:`in_pipeline_metadata_inference`). torch 2.11's schedules warm the p2p
     connections up by sending to each neighbouring stage, also when it is on the same rank (the V-shaped schedule puts
     stages 1 and 2 on one rank), which gloo cannot do ("Pair is not connected"); those stages hand activations on
     locally anyway. Overrides the private ``_get_init_p2p_neighbors_ops`` (torch 2.11-2.13; 2.13 no longer calls it
@@ -85,7 +108,21 @@ def pipeline_stage_class() -> type:
             me = dist.get_rank(self.group)
             return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != me]
 
+    for name in _INFERENCE_METHODS:
+        if hasattr(PipelineStage, name):
+            setattr(Stage, name, _flagged(getattr(PipelineStage, name)))
     return Stage
+
+
+def _flagged(method: Any) -> Any:
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _metadata_inference[0] += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _metadata_inference[0] -= 1
+
+    return run
 
 
 def move_graph_to_device(graph_module: torch.nn.Module, device: torch.device) -> None:

@@ -49,6 +49,9 @@ def test_stage_warm_up_skips_its_own_rank():
     stage = _compat.pipeline_stage_class()
     assert issubclass(stage, PipelineStage)
     assert callable(getattr(PipelineStage, "_get_init_p2p_neighbors_ops", None)), "the overridden method is gone"
+    # the shape-inference forward that token counters must not count: one of its names exists
+    assert any(callable(getattr(PipelineStage, name, None)) for name in _compat._INFERENCE_METHODS)
+    assert not _compat.in_pipeline_metadata_inference()
 
 
 def test_graph_device_rewrite():
@@ -119,3 +122,22 @@ def test_all_to_all_single_autograd_on_one_rank(tmp_path):
         assert torch.equal(y, x.detach()) and torch.equal(x.grad, torch.full((3, 2), 2.0))
     finally:
         dist.destroy_process_group()
+
+
+def test_in_backward_is_true_only_inside_a_backward():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(_compat.in_backward())
+            return grad
+
+    x = torch.ones(2, requires_grad=True)
+    assert not _compat.in_backward()
+    Probe.apply(x).sum().backward()
+    assert seen == [True] and not _compat.in_backward()

@@ -14,43 +14,63 @@ from hf_models import HFCausalLM
 from launch import launch
 from workers import assert_parity, error_of, fit, fit_reference
 
-from lightning_par import NDParallelStrategy
+from lightning_par import ExpertBiasBalancer, NDParallelStrategy
+from lightning_par.callbacks import ExpertLoadMonitor
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.experts import _group_by_expert
 
 MOE = dict(n_experts=4, moe_top_k=2)
 SHARED_SIGMOID = dict(n_experts=4, moe_top_k=2, moe_shared_expert=True, moe_router="sigmoid")
+MOE4 = dict(n_experts=4, moe_top_k=2, n_layer=4)  # 4 blocks: 2 stages per rank for the V schedule
+RATE = 1e-2  # the balancer's bias step: large enough to change routing within the 10 steps
 #: transformers' mixtures of experts, unchanged: ep from their config's base_model_ep_plan
 HF_MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
-WORLD4 = {  # name -> (strategy options, model options)
+WORLD4 = {  # name -> (strategy options, model options); the pipeline layouts with the bias balancer
     "ep2_efsdp2": (dict(dp_shard=4, ep=2), MOE),
-    "ep4_activation_checkpointing": (dict(dp_shard=4, ep=4, activation_checkpointing=True), MOE),
+    "ep4": (dict(dp_shard=4, ep=4), MOE),
     "hsdp_ep2": (dict(dp_replicate=2, dp_shard=2, ep=2), MOE),
     "tp2_ep2_loss_parallel": (dict(dp_shard=2, tp=2, ep=2, loss_parallel=True), MOE),
     "cp2_tp2_ep2": (dict(dp_shard=1, cp=2, tp=2, ep=2), SHARED_SIGMOID),
+    "pp2_ep2_1f1b_balanced": (dict(dp_shard=2, pp=2, ep=2, pp_microbatches=2), MOE4),
+    "pp2_tp2_zbv_balanced": (dict(dp_shard=1, pp=2, tp=2, pp_schedule="zbv", pp_microbatches=2), MOE4),
 }
 
 
+def _monitored(log_dir: str) -> tuple[ExpertLoadMonitor, dict]:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    monitor = ExpertLoadMonitor(log_every_n_steps=5, heatmap_every_n_steps=10)
+    return monitor, dict(callbacks=[monitor], logger=TensorBoardLogger(log_dir, name="moe"))
+
+
 def _world2(ckpt_dir: str) -> dict:
+    monitor, logging = _monitored(ckpt_dir)
     out = {
         "ep_not_dividing_experts": error_of(lambda: fit(NDParallelStrategy(ep=2), 2, 2, n_experts=3, max_steps=1)),
         "ep_plan_matching_nothing": error_of(lambda: fit(NDParallelStrategy(ep=2), 2, 2, max_steps=1)),  # dense
-        "ep2": fit(NDParallelStrategy(ep=2), 2, 2, **MOE),
+        "ep2": fit(NDParallelStrategy(ep=2), 2, 2, **logging, **MOE),
         "ep2_shared_sigmoid": fit(NDParallelStrategy(ep=2), 2, 2, **SHARED_SIGMOID),
     }
     # a checkpoint written at ep2 (step 5) resumed without expert parallelism: DCP reshards the experts
     fit(NDParallelStrategy(ep=2), 2, 2, max_steps=5, ckpt_dir=ckpt_dir, ckpt_every_n_steps=5, **MOE)
     out["resumed_at_ep1"] = fit(NDParallelStrategy(), 2, 2, resume_from=f"{ckpt_dir}/step=5.ckpt", **MOE)
+    out["ep2"]["expert_load"] = (monitor.last, monitor.last_shares, [str(p) for p in monitor.written])
+    out["ep2_balanced_accumulated_checkpointed"] = fit(
+        NDParallelStrategy(ep=2, activation_checkpointing=True), 2, 2, accumulate_grad_batches=2,
+        callbacks=[ExpertBiasBalancer(RATE)], **MOE)
     for arch in HF_MOE:
-        out[arch] = fit(NDParallelStrategy(ep=2), 2, 2, module_cls=HFCausalLM, arch=arch)
+        hf_monitor = ExpertLoadMonitor(log_every_n_steps=5, heatmap_every_n_steps=None)
+        out[arch] = fit(NDParallelStrategy(ep=2), 2, 2, module_cls=HFCausalLM, arch=arch, callbacks=[hf_monitor])
+        out[arch]["expert_load"] = (hf_monitor.all_layers, hf_monitor.last_shares)
     return out
 
 
 def _world4() -> dict:
     out = {}
     for name, (options, model) in WORLD4.items():
+        callbacks = [ExpertBiasBalancer(RATE)] if name.endswith("balanced") else None
         out[name] = fit(NDParallelStrategy(**options), 4, options.get("dp_replicate", 1) * options["dp_shard"],
-                        **model)
+                        callbacks=callbacks, **model)
     return out
 
 
@@ -62,6 +82,11 @@ def reference():
 @pytest.fixture(scope="module")
 def reference_shared_sigmoid():
     return fit_reference(**SHARED_SIGMOID)
+
+
+@pytest.fixture(scope="module")
+def reference_balanced():
+    return fit_reference(callbacks=[ExpertBiasBalancer(RATE)], **MOE4)
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +111,27 @@ def test_hugging_face_mixtures_of_experts_at_ep2(world2, arch):
     assert_parity(world2[arch], fit_reference(module_cls=HFCausalLM, arch=arch))
 
 
+def test_expert_load_monitor_counts_the_global_batch(world2, tmp_path):
+    """Under ep2 the monitor reports the same tokens per expert as in one process (counted before dispatch, summed
+    over the data ranks, recompute in backward not counted twice), logs per layer and draws the heat map."""
+    metrics, shares, pngs = world2["ep2"]["expert_load"]
+    alone = ExpertLoadMonitor(log_every_n_steps=5, heatmap_every_n_steps=None)
+    fit_reference(callbacks=[alone], **MOE)
+    assert torch.equal(shares, alone.last_shares) and shares.shape == (3, 4)  # 3 blocks x 4 experts
+    assert torch.allclose(shares.sum(dim=1), torch.ones(3, dtype=torch.float64))
+    assert metrics == alone.last and set(metrics) >= {"moe/max_over_mean/max", "moe/idle_experts/mean",
+                                                      "moe/model.blocks.0.mlp.experts/max_over_mean"}
+    assert 1.0 <= metrics["moe/max_over_mean/max"] <= 4.0
+    assert [p.rsplit("/", 1)[-1] for p in pngs] == ["step000010.png"]
+
+
+def test_expert_load_of_hugging_face_experts(world2):
+    layers, shares = world2["deepseek_v3"]["expert_load"]
+    assert layers == ["model.model.layers.1.mlp.experts", "model.model.layers.2.mlp.experts",
+                      "model.model.layers.3.mlp.experts"]  # the first layer is dense (first_k_dense_replace=1)
+    assert torch.allclose(shares.sum(dim=1), torch.ones(3, dtype=torch.float64))
+
+
 def test_checkpoint_from_ep2_resumes_without_expert_parallelism(world2, reference):
     assert_parity(world2["resumed_at_ep1"], reference, steps=5)
 
@@ -97,8 +143,20 @@ def test_bad_expert_layouts_are_refused_on_every_rank(world2):
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
-def test_expert_parallel_world4_in_parity(world4, reference, reference_shared_sigmoid, name):
-    assert_parity(world4[name], reference_shared_sigmoid if WORLD4[name][1] is SHARED_SIGMOID else reference)
+def test_expert_parallel_world4_in_parity(world4, reference, reference_shared_sigmoid, reference_balanced, name):
+    """Also the router biases the balancer moved (in the weights), under 1F1B x ep2 and ZBV x tp2: each pipeline
+    rank updates its own layers' biases from the global batch's counts (not the shape-inference forward's)."""
+    expected = {"balanced": reference_balanced, "cp2_tp2_ep2": reference_shared_sigmoid}
+    assert_parity(world4[name], expected.get(name.rsplit("_", 1)[-1], expected.get(name, reference)))
+
+
+def test_bias_balancer_under_gradient_accumulation_and_checkpointing(world2):
+    """The biases move once per optimizer step from every micro-batch's tokens, not from recomputed forwards."""
+    reference = fit_reference(callbacks=[ExpertBiasBalancer(RATE)], accumulate_grad_batches=2, **MOE)
+    result = world2["ep2_balanced_accumulated_checkpointed"]
+    assert_parity(result, reference, steps=20)
+    biases = [v for k, v in result["weights"].items() if k.endswith("expert_bias")]
+    assert len(biases) == 3 and all(b.abs().max() > 0 for b in biases)  # the balancer did move them
 
 
 @pytest.mark.parametrize(("sizes", "message"), [
@@ -113,8 +171,12 @@ def test_ep_must_divide_the_data_and_context_ranks(sizes, message):
 def test_ep_refusals_at_construction():
     with pytest.raises(ValueError, match="`ep=-1` is not a valid size"):
         ParallelDims(ep=-1)
-    with pytest.raises(ValueError, match="does not combine with pipeline parallelism yet"):
-        NDParallelStrategy(dp_shard=2, pp=2, ep=2)
+    with pytest.raises(ValueError, match=r"moe_top_k=5 must be between 1 and n_experts=4"):
+        from example_projects.gpt.lit import GPTModule
+
+        GPTModule(n_experts=4, moe_top_k=5).configure_model()
+    with pytest.raises(ValueError, match=r"update_rate=0\) must be a positive number"):
+        ExpertBiasBalancer(update_rate=0)
 
 
 def test_rows_regrouped_from_source_rank_to_expert():

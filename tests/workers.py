@@ -144,6 +144,7 @@ def fit_reference(
     module_cls: type[pl.LightningModule] = GPTModule,
     num_samples: int = 96,
     accumulate_grad_batches: int = 1,
+    callbacks: list[Callback] | None = None,
     **model_overrides: Any,
 ) -> dict:
     """One process, the whole global batch, the same sample order as a DistributedSampler over any dp size."""
@@ -152,7 +153,7 @@ def fit_reference(
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[record], use_distributed_sampler=False, gradient_clip_val=gradient_clip_val,
+        callbacks=[record, *(callbacks or [])], use_distributed_sampler=False, gradient_clip_val=gradient_clip_val,
         accumulate_grad_batches=accumulate_grad_batches, precision=precision,
     )
     with trainer.init_module():  # bf16-true builds the weights in bf16, as the parallel run does

@@ -1,8 +1,9 @@
 """A mixture-of-experts feed-forward layer for the example GPT: a token-choice top-k router, the experts as stacked
 weights run by one grouped matmul, and an optional shared expert (DeepSeek's) that every token passes through.
 
-Nothing here knows about parallelism beyond one courtesy: the experts read their weights through ``local_experts``
-(under expert parallelism each rank holds some of the experts and is handed only their tokens).
+Nothing here knows about parallelism beyond one courtesy: the experts read their weights through
+``lightning_par.local_experts`` (under expert parallelism each rank holds some of the experts and is handed only
+their tokens).
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_par.parallel.experts import local_experts
+from lightning_par import local_experts
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 
 
 class Router(nn.Module):
     """Scores every expert for every token and keeps the top ``top_k``: softmax over the experts (Mixtral, Qwen3-MoE)
-    or a sigmoid per expert whose top-k weights are then normalized to sum to one (DeepSeek-V3)."""
+    or a sigmoid per expert whose top-k weights are then normalized to sum to one (DeepSeek-V3).
+
+    ``expert_bias`` is added to the scores to choose the experts, not to weight them (DeepSeek-V3's auxiliary-loss-free
+    balancing): zeros unless a balancer moves it (``lightning_par.ExpertBiasBalancer``)."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, score: str) -> None:
         super().__init__()
@@ -31,12 +35,17 @@ class Router(nn.Module):
                              f"top_k distinct experts.")
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.top_k, self.score = top_k, score
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+
+    def reset_parameters(self) -> None:  # the buffer, when the model is materialized from the meta device
+        self.expert_bias.zero_()
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, dim) -> weights and expert indices, both (tokens, top_k)."""
         logits = self.gate(tokens).float()
         scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
-        weights, experts = scores.topk(self.top_k, dim=-1)
+        experts = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
         if self.score == "sigmoid":
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(tokens.dtype), experts
@@ -68,7 +77,14 @@ class GroupedExperts(nn.Module):
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows ``offsets[e-1]:offsets[e]`` of ``x`` times ``w[e]``, for every expert ``e``: one grouped matmul (torch's,
-    whose rows must start at multiples of 16 bytes: the width is checked), else a loop over the experts."""
+    whose rows must start at multiples of 16 bytes: the width is checked), else a loop over the experts. On the meta
+    device (a pipeline split traces the model there, where torch's grouped matmul takes only bf16) each row is
+    multiplied by its expert's weight: the same result, without reading the offsets' values."""
+    if x.is_meta:
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        expert_of_row = torch.repeat_interleave(torch.arange(w.shape[0], device=x.device), counts,
+                                                output_size=x.shape[0])
+        return torch.bmm(x.unsqueeze(1), w[expert_of_row]).squeeze(1)
     if hasattr(F, "grouped_mm") and (x.shape[-1] * x.element_size()) % 16 == 0 and x.shape[0] > 0:
         return F.grouped_mm(x, w, offs=offsets)
     starts = [0, *offsets.tolist()]

@@ -34,7 +34,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from lightning_par._compat import all_to_all_single_autograd
+from lightning_par._compat import all_to_all_single_autograd, in_backward, in_pipeline_metadata_inference
+from lightning_par.parallel.hf import outermost_hf_models
+from lightning_par.parallel.modules import fqn_matches
 from lightning_par.parallel.unused_parameters import not_a_routing_decision
 
 
@@ -48,6 +50,68 @@ def num_experts_of(module: nn.Module, fqn: str) -> int:
             f"parameters of an experts module on dim 0 (one row per expert), and its parameters' dim 0 are {sizes}. "
             f"Name the module that holds the stacked expert weights (e.g. `model.blocks.*.mlp.experts`).")
     return next(iter(sizes.values()))
+
+
+def hf_ep_plan(root: nn.Module) -> list[str]:
+    """The experts modules of the Hugging Face models in ``root``: their config's ``base_model_ep_plan`` entries of
+    style ``ep_dispatch_experts`` (the others name the parameters inside them), relative to ``root``."""
+    plan = []
+    for fqn, sub in outermost_hf_models(root):
+        base = sub.base_model_prefix if isinstance(getattr(sub, sub.base_model_prefix, None), nn.Module) else ""
+        for key, style in (getattr(sub.config, "base_model_ep_plan", None) or {}).items():
+            if style == "ep_dispatch_experts":
+                plan.append(".".join(p for p in (fqn, base, key) if p))
+    return plan
+
+
+#: wrappers that put themselves into module names: activation checkpointing and compile wrap blocks
+_WRAPPERS = ("._checkpoint_wrapped_module", "._orig_mod")
+
+
+def find_experts(root: nn.Module, plan: list[str] | None = None) -> list[tuple[str, nn.Module]]:
+    """The experts modules of ``root``, by ``plan`` (FQN globs), else ``root.ep_plan``, else the Hugging Face models'
+    ``base_model_ep_plan``: (FQN without wrapper prefixes, module). Also after activation checkpointing wrapped
+    the blocks; under pipeline parallelism only this rank's (the other stages' modules are left without tensors)."""
+    patterns = list(plan or getattr(root, "ep_plan", None) or hf_ep_plan(root))
+    found = []
+    for fqn, module in root.named_modules():
+        name = fqn
+        for wrapper in _WRAPPERS:
+            name = name.replace(wrapper, "")
+        if name and any(fqn_matches(name, pattern) for pattern in patterns) and any(
+                True for _ in module.parameters()):
+            found.append((name, module))
+    return found
+
+
+class TokenCounter:
+    """Counts the (token, choice) rows each experts module is given per expert, in training forwards (not in
+    activation checkpointing's recompute, which runs inside backward), before any expert-parallel dispatch (its hook
+    runs first), nor in the forward a pipeline stage runs for its shapes. ``counts``: (modules, experts) float64 on
+    ``device``, this rank's tokens only."""
+
+    def __init__(self, experts: list[tuple[str, nn.Module]], device: torch.device) -> None:
+        self.names = [name for name, _ in experts]
+        width = max((num_experts_of(m, name) for name, m in experts), default=0)  # DTensor shapes are global
+        self.counts = torch.zeros(len(experts), width, dtype=torch.float64, device=device)
+        self._hf = [is_hf_experts(module) for _, module in experts]
+        self._handles = [
+            module.register_forward_pre_hook(lambda m, args, kwargs, i=i: self._count(i, args, kwargs),
+                                             with_kwargs=True, prepend=True)
+            for i, (_, module) in enumerate(experts)]
+
+    def _count(self, layer: int, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled() or in_backward() or in_pipeline_metadata_inference():
+            return
+        second = (list(args) + list(kwargs.values()))[1].detach()
+        if self._hf[layer]:  # the routed expert of every (token, choice)
+            second = torch.bincount(second.reshape(-1), minlength=self.counts.shape[1])
+        self.counts[layer, : second.numel()] += second.to(self.counts)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:

@@ -9,9 +9,8 @@ from torch import nn
 from lightning_par.checks import check_str_list
 from lightning_par.costs.sheet import CostSheet
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.experts import apply_expert_parallel, num_experts_of
-from lightning_par.parallel.hf import outermost_hf_models
-from lightning_par.parallel.modules import match_modules
+from lightning_par.parallel.experts import apply_expert_parallel, hf_ep_plan, num_experts_of
+from lightning_par.parallel.modules import fqn_matches, match_modules
 from lightning_par.techniques.technique import Target, Technique
 
 
@@ -24,18 +23,18 @@ class ExpertParallel(Technique):
         self.plan = check_str_list("ep_plan", plan, "FQN globs or class names of experts modules",
                                    ["model.blocks.*.mlp.experts"])
 
-    def check(self, dims: ParallelDims) -> None:
-        if dims.ep > 1 and dims.pp != 1:
-            raise ValueError(
-                f"ep={dims.ep} with pp={dims.pp}: expert parallelism does not combine with pipeline parallelism yet "
-                f"(the pipeline split traces the model on the meta device, and grouped-matmul experts do not trace "
-                f"there in fp32). Use ep with dp_shard, dp_replicate, cp and tp, or pp without ep.")
-
     def apply(self, target: Target, dims: ParallelDims) -> None:
         if dims.ep == 1:
             return
-        plan = self.plan if self.plan is not None else getattr(target.module, "ep_plan", None) or hf_ep_plan(
-            target.whole)
+        plan = self.plan if self.plan is not None else getattr(target.module, "ep_plan", None)
+        if not plan:
+            named = hf_ep_plan(target.whole)
+            plan = [p for p in named if _matches_some_module(target.whole, p)]  # configs may turn experts off
+            if named and not plan:
+                raise ValueError(
+                    f"ep={dims.ep}: the model has no experts modules (its Hugging Face config names {named} for "
+                    f"expert parallelism, and none exists: a config built without mixture-of-experts layers). "
+                    f"Use ep=1.")
         if not plan:
             raise ValueError(
                 f"ep={dims.ep} needs to know which modules are the experts: give `ep_plan` (FQN globs of the experts "
@@ -66,13 +65,6 @@ class ExpertParallel(Technique):
         """Not priced yet: the planner plans layouts without ``ep`` (see the planner's documentation)."""
 
 
-def hf_ep_plan(root: nn.Module) -> list[str]:
-    """The experts modules of the Hugging Face models in ``root``: their config's ``base_model_ep_plan`` entries of
-    style ``ep_dispatch_experts`` (the others name the parameters inside them), relative to ``root``."""
-    plan = []
-    for fqn, sub in outermost_hf_models(root):
-        base = sub.base_model_prefix if isinstance(getattr(sub, sub.base_model_prefix, None), nn.Module) else ""
-        for key, style in (getattr(sub.config, "base_model_ep_plan", None) or {}).items():
-            if style == "ep_dispatch_experts":
-                plan.append(".".join(p for p in (fqn, base, key) if p))
-    return plan
+
+def _matches_some_module(root: nn.Module, pattern: str) -> bool:
+    return any(fqn_matches(name, pattern) for name, _ in root.named_modules() if name)
