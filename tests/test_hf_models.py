@@ -116,8 +116,6 @@ def test_checkpoint_under_pp_resumes_under_pp_and_cp(w2, name):
                                     r"attention_mask are not passed on between stages"),
     ("block_list_is_not_the_plans", r"block_list='model.model.norm': Qwen2ForCausalLM is pipelined from its own "
                                     r"pipeline plan, which cuts 'model.model.layers'"),
-    # mixture of experts trains under cp and pp (above); its experts' tensor-parallel style is Hugging Face's own
-    ("experts_under_tp", r"is a Hugging Face style that lightning_par does not implement .* Override this entry"),
     ("linear_attention_under_cp", r"Qwen3_5ForCausalLM has layers of type \['linear_attention'\].*Use cp=1"),
     ("sequence_parallel_with_whole_attention", r"sequence_parallel=True: 'model.model.layers.0.self_attn' "
                                                r"\(GptOssAttention\) would see only this rank's sequence chunk"),

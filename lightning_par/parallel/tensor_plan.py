@@ -148,17 +148,33 @@ def _hf_plan(root: nn.Module, loss_parallel: bool = False) -> dict[str, str]:
     under ``loss_parallel`` the output head's logits left sharded over the vocabulary."""
     plan: dict[str, str] = {}
     for fqn, sub in outermost_hf_models(root):
+        base_fqn = sub.base_model_prefix if isinstance(getattr(sub, sub.base_model_prefix, None), nn.Module) else ""
         own = getattr(sub, "tp_plan", None)  # transformers >= 5: the model's and its base model's plans merged
         if not isinstance(own, Mapping) or not own:
             own = dict(getattr(type(sub), "_tp_plan", None) or {})
-            base_fqn = sub.base_model_prefix if isinstance(getattr(sub, sub.base_model_prefix, None), nn.Module) else ""
             own.update(prefix_plan(sub.config.base_model_tp_plan or {}, base_fqn))
-        own = {k: v for k, v in own.items() if v not in _HF_NOOP_IN_HF_PLANS}
+        own = {k: v for k, v in own.items() if v not in _HF_NOOP_IN_HF_PLANS and not _inside_experts(sub, k, base_fqn)}
+        names = [name for name, _ in sub.named_modules() if name]
+        # a config family's plan names modules some of its models lack (Qwen3-MoE's dense MLP entries, for
+        # configs whose every layer is a mixture of experts): the model's own plan, not a user's typo
+        own = {k: v for k, v in own.items() if any(fqn_matches(name, k) for name in names)}
         if loss_parallel:
             own = _head_keeps_vocab_shards(sub, own)
         if own:
             plan.update(prefix_plan({**own, **_hf_sequence_parallel_entries(sub, own)}, fqn))
     return plan
+
+
+def _inside_experts(model: nn.Module, key: str, base_fqn: str) -> bool:
+    """Whether a plan entry names an experts module of the model's ``base_model_ep_plan`` or a parameter in it.
+    Those entries are left out: the experts stay whole on every tp rank (expert parallelism, ``ep``, splits them
+    instead; attention under tp and experts under ep is Megatron's "parallel folding"), rather than being refused
+    for HF's ``moe_tp_experts``/``packed_colwise`` styles (torchtitan dropped expert tensor parallelism: skinny
+    matmuls and a duplicated all-to-all)."""
+    ep_plan = getattr(model.config, "base_model_ep_plan", None) or {}
+    experts = [".".join(p for p in (base_fqn, k) if p) for k, style in ep_plan.items()
+               if style == "ep_dispatch_experts"]
+    return any(key == e or key.startswith(e + ".") for e in experts)
 
 
 def _head_keeps_vocab_shards(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
