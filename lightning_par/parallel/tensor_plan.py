@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from lightning_par.parallel.experts import is_hf_experts
 from lightning_par.parallel.hf import is_hf_model, outermost_hf_models
 from lightning_par.parallel.lora import is_lora_layer, lora_tp_entries
 from lightning_par.parallel.modules import fqn_matches
@@ -338,6 +339,7 @@ def _check_hf_sublayers_gather(root: nn.Module, resolved: Mapping[str, str | Par
         if layers is None:
             continue
         layers_fqn = next(name for name, m in root.named_modules() if m is layers)
+        _refuse_experts_under_sp(layers, layers_fqn)
         for index, name, child in _sublayers(layers):
             if "norm" in type(child).__name__.lower() or next(child.parameters(), None) is None:
                 continue
@@ -351,6 +353,19 @@ def _check_hf_sublayers_gather(root: nn.Module, resolved: Mapping[str, str | Par
                     f"{type(model).__name__} leaves it whole). Give it tensor-parallel entries (e.g. its input "
                     f"projections 'colwise', its output projection 'rowwise') in `tp_plan`, or pass "
                     f"sequence_parallel=False.")
+
+
+def _refuse_experts_under_sp(layers: nn.ModuleList, layers_fqn: str) -> None:
+    """Every layer, not only the first of each kind: MoE layers often follow dense ones (DeepSeek's
+    ``first_k_dense_replace``)."""
+    for index, layer in enumerate(layers):
+        for name, child in layer.named_children():
+            if any(is_hf_experts(m) for m in child.modules()):
+                raise ValueError(
+                    f"sequence_parallel=True: '{layers_fqn}.{index}.{name}' ({type(child).__name__}) holds a mixture "
+                    f"of experts, which tensor parallelism leaves whole on every tp rank; sequence parallelism would "
+                    f"hand its router and experts a sequence chunk they do not gather. Pass sequence_parallel=False "
+                    f"(split the experts with expert parallelism, `ep`, instead).")
 
 
 def _follow_adapters(root: nn.Module, resolved: dict[str, str | ParallelStyle],
