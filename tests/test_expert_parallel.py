@@ -8,6 +8,8 @@ the job's later runs still train.
 
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
 import torch
 from hf_models import HFCausalLM
@@ -79,9 +81,17 @@ def _world4() -> dict:
     return out
 
 
+@cache
+def hf_reference(arch: str) -> dict:
+    return fit_reference(module_cls=HFCausalLM, arch=arch)
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return fit_reference(**MOE)
+    """One process; its ExpertLoadMonitor's last report rides along (``"expert_load"``)."""
+    monitor = ExpertLoadMonitor(log_every_n_steps=5, heatmap_every_n_steps=None)
+    result = fit_reference(callbacks=[monitor], **MOE)
+    return {**result, "expert_load": (monitor.last, monitor.last_shares)}
 
 
 @pytest.fixture(scope="module")
@@ -113,18 +123,17 @@ def test_expert_parallel_world2_in_parity(world2, reference, reference_shared_si
 def test_hugging_face_mixtures_of_experts_at_ep2(world2, arch):
     """Mixtral, Qwen3-MoE, DeepSeek-V3 (latent attention, shared expert, group-limited sigmoid routing, a dense first
     layer) and gpt-oss (expert biases, attention sinks): the model's own experts forward on each rank's experts."""
-    assert_parity(world2[arch], fit_reference(module_cls=HFCausalLM, arch=arch))
+    assert_parity(world2[arch], hf_reference(arch))
 
 
-def test_expert_load_monitor_counts_the_global_batch(world2, tmp_path):
+def test_expert_load_monitor_counts_the_global_batch(world2, reference):
     """Under ep2 the monitor reports the same tokens per expert as in one process (counted before dispatch, summed
     over the data ranks, recompute in backward not counted twice), logs per layer and draws the heat map."""
     metrics, shares, pngs = world2["ep2"]["expert_load"]
-    alone = ExpertLoadMonitor(log_every_n_steps=5, heatmap_every_n_steps=None)
-    fit_reference(callbacks=[alone], **MOE)
-    assert torch.equal(shares, alone.last_shares) and shares.shape == (3, 4)  # 3 blocks x 4 experts
+    alone_metrics, alone_shares = reference["expert_load"]
+    assert torch.equal(shares, alone_shares) and shares.shape == (3, 4)  # 3 blocks x 4 experts
     assert torch.allclose(shares.sum(dim=1), torch.ones(3, dtype=torch.float64))
-    assert metrics == alone.last and set(metrics) >= {"moe/max_over_mean/max", "moe/idle_experts/mean",
+    assert metrics == alone_metrics and set(metrics) >= {"moe/max_over_mean/max", "moe/idle_experts/mean",
                                                       "moe/model.blocks.0.mlp.experts/max_over_mean"}
     assert 1.0 <= metrics["moe/max_over_mean/max"] <= 4.0
     assert [p.rsplit("/", 1)[-1] for p in pngs] == ["step000010.png"]
@@ -145,7 +154,7 @@ def test_hugging_face_experts_under_tensor_parallelism(request, name, arch, worl
     are left out, so attention (and dense or shared MLPs) split over tp while the experts stay whole, or split by ep;
     the plan's entries for modules this config lacks (Qwen3-MoE's dense MLP) are skipped. Tolerance 1e-5 (weights
     measured ~3e-6 after 10 AdamW steps: tp splits the attention sums)."""
-    assert_parity(request.getfixturevalue(world)[name], fit_reference(module_cls=HFCausalLM, arch=arch))
+    assert_parity(request.getfixturevalue(world)[name], hf_reference(arch))
 
 
 def test_checkpoint_from_ep2_resumes_without_expert_parallelism(world2, reference):

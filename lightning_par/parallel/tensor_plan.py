@@ -339,9 +339,9 @@ def _check_hf_sublayers_gather(root: nn.Module, resolved: Mapping[str, str | Par
         if layers is None:
             continue
         layers_fqn = next(name for name, m in root.named_modules() if m is layers)
-        _refuse_experts_under_sp(layers, layers_fqn)
         for index, name, child in _sublayers(layers):
-            if "norm" in type(child).__name__.lower() or next(child.parameters(), None) is None:
+            if "norm" in type(child).__name__.lower() or next(child.parameters(), None) is None or any(
+                    is_hf_experts(m) for m in child.modules()):  # experts: refused below, with their own reason
                 continue
             sub = f"{layers_fqn}.{index}.{name}"
             if not any((key == sub or key.startswith(sub + ".")) and (isinstance(style, ParallelStyle)
@@ -353,6 +353,7 @@ def _check_hf_sublayers_gather(root: nn.Module, resolved: Mapping[str, str | Par
                     f"{type(model).__name__} leaves it whole). Give it tensor-parallel entries (e.g. its input "
                     f"projections 'colwise', its output projection 'rowwise') in `tp_plan`, or pass "
                     f"sequence_parallel=False.")
+        _refuse_experts_under_sp(layers, layers_fqn)
 
 
 def _refuse_experts_under_sp(layers: nn.ModuleList, layers_fqn: str) -> None:
