@@ -107,7 +107,7 @@ class ExpertLoadMonitor(Callback):
         im = ax.imshow(shares * shares.shape[1], aspect="auto", cmap="viridis", vmin=0)
         ax.set_xlabel("expert")
         ax.set_ylabel("layer")
-        ax.set_yticks(range(len(self.all_layers)), self.all_layers, fontsize=6)
+        ax.set_yticks(range(len(self.all_layers)), _short_names(self.all_layers), fontsize=7)
         ax.set_title(f"tokens per expert / mean (step {step})")
         fig.colorbar(im, ax=ax)
         fig.tight_layout()
@@ -121,6 +121,20 @@ class ExpertLoadMonitor(Callback):
                 logger.experiment.add_image("moe/expert_load", image, step, dataformats="HWC")
             elif isinstance(logger, WandbLogger):
                 logger.log_image("moe/expert_load", [image], step=step)
+
+
+def _short_names(names: list[str]) -> list[str]:
+    """The layer names without what they all share in front and behind (``model.blocks.3.mlp.experts`` -> ``3``)."""
+    if len(names) < 2:
+        return names
+    parts = [n.split(".") for n in names]
+    head = 0
+    while all(len(p) > head + 1 and p[head] == parts[0][head] for p in parts):
+        head += 1
+    tail = 0
+    while all(len(p) > head + tail + 1 and p[-1 - tail] == parts[0][-1 - tail] for p in parts):
+        tail += 1
+    return [".".join(p[head:len(p) - tail]) for p in parts]
 
 
 def _global_counts(trainer: pl.Trainer, layers: list[str], counts: torch.Tensor) -> tuple[list[str], torch.Tensor]:
