@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from lightning_par.collectives import is_rank_zero, raise_on_every_rank
+from lightning_par.parallel.modules import clean_name
 
 META_FILE = "meta.pt"  # the name Lightning's ModelParallelStrategy uses for the same content
 COMPLETE_FILE = "COMPLETE"
@@ -159,11 +160,6 @@ def compare_shapes(path: Path, stored: Mapping[str, torch.Size], model_shapes: d
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}, "
             f"shape mismatch {mismatched[:5]}. Resume with the model configuration that wrote it."
         )
-
-
-def clean_name(name: str) -> str:
-    """A parameter's state-dict name: the wrappers of activation checkpointing and compile left out."""
-    return ".".join(seg for seg in name.split(".") if seg not in ("_checkpoint_wrapped_module", "_orig_mod"))
 
 
 def trainable_names(module: torch.nn.Module) -> set[str]:

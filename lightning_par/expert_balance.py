@@ -20,10 +20,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_par.parallel.experts import TokenCounter, find_experts
+from lightning_par.parallel.modules import clean_name
 
 BIAS_NAMES = ("expert_bias", "e_score_correction_bias")
 
@@ -56,23 +56,21 @@ class ExpertBiasBalancer(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self.counter is None:
             return
-        counts = self.counter.counts
-        if dist.is_available() and dist.is_initialized():  # every rank: the whole global batch's tokens
-            dims = getattr(trainer.strategy, "dims", None)
-            dist.all_reduce(counts, group=dims.mesh("dp_cp").get_group() if dims is not None else None)
+        dims = getattr(trainer.strategy, "dims", None)  # every rank: the whole global batch's tokens
+        counts = self.counter.summed(dims.mesh("dp_cp").get_group() if dims is not None else None)
         with torch.no_grad():
             for bias, layer in zip(self.biases, counts):
                 layer = layer[: bias.numel()]
                 delta = torch.sign(layer.mean() - layer) * self.update_rate
                 bias.add_((delta - delta.mean()).to(bias.dtype))
-        counts.zero_()
+        self.counter.counts.zero_()
 
 
 def _bias_of(root: torch.nn.Module, experts_name: str) -> torch.Tensor:
     """The router bias of the layer around ``experts_name``: a buffer of ``BIAS_NAMES`` in its parent's tree."""
     parent = experts_name.rsplit(".", 1)[0] if "." in experts_name else ""
     for name, buffer in root.named_buffers():
-        clean = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+        clean = clean_name(name)
         if clean.startswith(parent + ".") and clean.rsplit(".", 1)[-1] in BIAS_NAMES:
             return buffer
     raise ValueError(

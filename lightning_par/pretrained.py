@@ -39,14 +39,13 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_par.collectives import full_state_dict, raise_on_every_rank
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.lora import is_lora_layer
+from lightning_par.parallel.modules import clean_name
 
 __all__ = ["check_hf_checkpoint", "find_hf_model", "load_hf_weights", "recompute_non_persistent_buffers",
            "save_hf_pretrained"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# wrappers that state-dict FQNs leave out (activation checkpointing, torch.compile of the whole model)
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
 
 
 def check_hf_checkpoint(path: str | os.PathLike, name: str = "path") -> Path:
@@ -98,7 +97,7 @@ def find_hf_model(module: nn.Module) -> tuple[str, nn.Module | None]:
                          f"parameters automatically. Pass prefix='<FQN of the model>.' (e.g. prefix='model.' for "
                          f"a Hugging Face model at self.model).")
     name, model = outer[0]
-    kept = _clean(name)
+    kept = clean_name(name)
     return (kept + "." if kept else ""), model
 
 
@@ -140,11 +139,6 @@ def _tied_sources(model: nn.Module | None) -> dict[str, str]:
     return dict(tied) if isinstance(tied, dict) else {}
 
 
-def _clean(fqn: str) -> str:
-    """A module FQN as state dicts name it (without the wrappers of activation checkpointing or compile)."""
-    return ".".join(seg for seg in fqn.split(".") if seg not in _WRAPPER_SEGMENTS)
-
-
 def _checkpoint_key(key: str, adapted: list[str]) -> str | None:
     """The checkpoint key of a model key: a PEFT LoRA layer keeps the original weights under ``base_layer`` (its
     ``q_proj.base_layer.weight`` is the checkpoint's ``q_proj.weight``); its adapters are no checkpoint key (None)."""
@@ -184,8 +178,8 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | No
             hf_model = None
 
     stored = HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
-    adapted = [name[len(prefix):] + "." for name in (_clean(n) for n, m in module.named_modules() if is_lora_layer(m))
-               if name.startswith(prefix)]
+    lora = (clean_name(n) for n, m in module.named_modules() if is_lora_layer(m))
+    adapted = [name[len(prefix):] + "." for name in lora if name.startswith(prefix)]
     tied = _tied_sources(hf_model)
     state = get_model_state_dict(module)
     reads: dict[str, Tensor] = {}  # checkpoint key -> this rank's tensor to fill
@@ -245,7 +239,7 @@ def _peft_root(module: nn.Module) -> tuple[str, nn.Module | None]:
     """The outermost PEFT model (``get_peft_model``'s result) inside ``module``: its FQN prefix and object."""
     for name, sub in module.named_modules():
         if isinstance(getattr(sub, "peft_config", None), dict) and hasattr(sub, "merge_and_unload"):
-            return (_clean(name) + "." if name else ""), sub
+            return (clean_name(name) + "." if name else ""), sub
     return "", None
 
 

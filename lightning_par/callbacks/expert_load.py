@@ -73,7 +73,7 @@ class ExpertLoadMonitor(Callback):
         if self.counter is None or step == 0 or step % every:
             return
         with monitor_overhead():
-            layers, counts = _global_counts(trainer, self.layers, self.counter.counts)  # collective: every rank
+            layers, counts = _global_counts(trainer, self.counter)  # collective: every rank
             self.counter.counts.zero_()
             shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
             load = shares * shares.shape[1]  # 1.0 = an even share
@@ -137,18 +137,13 @@ def _short_names(names: list[str]) -> list[str]:
     return [".".join(p[head:len(p) - tail]) for p in parts]
 
 
-def _global_counts(trainer: pl.Trainer, layers: list[str], counts: torch.Tensor) -> tuple[list[str], torch.Tensor]:
-    """Sum over the ranks that read different tokens (data x context parallel; tp ranks see the same tokens), then
-    gather the layers of every pipeline rank (each holds its stages' layers), in pipeline order."""
-    total = counts.clone()
-    if not dist.is_available() or not dist.is_initialized():
-        return layers, total
+def _global_counts(trainer: pl.Trainer, counter: TokenCounter) -> tuple[list[str], torch.Tensor]:
+    """Sum over the ranks that read different tokens (data x context parallel; tp ranks see the same tokens; under
+    another strategy every rank reads its own), then gather the layers of every pipeline rank (each holds its
+    stages' layers), in pipeline order."""
     dims = getattr(trainer.strategy, "dims", None)
-    if dims is None:  # another strategy: every rank reads its own tokens
-        dist.all_reduce(total)
-        return layers, total
-    dist.all_reduce(total, group=dims.mesh("dp_cp").get_group())
-    if dims.pp == 1:
+    layers, total = counter.names, counter.summed(dims.mesh("dp_cp").get_group() if dims is not None else None)
+    if dims is None or dims.pp == 1:
         return layers, total
     parts: list[Any] = [None] * dims.pp
     dist.all_gather_object(parts, (layers, total.cpu()), group=dims.mesh("pp").get_group())

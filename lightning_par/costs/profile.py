@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # the documented hom
 from torch.utils.flop_counter import flop_registry
 
 from lightning_par.parallel.hf import outermost_hf_models
-from lightning_par.parallel.modules import find_block_list
+from lightning_par.parallel.modules import clean_name, find_block_list
 from lightning_par.parallel.recompute import SelectivePolicy
 from lightning_par.parallel.tensor_plan import resolve_tp_plan, sharded_dims, validate_tp_plan
 
@@ -415,7 +415,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
     return ModelProfile(
         name=type(module).__name__,
         params=[ParamInfo(n, tuple(p.shape), p.element_size(), p.requires_grad,
-                          _section(n, blocks, "first" if i < first_block else "last"), tp_dims.get(_clean(n)))
+                          _section(n, blocks, "first" if i < first_block else "last"), tp_dims.get(clean_name(n)))
                 for i, (n, p) in enumerate(named)],
         block_list=block_fqn, blocks=blocks, sections=sections, batch=int(sample.shape[0]),
         seq_len=int(sample.shape[1]) if sample.ndim > 1 else 1,
@@ -424,8 +424,6 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
         tp_source_plan=source_plan)
 
 
-def _clean(fqn: str) -> str:
-    return ".".join(seg for seg in fqn.split(".") if seg not in ("_checkpoint_wrapped_module", "_orig_mod"))
 
 
 def _section(fqn: str, blocks: list[str], outside: str) -> str:

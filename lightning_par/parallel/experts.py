@@ -36,7 +36,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_par._compat import all_to_all_single_autograd, in_backward, in_pipeline_metadata_inference
 from lightning_par.parallel.hf import outermost_hf_models
-from lightning_par.parallel.modules import fqn_matches
+from lightning_par.parallel.modules import clean_name, fqn_matches
 from lightning_par.parallel.unused_parameters import not_a_routing_decision
 
 
@@ -64,10 +64,6 @@ def hf_ep_plan(root: nn.Module) -> list[str]:
     return plan
 
 
-#: wrappers that put themselves into module names: activation checkpointing and compile wrap blocks
-_WRAPPERS = ("._checkpoint_wrapped_module", "._orig_mod")
-
-
 def find_experts(root: nn.Module, plan: list[str] | None = None) -> list[tuple[str, nn.Module]]:
     """The experts modules of ``root``, by ``plan`` (FQN globs), else ``root.ep_plan``, else the Hugging Face models'
     ``base_model_ep_plan``: (FQN without wrapper prefixes, module). Also after activation checkpointing wrapped
@@ -75,9 +71,7 @@ def find_experts(root: nn.Module, plan: list[str] | None = None) -> list[tuple[s
     patterns = list(plan or getattr(root, "ep_plan", None) or hf_ep_plan(root))
     found = []
     for fqn, module in root.named_modules():
-        name = fqn
-        for wrapper in _WRAPPERS:
-            name = name.replace(wrapper, "")
+        name = clean_name(fqn)
         if name and any(fqn_matches(name, pattern) for pattern in patterns) and any(
                 True for _ in module.parameters()):
             found.append((name, module))
@@ -107,6 +101,14 @@ class TokenCounter:
         if self._hf[layer]:  # the routed expert of every (token, choice)
             second = torch.bincount(second.reshape(-1), minlength=self.counts.shape[1])
         self.counts[layer, : second.numel()] += second.to(self.counts)
+
+    def summed(self, group: dist.ProcessGroup | None) -> torch.Tensor:
+        """The counts summed over the ranks of ``group`` (collective; ``None``: the world, or no process group at
+        all): the ranks that read different tokens."""
+        total = self.counts.clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(total, group=group)
+        return total
 
     def remove(self) -> None:
         for handle in self._handles:

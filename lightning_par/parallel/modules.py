@@ -88,3 +88,13 @@ def match_modules(model: nn.Module, patterns: Sequence[str], parameter: str) -> 
     # keep model order; a module matched by two patterns is one unit
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return sorted(matched.items(), key=lambda item: order[item[0]])
+
+
+#: wrappers that put themselves into module names: activation checkpointing and ``torch.compile``
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
+def clean_name(name: str) -> str:
+    """A module's or parameter's name as the model had it (and as state dicts name it): the segments of the
+    wrappers of activation checkpointing and compile left out."""
+    return ".".join(seg for seg in name.split(".") if seg not in WRAPPER_SEGMENTS)

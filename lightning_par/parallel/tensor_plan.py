@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from lightning_par.parallel.experts import is_hf_experts
+from lightning_par.parallel.experts import hf_ep_plan, is_hf_experts
 from lightning_par.parallel.hf import is_hf_model, outermost_hf_models
 from lightning_par.parallel.lora import is_lora_layer, lora_tp_entries
 from lightning_par.parallel.modules import fqn_matches
@@ -154,7 +154,7 @@ def _hf_plan(root: nn.Module, loss_parallel: bool = False) -> dict[str, str]:
         if not isinstance(own, Mapping) or not own:
             own = dict(getattr(type(sub), "_tp_plan", None) or {})
             own.update(prefix_plan(sub.config.base_model_tp_plan or {}, base_fqn))
-        own = {k: v for k, v in own.items() if v not in _HF_NOOP_IN_HF_PLANS and not _inside_experts(sub, k, base_fqn)}
+        own = {k: v for k, v in own.items() if v not in _HF_NOOP_IN_HF_PLANS and not _inside_experts(sub, k)}
         names = [name for name, _ in sub.named_modules() if name]
         # a config family's plan names modules some of its models lack (Qwen3-MoE's dense MLP entries, for
         # configs whose every layer is a mixture of experts): the model's own plan, not a user's typo
@@ -166,16 +166,13 @@ def _hf_plan(root: nn.Module, loss_parallel: bool = False) -> dict[str, str]:
     return plan
 
 
-def _inside_experts(model: nn.Module, key: str, base_fqn: str) -> bool:
+def _inside_experts(model: nn.Module, key: str) -> bool:
     """Whether a plan entry names an experts module of the model's ``base_model_ep_plan`` or a parameter in it.
     Those entries are left out: the experts stay whole on every tp rank (expert parallelism, ``ep``, splits them
     instead; attention under tp and experts under ep is Megatron's "parallel folding"), rather than being refused
     for HF's ``moe_tp_experts``/``packed_colwise`` styles (torchtitan dropped expert tensor parallelism: skinny
     matmuls and a duplicated all-to-all)."""
-    ep_plan = getattr(model.config, "base_model_ep_plan", None) or {}
-    experts = [".".join(p for p in (base_fqn, k) if p) for k, style in ep_plan.items()
-               if style == "ep_dispatch_experts"]
-    return any(key == e or key.startswith(e + ".") for e in experts)
+    return any(key == e or key.startswith(e + ".") for e in hf_ep_plan(model))
 
 
 def _head_keeps_vocab_shards(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
