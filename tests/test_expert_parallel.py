@@ -200,6 +200,8 @@ def test_ep_refusals_at_construction():
         from example_projects.gpt.lit import GPTModule
 
         GPTModule(n_experts=4, moe_top_k=5).configure_model()
+    with pytest.raises(ValueError, match=r"n_experts=-2 must be an int >= 0"):
+        GPTModule(n_experts=-2)
     with pytest.raises(ValueError, match=r"update_rate=0\) must be a positive number"):
         ExpertBiasBalancer(update_rate=0)
 

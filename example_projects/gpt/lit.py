@@ -42,6 +42,10 @@ class GPTModule(pl.LightningModule):
                  moe_router: str = "softmax", moe_shared_expert: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
+        for name, value in (("n_experts", n_experts), ("moe_hidden", moe_hidden)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0 (n_experts=0: a dense MLP; moe_hidden=0: "
+                                 f"2 x n_embd per expert).")
         self.padded_vocab_size = padded_vocab_size(vocab_size, vocab_multiple)
         self.model: GPT | None = None
         self.val_perplexity = Perplexity()
