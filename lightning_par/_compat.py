@@ -16,9 +16,9 @@ import torch
 # wrapper, and FSDP2's state-dict handling knows this one's ``_checkpoint_wrapped_module`` prefix
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-__all__ = ["all_to_all_single_autograd", "checkpoint_wrapper", "in_backward", "move_graph_to_device",
-           "pipeline_stage_class", "set_device_mesh", "torch_dispatch_mode", "train_dataloader_of",
-           "without_function_modes"]
+__all__ = ["all_to_all_single_autograd", "checkpoint_wrapper", "in_backward", "live_process_groups",
+           "move_graph_to_device", "pipeline_stage_class", "set_device_mesh", "torch_dispatch_mode",
+           "train_dataloader_of", "without_function_modes"]
 
 
 def train_dataloader_of(trainer: Any) -> Any:
@@ -132,3 +132,12 @@ def move_graph_to_device(graph_module: torch.nn.Module, device: torch.device) ->
     from torch.distributed.pipelining._IR import _modify_graph_op_device
 
     _modify_graph_op_device(graph_module, device)
+
+
+def live_process_groups() -> list[Any]:
+    """Every process group this rank belongs to, the default one first, then in the order they were created (the
+    same relative order on every rank: all ranks create every group). torch 2.11-2.13: ``_world.pg_names``, the
+    registry ``destroy_process_group`` empties; there is no public listing."""
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_names)

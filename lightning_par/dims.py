@@ -176,6 +176,11 @@ class ParallelDims:
         return mesh
 
     @property
+    def has_mesh(self) -> bool:
+        """Whether ``build_mesh`` ran (a strategy that plans its layout builds it only in setup)."""
+        return self._mesh is not None
+
+    @property
     def world_mesh(self) -> DeviceMesh:
         if self._mesh is None:
             raise RuntimeError("ParallelDims: the mesh is built in the strategy's setup; it is not available yet.")

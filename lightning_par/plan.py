@@ -51,11 +51,16 @@ def _parser() -> argparse.ArgumentParser:
                        "machine)")
     where.add_argument("--inter-link", default="ib-ndr400", help="the link between nodes")
     where.add_argument("--precision", default="bf16-mixed")
-    where.add_argument("--memory-budget", type=float, help="bytes per device (default: the device's memory)")
+    where.add_argument("--memory-budget", type=float, help="bytes per device (default: the device's memory less "
+                       "the reserve)")
+    where.add_argument("--memory-reserve", type=float, default=0.1, help="share of device memory kept free for "
+                       "allocator fragmentation and workspaces (default 0.1)")
     where.add_argument("--activation-checkpointing", nargs="+", choices=sorted(_CHECKPOINTING),
                        default=list(_CHECKPOINTING), help="the options to weigh (default: all three)")
     where.add_argument("--restrict", nargs="*", default=[], metavar="DIM=SIZES",
                        help="allowed sizes, e.g. pp=1 tp=1,2,4")
+    where.add_argument("--sequence-parallel", choices=("both", "on", "off"), default="both",
+                       help="with tp > 1: weigh sequence parallelism on, off or both (default)")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=15)
     out.add_argument("--json", help="write every prediction here")
@@ -80,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     hardware = _hardware(args, profile)
     restrict = {k: [int(x) for x in v.split(",")] for k, v in (item.split("=", 1) for item in args.restrict)}
     plan = plan_layouts(profile, batch, args.world, hardware, precision=args.precision, batch_is_global=True,
-                        memory_budget=args.memory_budget, restrict=restrict,
-                        activation_checkpointing=[_CHECKPOINTING[c] for c in args.activation_checkpointing])
+                        memory_budget=args.memory_budget, memory_reserve=args.memory_reserve, restrict=restrict,
+                        activation_checkpointing=[_CHECKPOINTING[c] for c in args.activation_checkpointing],
+                        sequence_parallel={"both": (True, False), "on": (True,), "off": (False,)}[
+                            args.sequence_parallel])
     seconds = time.perf_counter() - start
     print(f"{profile.name}: {sum(p.numel for p in profile.params) / 1e9:.3f} B parameters, global batch "
           f"{global_batch} x {profile.seq_len} tokens, {args.world} devices ({hardware.source}); "

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -58,12 +59,23 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
         import torch.distributed as dist
 
-        if dist.is_initialized():  # exiting with a live gloo group can abort the process in thread destructors;
-            dist.barrier()  # and no rank may take rank 0's TCPStore away while a peer still talks to it
+        if dist.is_initialized():
+            # as the strategies do at exit: every rank arrives, no gloo worker still holds a tensor when the
+            # interpreter finalizes (SIGABRT otherwise), then the groups go down
+            from lightning_par.strategies.base import settle_process_groups
+
+            settle_process_groups()
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - every failure must reach the parent, whatever it is
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
         raise SystemExit(1) from None
+    # The rank's work is done and its result written: leave without finalizing the interpreter, as forked
+    # multiprocessing children always do. A gloo worker thread that frees a tensor's Python object while the
+    # interpreter finalizes aborts the process (see lightning_par.strategies.base._destroy_process_group); the
+    # settling above makes that rare, leaving this way makes it impossible, so no test fails for torch's race.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers import fit
+from torch.utils.data import DataLoader, DistributedSampler
+from workers import GLOBAL_BATCH, GPTModule, fit, token_dataset
 
 from lightning_par import NDParallelStrategy
 from lightning_par.planner.measure import probe_callback
@@ -23,14 +24,24 @@ def measure(layouts: dict[str, dict[str, Any]], world: int, module_cls: type,
     return out
 
 
+class OwnSamplerGPT(GPTModule):
+    """A user's module that builds its own ``DistributedSampler`` from the strategy's sampler arguments (as a
+    Llama-style client does): under auto_parallel they are read before any layout exists."""
+
+    def train_dataloader(self) -> DataLoader:
+        data = token_dataset(96, 16)
+        sampler = DistributedSampler(data, **self.trainer.strategy.distributed_sampler_kwargs, shuffle=True, seed=7)
+        return DataLoader(data, batch_size=GLOBAL_BATCH // 2, sampler=sampler)
+
+
 def auto_then_by_hand(tmp: str) -> dict[str, Any]:
     """AutoParallelStrategy on the tiny GPT (4 blocks), then the layout it chose, by hand: the same run."""
     from lightning_par import AutoParallelStrategy
 
     auto = AutoParallelStrategy(plot_dir=f"{tmp}/plan")
-    out = {"auto": fit(auto, devices=2, dp_size=2, max_steps=4, n_layer=4)}
+    run = dict(devices=2, dp_size=2, max_steps=4, n_layer=4, module_cls=OwnSamplerGPT, module_loader=True)
+    out = {"auto": fit(auto, **run)}
     chosen = auto.plan.best.layout
     out["chosen"] = str(chosen)
-    out["by_hand"] = fit(NDParallelStrategy(**chosen.strategy_kwargs()), devices=2, dp_size=2, max_steps=4,
-                         n_layer=4)
+    out["by_hand"] = fit(NDParallelStrategy(**chosen.strategy_kwargs()), **run)
     return out

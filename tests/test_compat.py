@@ -141,3 +141,15 @@ def test_in_backward_is_true_only_inside_a_backward():
     assert not _compat.in_backward()
     Probe.apply(x).sum().backward()
     assert seen == [True] and not _compat.in_backward()
+
+
+def test_live_process_groups_lists_the_default_group_first_then_in_creation_order(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        first, second = dist.new_group([0]), dist.new_group([0])
+        assert _compat.live_process_groups() == [dist.group.WORLD, first, second]
+    finally:
+        dist.destroy_process_group()
+    assert _compat.live_process_groups() == []

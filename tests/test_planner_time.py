@@ -4,6 +4,8 @@ share their cores. The rules' effect against measurements is benchmarks/bench_pl
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hf_models import HFCausalLM
@@ -77,6 +79,39 @@ def test_tensor_parallel_counts_every_collective_the_plan_makes(gpt, llama):
     assert sorted(no_sp) == sorted([("all_reduce", 16), ("all_reduce", 1), ("all_reduce", 1), ("all_gather", 1)])
     hf = counts(Layout(tp=4, sequence_parallel=True), llama, "tp")  # its lm_head gathers the logits
     assert ("all_gather", 1) in hf
+
+
+def message_bytes(layout: Layout, profile: ModelProfile, kind: str) -> list[float]:
+    sheet = account(layout, profile, GLOBAL_BATCH // layout.dp, SEQ, "32-true")
+    return sorted(t.nbytes for t in sheet.transfers if t.kind == kind)
+
+
+@pytest.mark.parametrize("kind, layout", [("tp", Layout(tp=2)), ("pp_send_recv", Layout(pp=2, pp_microbatches=2))])
+def test_collectives_are_priced_on_the_tokens_a_rank_holds_under_context_parallelism(gpt, kind, layout):
+    """Tensor and pipeline parallelism account before context parallelism in the recipe; their messages carry a
+    rank's chunk of the sequence all the same (1/cp of the tokens), as the engine sends them."""
+    whole = message_bytes(layout, gpt, kind)
+    chunked = message_bytes(replace(layout, cp=4), gpt, kind)
+    assert whole and chunked == pytest.approx([b / 4 for b in whole])
+
+
+def test_attention_is_priced_as_causal_and_sliding_window_kernels_compute_it(gpt):
+    """torch's formulas count the whole score matrix; a causal kernel computes its lower triangle, a sliding-window
+    one the band (Mistral's window of 5 on 16 tokens), and the share follows the planned sequence length."""
+    block = gpt.sections[gpt.blocks[0]]
+    assert [(causal, window) for _, causal, window in block.attention_calls] == [(True, None)]
+    assert block.attention_work(SEQ) == pytest.approx(block.attention_flops * (SEQ + 1) / (2 * SEQ))
+    assert block.attention_work(4096) == pytest.approx(block.attention_flops * 4097 / 8192)
+    with torch.device("meta"):
+        mistral = profile_model(HFCausalLM("mistral", num_key_value_heads=4),
+                                (torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long),) * 2)
+    layer = mistral.sections[mistral.blocks[0]]
+    assert [(causal, window) for _, causal, window in layer.attention_calls] == [(True, 5)]
+    assert layer.attention_work(SEQ) == pytest.approx(layer.attention_flops * (5 * 6 / 2 + 11 * 5) / SEQ**2)
+    # the planned step's compute: at 4x the sequence, windowed attention grows 4x, causal attention ~16x
+    long = Layout()
+    short_s = predict(long, mistral, GPU, GLOBAL_BATCH, SEQ).compute_s
+    assert predict(long, mistral, GPU, GLOBAL_BATCH // 4, 4 * SEQ).compute_s < short_s * 1.05
 
 
 def test_per_head_norms_reduce_their_gradients_over_tp(llama):

@@ -111,9 +111,11 @@ def fit(
     num_nodes: int = 1,
     accumulate_grad_batches: int = 1,
     logger: Any = False,
+    module_loader: bool = False,
     **model_overrides: Any,
 ) -> dict[str, Any]:
-    """Train the tiny GPT; return per-step losses and (rank 0) the full final weights."""
+    """Train the tiny GPT; return per-step losses and (rank 0) the full final weights. ``module_loader``: the
+    module's own ``train_dataloader`` feeds it instead of the loader made here."""
     pl.seed_everything(SEED, verbose=False)
     record = RecordLoss()
     all_callbacks: list[Callback] = [record, *(callbacks or [])]
@@ -133,7 +135,7 @@ def fit(
     with trainer.init_module(empty_init=empty_init):
         model = module_cls(**_model_kwargs(module_cls, model_overrides))
     loader = DataLoader(token_dataset(num_samples, seq_len), batch_size=GLOBAL_BATCH // dp_size, shuffle=True)
-    trainer.fit(model, loader, ckpt_path=resume_from)
+    trainer.fit(model, None if module_loader else loader, ckpt_path=resume_from)
     return {"losses": record.losses, "weights": full_state_dict(model), "global_step": trainer.global_step}
 
 

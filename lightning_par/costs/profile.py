@@ -6,7 +6,8 @@ example batch this records:
 * every parameter's shape, dtype and trainability, the block list, and the pipeline stage plan of any stage count
   (the engine's own ``plan_stages`` / ``plan_hf_stages``);
 * the forward FLOPs of each block and of what runs before and after the blocks (torch's ``FlopCounterMode``
-  formulas), attention apart from the rest (it grows with the square of the sequence);
+  formulas), attention apart from the rest (it grows with the square of the sequence), with what each attention
+  call masks: torch's formulas count the whole score matrix, a causal or sliding-window kernel does only its part;
 * what selective activation checkpointing keeps of each block (the outputs of the ops its policy names,
   ``parallel.checkpointing.SelectivePolicy``, asked op by op as the engine's policy asks) and the matmul FLOPs it
   recomputes;
@@ -25,6 +26,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from contextlib import ExitStack
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,7 +91,9 @@ class Section:
     """One block, or what runs before (``first``) or after (``last``) the blocks."""
 
     flops: float = 0.0  # forward, without attention
-    attention_flops: float = 0.0  # forward attention kernels
+    attention_flops: float = 0.0  # forward attention kernels, the whole score matrix (torch's formulas)
+    #: each ``scaled_dot_product_attention`` call: (its share of ``attention_flops``, causal, sliding window)
+    attention_calls: list[tuple[float, bool, int | None]] = field(default_factory=list)
     saved: SavedBytes = field(default_factory=SavedBytes)
     input_bytes: int = 0  # the block's input (what activation checkpointing keeps)
     kv_bytes: int = 0  # keys and values entering attention (what context parallelism passes around the ring)
@@ -100,6 +104,28 @@ class Section:
     selective_recompute_flops: float = 0.0
     #: outputs of row-parallel layers: sequence parallelism reduce-scatters them, selective checkpointing keeps that
     reduce_scattered_bytes: int = 0
+
+    def attention_work(self, seq_len: int) -> float:
+        """``attention_flops`` as the kernels do them at sequence length ``seq_len`` (still at the traced tokens): a
+        causal kernel computes the lower triangle of the score matrix, a sliding-window one the band of the window
+        (flash and flex attention skip the rest; a kernel given an explicit mask tensor does not, and is counted
+        whole)."""
+        masked = sum(f for f, _, _ in self.attention_calls)
+        return self.attention_flops - masked + sum(f * computed_share(seq_len, causal, window)
+                                                   for f, causal, window in self.attention_calls)
+
+
+def computed_share(seq_len: int, causal: bool, window: int | None) -> float:
+    """The share of a (seq x seq) score matrix an attention kernel computes: query i sees keys ``i - window + 1``
+    to ``i`` (causal, window), 0 to ``i`` (causal), or all of them."""
+    if not causal:
+        return 1.0
+    w = seq_len if window is None or window <= 0 else min(window, seq_len)
+    return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len**2
+
+
+#: the sliding window of the Hugging Face attention being traced (its module's ``sliding_window``), for the marker
+_WINDOW: ContextVar[int | None] = ContextVar("lightning_par_attention_window", default=None)
 
 
 @dataclass
@@ -288,8 +314,9 @@ class _AttentionMarker(TorchFunctionMode):
         if func is not torch.nn.functional.scaled_dot_product_attention:
             return func(*args, **(kwargs or {}))
         key, value = args[1], args[2]
-        self.trace.sections[self.trace.section].kv_bytes += (
-            key.numel() * key.element_size() + value.numel() * value.element_size())
+        section = self.trace.sections[self.trace.section]
+        section.kv_bytes += key.numel() * key.element_size() + value.numel() * value.element_size()
+        counted = section.attention_flops
         self.trace.in_attention = True
         try:
             # laid out as the fused kernels return it, (batch, seq, heads, dim) in memory: the usual
@@ -297,6 +324,9 @@ class _AttentionMarker(TorchFunctionMode):
             out = func(*args, **(kwargs or {})).transpose(1, 2).contiguous().transpose(1, 2)
         finally:
             self.trace.in_attention = False
+        call = dict(zip(("attn_mask", "dropout_p", "is_causal"), args[3:6]), **(kwargs or {}))
+        causal = bool(call.get("is_causal", False)) and call.get("attn_mask") is None
+        section.attention_calls.append((section.attention_flops - counted, causal, _WINDOW.get() if causal else None))
         if torch.is_grad_enabled():
             for t in (args[0], key, value, out):
                 self.trace.record_saved(t)
@@ -502,9 +532,13 @@ def _plan_attention(model: nn.Module) -> None:
 def _mask_free_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
                          **kwargs: Any) -> tuple[torch.Tensor, None]:
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, is_causal=getattr(module, "is_causal", True), scale=scaling,
-        enable_gqa=query.size(1) != key.size(1))
+    window = _WINDOW.set(kwargs.get("sliding_window", getattr(module, "sliding_window", None)))
+    try:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=getattr(module, "is_causal", True), scale=scaling,
+            enable_gqa=query.size(1) != key.size(1))
+    finally:
+        _WINDOW.reset(window)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -59,8 +59,9 @@ class CostSheet:
 
     @property
     def microbatch_tokens(self) -> float:
-        """Tokens of one micro-batch on this rank (after the context-parallel split)."""
-        return self.batch * self.seq_len / self.microbatches / self.cp
+        """Tokens of one micro-batch on this rank: its share of the sequence under context parallelism, whichever
+        technique asks (tensor and pipeline parallelism account before context parallelism sets ``cp``)."""
+        return self.batch * self.seq_len / self.microbatches / self.dims.cp
 
     @property
     def token_scale(self) -> float:

@@ -40,7 +40,14 @@ OVERLAP = 0.8
 #: what torch's checkpoint keeps per checkpointed block besides activations: the CPU generator's state, to replay
 #: random ops alike in the recomputation (read off this torch)
 CHECKPOINT_RNG_BYTES = torch.get_rng_state().numel()
-#: device memory the planner keeps free for what it does not model (allocator slack, workspaces, NCCL buffers)
+#: the FLOP rate of fused attention kernels against the device's matmul rate: FlashAttention-2's causal forward and
+#: backward run at 35-40 % of an H100's bf16 peak, large GEMMs at 70-80 % (FlashAttention-3 paper, Shah et al.
+#: 2024, figs. 5-7): attention's FLOPs, counted as the kernel does them (causal: half), take twice a matmul's time
+ATTENTION_RATE = 0.5
+#: the share of device memory the planner keeps free for what it does not model: the caching allocator's reserved
+#: but unallocated blocks (fragmentation), cuBLAS/NCCL workspaces and the CUDA context. 10 % is an estimate (PyTorch
+#: users report 5-15 % of reserved over allocated at steady state), not measured here: there is no GPU to measure
+#: on; ``plan_layouts(memory_reserve=...)`` and ``--memory-reserve`` change it, and each prediction reports its margin
 RESERVE = 0.1
 _PRECISION = {  # activation bytes, FSDP all-gather bytes per parameter byte, gradient bytes per activation byte
     "32-true": (1.0, 1.0, 1.0), "bf16-mixed": (0.5, 0.5, 2.0), "16-mixed": (0.5, 0.5, 2.0),
@@ -139,10 +146,15 @@ class Prediction:
     def over_by(self) -> float:
         return 0.0 if self.budget is None else max(0.0, self.memory - self.budget)
 
+    @property
+    def margin(self) -> float | None:
+        """Bytes left under the budget (negative: over it); None where the device's memory is unknown."""
+        return None if self.budget is None else self.budget - self.memory
+
     def as_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k != "layout"}
         out.update(layout=str(self.layout), strategy_kwargs=self.layout.strategy_kwargs(), model_state=self.model_state,
-                   memory=self.memory, fits=self.fits, over_by=self.over_by)
+                   memory=self.memory, fits=self.fits, over_by=self.over_by, margin=self.margin)
         return out
 
 
@@ -161,9 +173,10 @@ def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, pre
 
 
 def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: int, seq_len: int,
-            precision: str = "32-true", memory_budget: float | None = None) -> Prediction:
+            precision: str = "32-true", memory_budget: float | None = None,
+            memory_reserve: float = RESERVE) -> Prediction:
     """``batch``: samples per data-parallel rank per step; ``memory_budget``: bytes a device may use (default: the
-    hardware's memory less ``RESERVE``)."""
+    hardware's memory less ``memory_reserve`` of it)."""
     sheet = account(layout, profile, batch, seq_len, precision)
     ranks = _rank_costs(sheet, hardware.matmul_share)
     params, grads, optimizer, activations = max((r[:4] for r in ranks), key=sum)
@@ -191,7 +204,7 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     busy = compute + sum(exposed.values())
     step = busy if shared else busy / (1.0 - sheet.bubble)
     budget = memory_budget if memory_budget is not None else (
-        hardware.memory_bytes * (1 - RESERVE) if hardware.memory_bytes else None)
+        hardware.memory_bytes * (1 - memory_reserve) if hardware.memory_bytes else None)
     tokens = batch * layout.dp * seq_len
     recompute = max(r[4] for r in ranks)
     prediction = Prediction(layout, params, grads, optimizer, activations, sheet.buffer_bytes + recompute, compute,
@@ -254,7 +267,8 @@ def _section_kinds(profile: ModelProfile) -> dict[str, int]:
         for name, section in profile.sections.items():
             saved = section.saved
             end = name if name in ("first", "last") else ""  # activation checkpointing treats these apart
-            key = (end, _signature(profile, name), section.flops, section.attention_flops, section.input_bytes,
+            key = (end, _signature(profile, name), section.flops, section.attention_flops,
+                   tuple(section.attention_calls), section.input_bytes,
                    section.kv_bytes, saved.sharded, saved.gathered, saved.residual, saved.vocab,
                    astuple(section.selective_kept), section.selective_recompute_flops, section.full_recompute_flops,
                    section.reduce_scattered_bytes)
@@ -340,13 +354,14 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0) -> float
     forward = recomputed = 0.0
     for name in sheet.rank_sections[rank]:
         section = sheet.profile.sections[name]
-        flops = section.flops * sheet.token_scale + section.attention_flops * sheet.token_scale * sheet.sequence_scale
+        # in matmul-time units: the kernel's FLOPs at its own rate (ATTENTION_RATE)
+        attention = section.attention_work(sheet.seq_len) * sheet.token_scale * sheet.sequence_scale / ATTENTION_RATE
+        flops = section.flops * sheet.token_scale + attention
         forward += flops
         if name in ("first", "last"):
             continue
         if sheet.checkpointing == "full":
-            recomputed += (section.full_recompute_flops * sheet.token_scale
-                           + section.attention_flops * sheet.token_scale * sheet.sequence_scale)
+            recomputed += section.full_recompute_flops * sheet.token_scale + attention
         elif sheet.checkpointing == "selective":
             recomputed += (matmul_share * section.selective_recompute_flops * sheet.token_scale
                            + (1 - matmul_share) * flops)
@@ -395,7 +410,7 @@ def _reason(p: Prediction) -> str:
     if p.budget is None:
         memory = f"{p.memory / gib:.2f} GiB per device"
     elif p.fits:
-        memory = f"fits: {p.memory / gib:.2f} of {p.budget / gib:.2f} GiB"
+        memory = f"fits: {p.memory / gib:.2f} of {p.budget / gib:.2f} GiB ({p.margin / gib:.2f} to spare)"
     else:
         memory = f"does not fit: {p.memory / gib:.2f} GiB, {p.over_by / gib:.2f} GiB over {p.budget / gib:.2f}"
     parts = [f"compute {p.compute_s * 1e3:.1f} ms"]

@@ -18,7 +18,7 @@ from torch import nn
 from lightning_par.costs.profile import ModelProfile, profile_model
 from lightning_par.parallel.pipeline import validate_pipeline
 from lightning_par.parallel.tensor_plan import validate_tp_plan
-from lightning_par.planner.predict import Layout, Prediction, predict
+from lightning_par.planner.predict import RESERVE, Layout, Prediction, predict
 
 if TYPE_CHECKING:
     from lightning_par.devices import Hardware
@@ -27,6 +27,10 @@ SIZES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "zbv")
 #: schedules whose stages per rank the planner chooses (the others fix it)
 INTERLEAVED = ("interleaved_1f1b", "interleaved_zb")
+#: the most interleaved stages per rank weighed: published recipes run up to 12 (Megatron's 530B ran 35 stages of 3
+#: layers with interleaving 3, Llama 3's 405B 16 stages x 8); beyond that the time model, which prices each stage's
+#: sends but not its scheduling overhead per micro-batch, would favour one block per stage
+MAX_STAGES_PER_RANK = 16
 #: activation checkpointing options the planner weighs: none, selective, full
 CHECKPOINTING: tuple[bool | str, ...] = (False, "selective", True)
 
@@ -52,6 +56,20 @@ class Plan:
     @property
     def fitting(self) -> list[Prediction]:
         return [p for p in self.predictions if p.fits]
+
+    def find(self, **options: Any) -> tuple[int, Prediction]:
+        """Where the best layout with these options ranks (1 = first) and its prediction, e.g.
+        ``plan.find(pp=16, tp=8)`` or ``plan.find(tp=8, sequence_parallel=False)``: options are ``Layout`` fields."""
+        fields = set(Layout.__dataclass_fields__)
+        unknown = sorted(set(options) - fields)
+        if unknown:
+            raise ValueError(f"Plan.find: {unknown} are not layout options; use {sorted(fields)}.")
+        for rank, prediction in enumerate(self.predictions, 1):
+            if all(getattr(prediction.layout, k) == v for k, v in options.items()):
+                return rank, prediction
+        raise ValueError(f"Plan.find({', '.join(f'{k}={v!r}' for k, v in options.items())}): no planned layout has "
+                         f"these options; the planner left out {self.skipped or 'nothing'} (check the sizes multiply "
+                         f"to the world, {self.world_size}, and the options the plan weighed).")
 
     def require_fit(self) -> Prediction:
         """The best layout; a ``ValueError`` naming the smallest memory that would fit, and with which layout, when
@@ -87,42 +105,83 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
                  restrict: Mapping[str, Iterable[int]] | None = None,
                  activation_checkpointing: Iterable[bool | str] = CHECKPOINTING,
                  schedules: Iterable[str] = PIPELINE_SCHEDULES, allow_offload: bool = False,
-                 block_list: str | None = None) -> Plan:
+                 block_list: str | None = None, sequence_parallel: Iterable[bool] = (True, False),
+                 memory_reserve: float = RESERVE) -> Plan:
     """Predict and rank every valid layout of ``module`` on ``world_size`` devices of ``hardware``.
 
     Args:
         module: the LightningModule (or any module; built on the meta device is fine), or a ready profile.
         example_batch: one batch: the global batch (``batch_is_global=True``) or one data-parallel rank's.
         hardware: measured (``planner.probe.probe_hardware``) or from the table (``devices.known_hardware``).
-        memory_budget: bytes per device a layout may use (default: the hardware's memory less a reserve).
+        memory_budget: bytes per device a layout may use (default: the hardware's memory less ``memory_reserve``).
+        memory_reserve: the share of device memory kept free for what the model of memory leaves out (allocator
+            fragmentation, workspaces; ``planner.predict.RESERVE``, 10 %); each prediction reports its ``margin``.
         restrict: sizes allowed per dimension, e.g. ``{"pp": [1], "tp": [1, 2]}``.
+        activation_checkpointing: the options to weigh: ``False``, ``"selective"``, ``True`` (full).
+        schedules: the pipeline schedules to weigh (``PIPELINE_SCHEDULES``); interleaved ones with every stage
+            count per rank that cuts the blocks evenly.
         allow_offload: also consider CPU offload (otherwise only when nothing else fits).
+        sequence_parallel: with ``tp > 1``, weigh sequence parallelism on (``True``), off (``False``) or both.
     """
     profile = module if isinstance(module, ModelProfile) else profile_model(module, example_batch,
                                                                             block_list=block_list)
     batch, seq_len = profile.batch, profile.seq_len
+    sp_options = tuple(dict.fromkeys(bool(x) for x in sequence_parallel))
+    if not sp_options:
+        raise ValueError("sequence_parallel=() leaves nothing to weigh; pass (True,), (False,) or (True, False).")
     candidates, skipped = enumerate_layouts(profile, world_size, hardware.gpus_per_node, batch, batch_is_global,
-                                            restrict or {}, tuple(activation_checkpointing), tuple(schedules))
+                                            restrict or {}, tuple(activation_checkpointing), tuple(schedules),
+                                            sp_options)
     if not candidates:
         raise ValueError(_no_layout_message(profile, world_size, skipped))
 
+    if not 0 <= memory_reserve < 1:
+        raise ValueError(f"memory_reserve={memory_reserve!r} must be a share of device memory in [0, 1), e.g. 0.1.")
+
     def run(layouts: list[Layout]) -> list[Prediction]:
         return [predict(layout, profile, hardware, batch // layout.dp if batch_is_global else batch, seq_len,
-                        precision, memory_budget) for layout in layouts]
+                        precision, memory_budget, memory_reserve) for layout in layouts]
 
     predictions = run(candidates)
     if allow_offload or not any(p.fits for p in predictions):
         predictions += run([replace(layout, cpu_offload=True) for layout in candidates
                             if layout.dp_shard * layout.dp_replicate * layout.cp > 1])
-    # equal speed (compute-bound layouts whose communication all hides): the one that moves less first, as it
-    # leaves less to what the time model does not see (contention, jitter)
-    predictions.sort(key=lambda p: (not p.fits, p.over_by, -p.tokens_per_s, sum(p.comm_total_s.values())))
+    # equal speed, within the model's resolution (SPEED_RESOLUTION): the one that moves less first, as it leaves
+    # less to what the time model does not see (contention, jitter, per-stage scheduling)
+    predictions = rank_predictions(predictions)
     return Plan(predictions, profile, hardware, world_size, batch, seq_len, precision, skipped)
+
+
+#: predicted speeds closer than this (relative) rank as equal: the time model is not finer than that (a 0.1 % edge
+#: of a pipelined, context-parallel variant over plain FSDP x TP, as for Llama 3.1 405B on 128 H100, is noise)
+SPEED_RESOLUTION = 0.01
+
+
+def rank_predictions(predictions: list[Prediction]) -> list[Prediction]:
+    """Fitting first, fastest first; those that do not fit, closest to fitting first. Speeds within
+    ``SPEED_RESOLUTION`` of the fastest of their run rank as equal: then the layout with fewer parallel dimensions
+    first (each adds costs the time model leaves out: pipeline scheduling per stage, more process groups), then the
+    one that communicates less."""
+    fitting = sorted((p for p in predictions if p.fits), key=lambda p: -p.tokens_per_s)
+    ranked: list[Prediction] = []
+    while fitting:
+        lead = fitting[0].tokens_per_s
+        cut = next((i for i, p in enumerate(fitting) if p.tokens_per_s < lead * (1 - SPEED_RESOLUTION)),
+                   len(fitting))
+        ranked += sorted(fitting[:cut], key=lambda p: (_dimensions(p.layout), sum(p.comm_total_s.values()),
+                                                       -p.tokens_per_s))
+        fitting = fitting[cut:]
+    return ranked + sorted((p for p in predictions if not p.fits), key=lambda p: (p.over_by, -p.tokens_per_s))
+
+
+def _dimensions(layout: Layout) -> int:
+    return sum(getattr(layout, name) > 1 for name in SIZES)
 
 
 def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, batch: int, batch_is_global: bool,
                       restrict: Mapping[str, Iterable[int]], checkpointing: tuple[bool | str, ...],
-                      schedules: tuple[str, ...]) -> tuple[list[Layout], dict[str, int]]:
+                      schedules: tuple[str, ...], sequence_parallel: tuple[bool, ...] = (True, False),
+                      ) -> tuple[list[Layout], dict[str, int]]:
     """The layouts the engine would accept; ``skipped`` counts the candidates left out, by reason."""
     allowed = {k: set(v) for k, v in restrict.items()}
     unknown = set(allowed) - set(SIZES)
@@ -158,9 +217,11 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
             skip("global batch not divisible by dp")
             continue
         local = batch // dp if batch_is_global else batch
-        sp = dims["tp"] > 1 and _tp_ok(profile, dims["tp"], True)
-        lp = sp and "vocab_parallel_head" in {s for s in profile.tp_plan.values() if isinstance(s, str)}
-        for ac in checkpointing:
+        sp_choices = [sp for sp in sequence_parallel if not sp or _tp_ok(profile, dims["tp"], True)]
+        if dims["tp"] == 1 or not sp_choices:
+            sp_choices = [False]
+        for sp, ac in product(sp_choices, checkpointing):
+            lp = sp and "vocab_parallel_head" in {s for s in profile.tp_plan.values() if isinstance(s, str)}
             base = Layout(**dims, activation_checkpointing=ac, sequence_parallel=sp, loss_parallel=lp)
             if dims["pp"] == 1:
                 out.append(base)
@@ -169,7 +230,8 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
                 if schedule in ("interleaved_zb", "zbv") and dims["dp_shard"] * dims["dp_replicate"] * dims["cp"] > 1:
                     skip("zero-bubble schedule with FSDP")
                     continue
-                for v, m in product(_stages_per_rank(schedule), _microbatches(dims["pp"], local)):
+                for v, m in product(_stages_per_rank(schedule, blocks, dims["pp"]),
+                                    _microbatches(dims["pp"], local)):
                     try:
                         validate_pipeline(schedule, dims["pp"], m, blocks, v, local)
                     except ValueError:
@@ -179,10 +241,13 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
     return out, skipped
 
 
-def _stages_per_rank(schedule: str) -> tuple[int | None, ...]:
-    """Stages per rank to weigh: the schedule's own (None), and for the interleaved ones 4 as well (fewer
-    bubbles, more sends; Megatron's and Llama 3's interleaving ran more than 2 virtual stages)."""
-    return (None, 4) if schedule in INTERLEAVED else (None,)
+def _stages_per_rank(schedule: str, blocks: int, pp: int) -> tuple[int | None, ...]:
+    """Stages per rank to weigh: the schedule's own (None: 2 for the interleaved ones), and for the interleaved
+    ones every other count up to ``MAX_STAGES_PER_RANK`` that cuts the blocks into ``pp x v`` equal stages (fewer
+    bubbles, more sends)."""
+    if schedule not in INTERLEAVED:
+        return (None,)
+    return (None, *(v for v in range(3, min(blocks // pp, MAX_STAGES_PER_RANK) + 1) if blocks % (pp * v) == 0))
 
 
 def _microbatches(pp: int, local_batch: int) -> list[int]:

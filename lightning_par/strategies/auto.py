@@ -18,15 +18,15 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par._compat import train_dataloader_of
-from lightning_par.checks import check_checkpointing
+from lightning_par.checks import check_bool, check_checkpointing
 from lightning_par.dims import ParallelDims
 from lightning_par.planner.predict import Layout
 from lightning_par.planner.search import CHECKPOINTING, SIZES, Plan, plan_layouts
 from lightning_par.strategies.nd import NDParallelStrategy
 from lightning_par.techniques import build_recipe
 
-_OWN = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "pp_schedule", "pp_microbatches", "sequence_parallel",
-        "loss_parallel", "activation_checkpointing", "cpu_offload")
+_OWN = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "pp_schedule", "pp_microbatches", "loss_parallel",
+        "cpu_offload")
 
 
 class AutoParallelStrategy(NDParallelStrategy):
@@ -39,6 +39,7 @@ class AutoParallelStrategy(NDParallelStrategy):
         restrict: sizes allowed per dimension, e.g. ``{"pp": [1], "tp": [1, 2]}``.
         activation_checkpointing: force it: ``False``, ``True`` (full) or ``"selective"`` (default: the planner
             decides among the three).
+        sequence_parallel: force it on or off where the planner picks ``tp > 1`` (default: it weighs both).
         device: plan for a known device (``lightning_par.devices``) instead of measuring this machine.
         gpus_per_node: ranks per node (default: the devices per node the Trainer was given).
         plot_dir: write the plan's picture there (and to a TensorBoard logger).
@@ -47,7 +48,8 @@ class AutoParallelStrategy(NDParallelStrategy):
 
     def __init__(self, memory_budget: float | str | None = None, restrict: Mapping[str, Iterable[int]] | None = None,
                  activation_checkpointing: bool | str | None = None, device: str | None = None,
-                 gpus_per_node: int | None = None, plot_dir: str | None = None, **kwargs: Any) -> None:
+                 gpus_per_node: int | None = None, plot_dir: str | None = None,
+                 sequence_parallel: bool | None = None, **kwargs: Any) -> None:
         given = sorted(set(kwargs) & set(_OWN))
         if given:
             raise ValueError(f"AutoParallelStrategy chooses {given} itself; restrict the sizes it may choose with "
@@ -61,6 +63,8 @@ class AutoParallelStrategy(NDParallelStrategy):
         if activation_checkpointing is not None:
             check_checkpointing("activation_checkpointing", activation_checkpointing)
         self.force_checkpointing = activation_checkpointing
+        self.force_sequence_parallel = None if sequence_parallel is None else check_bool("sequence_parallel",
+                                                                                          sequence_parallel)
         if device is not None:
             from lightning_par.devices import lookup_device
 
@@ -73,6 +77,15 @@ class AutoParallelStrategy(NDParallelStrategy):
     @property
     def layout_known(self) -> bool:
         return False  # chosen in setup, once the model and the data exist
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """While the layout is being planned there is no mesh: a ``train_dataloader`` that builds its own
+        ``DistributedSampler`` from these (as under every fixed layout) is read under a provisional single-replica
+        view, for one example batch; Lightning builds the loader again once the layout is chosen."""
+        if not self.dims.has_mesh:
+            return {"num_replicas": 1, "rank": 0}
+        return super().distributed_sampler_kwargs
 
     def setup(self, trainer: pl.Trainer) -> None:
         self.plan = self._plan(trainer)
@@ -107,10 +120,12 @@ class AutoParallelStrategy(NDParallelStrategy):
             profile = profile_model(module, batch, block_list=self.block_list, share=(trainer,))
             hardware = probe_hardware(self.root_device, _dtype(precision), _matmul_shapes(profile), per_node)
         checkpointing = CHECKPOINTING if self.force_checkpointing is None else (self.force_checkpointing,)
+        sequence_parallel = (True, False) if self.force_sequence_parallel is None else (self.force_sequence_parallel,)
         return plan_layouts(module if self.plan_device is not None else profile, batch,
                             self.num_nodes * self.num_processes, hardware, precision=precision,
                             batch_is_global=False, memory_budget=self.memory_budget, restrict=self.restrict,
-                            activation_checkpointing=checkpointing, block_list=self.block_list)
+                            activation_checkpointing=checkpointing, block_list=self.block_list,
+                            sequence_parallel=sequence_parallel)
 
     def _agree(self, layout: Layout) -> Layout:
         """Rank 0's choice on every rank (every rank plans alike, but measured numbers may differ in the last

@@ -49,7 +49,7 @@ from torch.optim import Optimizer
 
 from lightning_par import checkpoint as ckpt
 from lightning_par import lightning_checkpoints as lightning_ckpt
-from lightning_par._compat import set_device_mesh
+from lightning_par._compat import live_process_groups, set_device_mesh
 from lightning_par.checks import check_bool
 from lightning_par.collectives import raise_on_every_rank
 from lightning_par.dims import ParallelDims
@@ -129,21 +129,40 @@ EXIT_BARRIER_SECONDS = 120.0
 
 
 def _destroy_process_group() -> None:
-    """At exit: wait until every rank is done, then take the process group down. Without the wait a rank that
-    finishes first destroys its gloo pairs (and rank 0 its TCPStore) while a peer still talks to them; about one
-    small job in 30 then ended in ``terminate called without an active exception`` (SIGABRT) after training had
-    succeeded. The wait is bounded (gloo's monitored barrier names a rank that never arrives)."""
+    """At exit: wait until every rank is done, settle every gloo group, then take the process groups down.
+
+    Without the wait a rank that finishes first destroys its gloo pairs (and rank 0 its TCPStore) while a peer still
+    talks to them. The settling is for gloo's worker threads (``pt_gloo_runloop``): a worker drops its reference to a
+    finished collective after waking the caller, and where it holds the last reference to a tensor with a Python
+    object (a parameter, a DTensor) it takes the GIL to free it (seen in gdb: ``~AsyncWork`` -> ``decref_pyobject``
+    -> ``THPVariable_dealloc`` on ``pt_gloo_runloop``). If the interpreter is finalizing by then, taking the GIL ends
+    the thread by forced unwinding through that ``noexcept`` destructor: ``terminate called without an active
+    exception`` (SIGABRT, exit -6/134) after a run that succeeded, about one job in 300 on a busy 2-core machine. A
+    barrier on a gloo group takes the group's work lock, which a worker holds while it drops a finished collective,
+    and returns only when every earlier collective of the group has completed, so after one barrier per group no
+    worker still holds a tensor. The waits are bounded (gloo's monitored barrier names a rank that never arrives)."""
     if not dist.is_initialized():
         return
     if not _EXIT["failed"] and dist.get_world_size() > 1:
         try:
-            if dist.get_backend() == "gloo":
-                dist.monitored_barrier(timeout=timedelta(seconds=EXIT_BARRIER_SECONDS))
-            else:
-                dist.barrier()
+            settle_process_groups()
         except Exception as e:  # noqa: BLE001 - a peer that died: nothing to wait for, still tear down
             print(f"[lightning_par] at exit, not every rank arrived: {e}", file=sys.stderr, flush=True)
     dist.destroy_process_group()
+
+
+def settle_process_groups(timeout: float = EXIT_BARRIER_SECONDS) -> None:
+    """Wait for every rank (a monitored barrier on gloo, naming a rank that does not come), then one barrier on each
+    other gloo group this rank belongs to, in creation order (the same on every rank): see
+    ``_destroy_process_group`` for why."""
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout))
+    else:
+        dist.barrier()
+    world = dist.group.WORLD
+    for group in live_process_groups():
+        if group is not world and dist.get_backend(group) == "gloo":
+            dist.barrier(group=group)
 
 
 class BaseParallelStrategy(ParallelStrategy):
