@@ -31,6 +31,9 @@ from torch import nn
 _CHECKPOINTING: dict[str, bool | str] = {"none": False, "selective": "selective", "full": True}
 
 
+_CHOICES = {"both": (True, False), "on": (True,), "off": (False,)}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lightning_par.plan", description=__doc__.split("\n\n")[0])
     model = p.add_argument_group("the model")
@@ -61,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="allowed sizes, e.g. pp=1 tp=1,2,4")
     where.add_argument("--sequence-parallel", choices=("both", "on", "off"), default="both",
                        help="with tp > 1: weigh sequence parallelism on, off or both (default)")
+    where.add_argument("--reshard-after-forward", choices=("both", "on", "off"), default="both",
+                       help="with FSDP: weigh resharding after forward (ZeRO-3) on, off (ZeRO-2-like) or both")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=15)
     out.add_argument("--json", help="write every prediction here")
@@ -87,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_layouts(profile, batch, args.world, hardware, precision=args.precision, batch_is_global=True,
                         memory_budget=args.memory_budget, memory_reserve=args.memory_reserve, restrict=restrict,
                         activation_checkpointing=[_CHECKPOINTING[c] for c in args.activation_checkpointing],
-                        sequence_parallel={"both": (True, False), "on": (True,), "off": (False,)}[
-                            args.sequence_parallel])
+                        sequence_parallel=_CHOICES[args.sequence_parallel],
+                        reshard_after_forward=_CHOICES[args.reshard_after_forward])
     seconds = time.perf_counter() - start
     print(f"{profile.name}: {sum(p.numel for p in profile.params) / 1e9:.3f} B parameters, global batch "
           f"{global_batch} x {profile.seq_len} tokens, {args.world} devices ({hardware.source}); "

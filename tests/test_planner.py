@@ -141,6 +141,20 @@ def test_sequence_parallelism_is_weighed_on_and_off_and_can_be_fixed():
     assert len(both.predictions) == 2 * len(off.predictions)
 
 
+def test_zero2_like_twins_are_weighed_where_they_can_matter():
+    """The ZeRO-2-like twin of an FSDP layout moves less and holds more; it is planned for the FSDP layouts that
+    could come near the fastest, and never when the option fixes resharding on."""
+    plan = plan_layouts(gpt(), batch(), 4, CPU)
+    twins = [p for p in plan.predictions if not p.layout.reshard_after_forward]
+    assert twins and all(p.layout.dp_shard * p.layout.cp > 1 for p in twins)
+    for twin in twins:
+        _, original = plan.find(**{**vars(twin.layout), "reshard_after_forward": True})
+        assert sum(twin.comm_total_s.values()) < sum(original.comm_total_s.values())
+        assert twin.buffers > original.buffers
+    zero3_only = plan_layouts(gpt(), batch(), 4, CPU, reshard_after_forward=(True,))
+    assert all(p.layout.reshard_after_forward for p in zero3_only.predictions)
+
+
 def test_interleaved_schedules_weigh_every_stage_count_that_cuts_the_blocks_evenly():
     """12 blocks on pp 2: the schedule's default (2 per rank) and 3 and 6; 4 and 5 leave uneven stages."""
     plan = plan_layouts(gpt(n_layer=12), batch(), 2, CPU, restrict={"pp": [2]}, schedules=("interleaved_1f1b",),

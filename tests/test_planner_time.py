@@ -15,6 +15,7 @@ from example_projects.gpt.lit import GPTModule
 from lightning_par.costs.profile import ModelProfile, profile_model
 from lightning_par.devices import Hardware
 from lightning_par.planner.predict import OVERLAP, Layout, account, predict
+from lightning_par.techniques.fully_sharded import unit_bytes
 
 SEQ = 16
 CPU = Hardware("cpu (x86_64, 1 threads)", 2e10, None, 4, 2e9, 2e-5, 2e9, 2e-5, "as planner.probe names a CPU")
@@ -52,6 +53,21 @@ def test_fsdp_under_a_pipeline_reduces_once_per_step(gpt):
     flat = Layout(dp_shard=4)  # without a pipeline: one micro-batch, gathered again for backward; 4 blocks + root
     assert sorted(counts(flat, gpt, "fsdp_all_gather")) == [("all_gather", 2), ("all_gather", 4 * 2)]
     assert sorted(counts(flat, gpt, "fsdp_reduce_scatter")) == [("reduce_scatter", 1), ("reduce_scatter", 4)]
+
+
+def test_zero2_like_fsdp_gathers_once_and_keeps_every_unit_gathered(gpt):
+    """Without resharding after forward a unit is gathered once per micro-batch (not again for backward) and stays
+    whole until its backward: every unit's gathered bytes at the peak, not the two in flight."""
+    zero3, zero2 = Layout(dp_shard=4), Layout(dp_shard=4, reshard_after_forward=False)
+    assert sorted(counts(zero2, gpt, "fsdp_all_gather")) == [("all_gather", 1), ("all_gather", 4)]
+    assert sorted(counts(zero3, gpt, "fsdp_all_gather")) == [("all_gather", 2), ("all_gather", 4 * 2)]
+    sheets = {layout: account(layout, gpt, GLOBAL_BATCH // 4, SEQ, "32-true") for layout in (zero3, zero2)}
+    units = unit_bytes(sheets[zero2])  # 4 blocks and the root, whole
+    assert len(units) == 5
+    assert sheets[zero3].buffer_bytes == 2 * max(units)
+    assert sheets[zero2].buffer_bytes == pytest.approx(sum(units))
+    assert "reshard_after_forward" not in zero3.strategy_kwargs()
+    assert zero2.strategy_kwargs()["reshard_after_forward"] is False and "ZeRO-2" in str(zero2)
 
 
 def test_context_parallel_sends_per_attention_block(gpt):

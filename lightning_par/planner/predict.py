@@ -72,6 +72,9 @@ class Layout:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     cpu_offload: bool = False
+    #: False: FSDP keeps each unit gathered from its forward through its backward (ZeRO-2-like: no all-gather in
+    #: backward; every unit's whole parameters in memory at the peak)
+    reshard_after_forward: bool = True
 
     @property
     def world_size(self) -> int:
@@ -93,6 +96,8 @@ class Layout:
         for flag in ("activation_checkpointing", "sequence_parallel", "loss_parallel", "cpu_offload"):
             if getattr(self, flag):
                 out[flag] = getattr(self, flag)  # activation_checkpointing: True (full) or "selective"
+        if not self.reshard_after_forward:
+            out["reshard_after_forward"] = False
         return out
 
     def __str__(self) -> str:
@@ -104,6 +109,8 @@ class Layout:
         extras += [name for flag, name in (("sequence_parallel", "SP"), ("loss_parallel", "LP"),
                                            ("activation_checkpointing", "AC"), ("cpu_offload", "offload"))
                    if getattr(self, flag)]
+        if not self.reshard_after_forward:
+            extras.append("ZeRO-2")
         if self.activation_checkpointing == "selective":
             extras[extras.index("AC")] = "SAC"
         return sizes + (f" ({', '.join(extras)})" if extras else "")
@@ -166,7 +173,8 @@ def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, pre
     recipe = build_recipe(pp_schedule=layout.pp_schedule, pp_microbatches=layout.pp_microbatches,
                           pp_stages_per_rank=layout.pp_stages_per_rank,
                           sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel,
-                          activation_checkpointing=layout.activation_checkpointing, cpu_offload=layout.cpu_offload)
+                          activation_checkpointing=layout.activation_checkpointing, cpu_offload=layout.cpu_offload,
+                          reshard_after_forward=layout.reshard_after_forward)
     for technique in recipe:
         technique.account(sheet)
     return sheet

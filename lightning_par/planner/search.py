@@ -106,7 +106,7 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
                  activation_checkpointing: Iterable[bool | str] = CHECKPOINTING,
                  schedules: Iterable[str] = PIPELINE_SCHEDULES, allow_offload: bool = False,
                  block_list: str | None = None, sequence_parallel: Iterable[bool] = (True, False),
-                 memory_reserve: float = RESERVE) -> Plan:
+                 reshard_after_forward: Iterable[bool] = (True, False), memory_reserve: float = RESERVE) -> Plan:
     """Predict and rank every valid layout of ``module`` on ``world_size`` devices of ``hardware``.
 
     Args:
@@ -122,16 +122,23 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
             count per rank that cuts the blocks evenly.
         allow_offload: also consider CPU offload (otherwise only when nothing else fits).
         sequence_parallel: with ``tp > 1``, weigh sequence parallelism on (``True``), off (``False``) or both.
+        reshard_after_forward: with FSDP, weigh resharding after forward (``True``, ZeRO-3), keeping units gathered
+            until their backward (``False``, ZeRO-2-like: no all-gather in backward, more memory) or both (the
+            ZeRO-2-like twins of the layouts that could come near the fastest: ``zero2_twins``).
     """
     profile = module if isinstance(module, ModelProfile) else profile_model(module, example_batch,
                                                                             block_list=block_list)
     batch, seq_len = profile.batch, profile.seq_len
-    sp_options = tuple(dict.fromkeys(bool(x) for x in sequence_parallel))
-    if not sp_options:
-        raise ValueError("sequence_parallel=() leaves nothing to weigh; pass (True,), (False,) or (True, False).")
+    options = {}
+    for name, given in (("sequence_parallel", sequence_parallel), ("reshard_after_forward", reshard_after_forward)):
+        options[name] = tuple(dict.fromkeys(bool(x) for x in given))
+        if not options[name]:
+            raise ValueError(f"{name}=() leaves nothing to weigh; pass (True,), (False,) or (True, False).")
+    twins = len(options["reshard_after_forward"]) == 2  # ZeRO-2 variants weighed where they can matter, below
     candidates, skipped = enumerate_layouts(profile, world_size, hardware.gpus_per_node, batch, batch_is_global,
                                             restrict or {}, tuple(activation_checkpointing), tuple(schedules),
-                                            sp_options)
+                                            options["sequence_parallel"],
+                                            (True,) if twins else options["reshard_after_forward"])
     if not candidates:
         raise ValueError(_no_layout_message(profile, world_size, skipped))
 
@@ -143,6 +150,8 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
                         precision, memory_budget, memory_reserve) for layout in layouts]
 
     predictions = run(candidates)
+    if twins:
+        predictions += run(zero2_twins(predictions))
     if allow_offload or not any(p.fits for p in predictions):
         predictions += run([replace(layout, cpu_offload=True) for layout in candidates
                             if layout.dp_shard * layout.dp_replicate * layout.cp > 1])
@@ -174,6 +183,27 @@ def rank_predictions(predictions: list[Prediction]) -> list[Prediction]:
     return ranked + sorted((p for p in predictions if not p.fits), key=lambda p: (p.over_by, -p.tokens_per_s))
 
 
+#: ZeRO-2-like twins (no resharding after forward) are weighed for the FSDP layouts that could come within this
+#: share of the fastest fitting one without their backward all-gathers (planning 8,192 GPUs stays under 10 s)
+ZERO2_WINDOW = 0.8
+
+
+def zero2_twins(predictions: list[Prediction]) -> list[Layout]:
+    """The ZeRO-2-like twin of every FSDP layout that, with all its exposed all-gather time gone (more than the
+    twin saves: it still gathers before forward), would be at least ``ZERO2_WINDOW`` as fast as the fastest fitting
+    layout; the twin keeps every unit gathered until its backward, so it needs more memory."""
+    fitting = [p.tokens_per_s for p in predictions if p.fits]
+    floor = ZERO2_WINDOW * max(fitting, default=0.0)
+    out = []
+    for p in predictions:
+        if p.layout.dp_shard * p.layout.cp == 1 or p.layout.cpu_offload:
+            continue
+        best_case = p.tokens_per_s * p.step_s / max(p.step_s - p.comm_s.get("fsdp_all_gather", 0.0), 1e-30)
+        if best_case >= floor:
+            out.append(replace(p.layout, reshard_after_forward=False))
+    return out
+
+
 def _dimensions(layout: Layout) -> int:
     return sum(getattr(layout, name) > 1 for name in SIZES)
 
@@ -181,6 +211,7 @@ def _dimensions(layout: Layout) -> int:
 def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, batch: int, batch_is_global: bool,
                       restrict: Mapping[str, Iterable[int]], checkpointing: tuple[bool | str, ...],
                       schedules: tuple[str, ...], sequence_parallel: tuple[bool, ...] = (True, False),
+                      reshard_after_forward: tuple[bool, ...] = (True, False),
                       ) -> tuple[list[Layout], dict[str, int]]:
     """The layouts the engine would accept; ``skipped`` counts the candidates left out, by reason."""
     allowed = {k: set(v) for k, v in restrict.items()}
@@ -220,9 +251,12 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
         sp_choices = [sp for sp in sequence_parallel if not sp or _tp_ok(profile, dims["tp"], True)]
         if dims["tp"] == 1 or not sp_choices:
             sp_choices = [False]
-        for sp, ac in product(sp_choices, checkpointing):
+        sharded = dims["dp_shard"] * dims["cp"] > 1
+        reshard_choices = reshard_after_forward if sharded else (True,)
+        for sp, ac, reshard in product(sp_choices, checkpointing, reshard_choices):
             lp = sp and "vocab_parallel_head" in {s for s in profile.tp_plan.values() if isinstance(s, str)}
-            base = Layout(**dims, activation_checkpointing=ac, sequence_parallel=sp, loss_parallel=lp)
+            base = Layout(**dims, activation_checkpointing=ac, sequence_parallel=sp, loss_parallel=lp,
+                          reshard_after_forward=reshard)
             if dims["pp"] == 1:
                 out.append(base)
                 continue

@@ -121,11 +121,13 @@ class AutoParallelStrategy(NDParallelStrategy):
             hardware = probe_hardware(self.root_device, _dtype(precision), _matmul_shapes(profile), per_node)
         checkpointing = CHECKPOINTING if self.force_checkpointing is None else (self.force_checkpointing,)
         sequence_parallel = (True, False) if self.force_sequence_parallel is None else (self.force_sequence_parallel,)
+        given_reshard = self._options.get("reshard_after_forward")  # the user's choice, else the planner weighs both
+        reshard = (True, False) if given_reshard is None else (bool(given_reshard),)
         return plan_layouts(module if self.plan_device is not None else profile, batch,
                             self.num_nodes * self.num_processes, hardware, precision=precision,
                             batch_is_global=False, memory_budget=self.memory_budget, restrict=self.restrict,
                             activation_checkpointing=checkpointing, block_list=self.block_list,
-                            sequence_parallel=sequence_parallel)
+                            sequence_parallel=sequence_parallel, reshard_after_forward=reshard)
 
     def _agree(self, layout: Layout) -> Layout:
         """Rank 0's choice on every rank (every rank plans alike, but measured numbers may differ in the last

@@ -84,8 +84,8 @@ class FullySharded(Technique):
         after backward; HSDP adds an all-reduce of the gradient shards across replicas. Under a pipeline schedule
         (torch's ``PipelineStage``) the gradients are reduced once per step, after the last micro-batch, and a
         unit stays gathered from a micro-batch's backward to the next forward: one all-gather per micro-batch and
-        one more. Prefetching hides them behind compute; the gathered units (two in flight) are extra device
-        memory."""
+        one more. Prefetching hides them behind compute; the gathered units are extra device memory: two in
+        flight, or every unit from its forward to its backward without resharding after forward."""
         dims = sheet.dims
         if not dims.fsdp_enabled:
             return
@@ -112,7 +112,10 @@ class FullySharded(Technique):
             for nbytes, k in equal_units:
                 sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_replicate", "all_reduce",
                                                 nbytes / sheet.shard, scatters * k, True))
-        sheet.buffer_bytes += 2 * max(gathered, default=0.0)
+        if self.reshard_after_forward:
+            sheet.buffer_bytes += 2 * max(gathered, default=0.0)
+        else:  # each unit stays whole from its forward to its backward: all of them at the peak
+            sheet.buffer_bytes += sum(gathered)
 
 
 def shard_experts(target: Target, dims: ParallelDims, *, reshard_after_forward: bool, param_dtype: torch.dtype | None,
