@@ -130,6 +130,18 @@ def test_attention_is_priced_as_causal_and_sliding_window_kernels_compute_it(gpt
     assert predict(long, mistral, GPU, GLOBAL_BATCH // 4, 4 * SEQ).compute_s < short_s * 1.05
 
 
+def test_experts_by_grouped_matmul_count_each_routed_token_once():
+    """transformers' experts run ``torch._grouped_mm`` (no FLOPs formula in torch 2.13, and a bf16-only meta kernel):
+    a Qwen3-MoE block is its projections and router, plus each token's top-2 experts (gate-up 32 -> 64, down 32 ->
+    32), as the formula counts them."""
+    with torch.device("meta"):
+        qwen3_moe = profile_model(HFCausalLM("qwen3_moe"), (torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long),) * 2)
+    tokens, d = GLOBAL_BATCH * SEQ, 32
+    attention_and_router = 2 * tokens * (d * 32 + 2 * d * 16 + 32 * d + d * 4)  # q, k, v (2 kv heads of 8), o, gate
+    experts = 2 * (2 * tokens) * (d * 64 + 32 * d)
+    assert qwen3_moe.sections[qwen3_moe.blocks[0]].flops == attention_and_router + experts
+
+
 def test_per_head_norms_reduce_their_gradients_over_tp(llama):
     """Qwen3's q/k norms ('head_norm') run on each rank's heads: 2 per layer x 4 layers, one gradient all-reduce
     each, with or without sequence parallelism."""

@@ -34,23 +34,18 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode  # where torch documents it; no public alias (2.13)
-from torch.utils.flop_counter import flop_registry  # FlopCounterMode's table; public name, not in __all__ (2.13)
 from torch.utils.module_tracker import ModuleTracker
 
 from lightning_par.devices import PEAK_FLOPS, lookup_peak_flops, precision_kind  # noqa: F401 - re-exported
+from lightning_par.flop_formulas import FORMULAS
 from lightning_par.parallel.hf import outermost_hf_models
 
 #: FLOPs of a training batch per forward FLOP: forward + backward (2 x forward).
 TRAINING_PER_FORWARD = 3
 
-_aten = torch.ops.aten
-#: torch's FlopCounterMode formulas (shapes -> FLOPs, keyed by op), plus the fused CPU and out-of-tree attention
-#: kernels it has no entry for (torch 2.13): same inputs and arithmetic as the CUDA flash kernel.
-_FORMULAS: dict[Any, Callable[..., int]] = {
-    **flop_registry,
-    _aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[_aten._scaled_dot_product_flash_attention],
-    _aten._scaled_dot_product_fused_attention_overrideable: flop_registry[_aten._scaled_dot_product_flash_attention],
-}
+#: shapes -> FLOPs, keyed by op: torch's FlopCounterMode table and the kernels it lacks (fused CPU attention, grouped
+#: matmuls of mixture-of-experts experts)
+_FORMULAS = FORMULAS
 
 #: ``is_bw`` is torch's public test for "the autograd engine is running this op" (backward, and the recomputation
 #: of checkpointed activations, which happens inside backward). The tracker is never entered: only asked.

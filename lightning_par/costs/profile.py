@@ -35,23 +35,14 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode  # the documented home of the base class (torch 2.13)
-from torch.utils.flop_counter import flop_registry
 
+from lightning_par.flop_formulas import ATTENTION_OPS, FORMULAS
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.modules import clean_name, find_block_list
 from lightning_par.parallel.recompute import SelectivePolicy
 from lightning_par.parallel.tensor_plan import resolve_tp_plan, sharded_dims, validate_tp_plan
 
 _aten = torch.ops.aten
-#: attention kernels: their FLOPs grow with the square of the sequence
-ATTENTION_OPS = {
-    _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_efficient_attention,
-    _aten._scaled_dot_product_cudnn_attention, _aten._scaled_dot_product_flash_attention_for_cpu,
-}
-_FORMULAS: dict[Any, Callable[..., int]] = {
-    **flop_registry,
-    _aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[_aten._scaled_dot_product_flash_attention],
-}
 #: styles whose module's output is split over tp (the math downstream is sharded until a row-parallel layer)
 SHARDING_STYLES = ("colwise", "local_colwise")
 #: styles whose module's output is whole again (reduced or gathered)
@@ -279,9 +270,9 @@ class _Trace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         key = getattr(func, "_overloadpacket", func)
-        formula = _FORMULAS.get(key)
+        out = _meta_grouped_mm(func, args, kwargs) if key is _aten._grouped_mm else func(*args, **kwargs)
+        formula = FORMULAS.get(key)
         flops = None
         if formula is not None:
             flops = float(formula(*args, **kwargs, out_val=out))
@@ -299,6 +290,16 @@ class _Trace(TorchDispatchMode):
                 if isinstance(o, torch.Tensor):
                     self.layout.set(o, layout)
         return out
+
+
+def _meta_grouped_mm(func: Any, args: Any, kwargs: dict) -> Any:
+    """``_grouped_mm`` on meta tensors: its meta kernel accepts only bf16 inputs (torch 2.13; CPU and CUDA run fp32
+    too): traced in bf16, returned in the dtype the real kernel returns."""
+    a, b = args[0], args[1]
+    if a.device.type != "meta" or (a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16):
+        return func(*args, **kwargs)
+    out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *args[2:], **kwargs)
+    return out.to(kwargs.get("out_dtype") or a.dtype)
 
 
 class _AttentionMarker(TorchFunctionMode):
