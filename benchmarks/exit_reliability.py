@@ -71,18 +71,25 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/exit_reliability.json"))
     args = parser.parse_args()
-    results, failures = {}, {}
-    for kind in args.kinds:
-        codes: Counter = Counter()
-        started = time.perf_counter()
-        for i in range(args.runs):
-            exits, stderr = run_once(kind, port=29500 + i % 200)
-            codes.update(exits)
+    codes = {kind: Counter() for kind in args.kinds}
+    seconds = dict.fromkeys(args.kinds, 0.0)
+    failures: dict[str, list] = {}
+    # kinds take turns, and the JSON is rewritten after every round: a long measurement stopped early still
+    # reports the same number of runs for each kind
+    for i in range(args.runs):
+        for kind in args.kinds:
+            started = time.perf_counter()
+            exits, stderr = run_once(kind, port=29500 + (i * len(args.kinds) + args.kinds.index(kind)) % 200)
+            seconds[kind] += time.perf_counter() - started
+            codes[kind].update(exits)
             if stderr:
                 failures.setdefault(kind, []).append({"run": i, "exit_codes": exits, "stderr_tail": stderr})
-        results[kind] = {"runs": args.runs, "exit_codes": dict(codes), "failed_runs": len(failures.get(kind, [])),
-                         "seconds": round(time.perf_counter() - started, 1)}
-        print(f"{kind}: {results[kind]}", flush=True)
+        results = {kind: {"runs": i + 1, "exit_codes": dict(codes[kind]),
+                          "failed_runs": len(failures.get(kind, [])), "seconds": round(seconds[kind], 1)}
+                   for kind in args.kinds}
+        write_json(args.out, {"meta": run_metadata(), "results": results, "failures": failures})
+        print(f"round {i + 1}/{args.runs}: " + ", ".join(f"{k} {r['failed_runs']} failed" for k, r in results.items()),
+              flush=True)
     rows = [(k, r["runs"], r["failed_runs"], ", ".join(f"{c}: {n}" for c, n in sorted(r["exit_codes"].items())))
             for k, r in results.items()]
     print(format_table(["job", "runs", "failed", "exit codes (processes)"], rows))
