@@ -16,7 +16,9 @@ Keys: a checkpoint's keys are the Hugging Face model's own (``model.layers.0.sel
 ``prefix``. Non-persistent buffers (rotary ``inv_freq``) are not in a checkpoint: they are recomputed by the
 model's own ``_init_weights``, the hook transformers itself uses for them after a meta-device load. A model adapted
 with PEFT LoRA loads its base weights (``q_proj.base_layer.weight`` from ``q_proj.weight``); the adapters keep their
-initialization.
+initialization. A mixture of experts whose model stacks the experts (``mlp.experts.gate_up_proj``) while its
+checkpoint keeps a tensor per expert (``mlp.experts.3.gate_proj.weight``) is filled by the model's own transformers
+converters read backwards (``hf_conversions.py``): a rank reads only the experts its shard holds.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_par.collectives import full_state_dict, raise_on_every_rank
+from lightning_par.hf_conversions import Piece, shard_view, stored_names
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.lora import is_lora_layer
 from lightning_par.parallel.modules import clean_name
@@ -149,6 +152,25 @@ def _checkpoint_key(key: str, adapted: list[str]) -> str | None:
     return key
 
 
+def _plan_pieces(fqn: str, tensor: Tensor, converted: tuple[list[Piece], list[str], list[str]],
+                 reads: dict[str, Tensor], missing: list[str], mismatched: list[str]) -> None:
+    """Plan the reads of a tensor that the checkpoint stores in pieces (a tensor per expert): only those that fall
+    in this rank's shard, each into its view of the shard."""
+    pieces, lacking, wrong = converted
+    missing.extend(lacking)
+    mismatched.extend(wrong)
+    if lacking or wrong:
+        return
+    for piece in pieces:
+        try:
+            view = shard_view(tensor, piece, fqn)
+        except ValueError as error:
+            mismatched.append(str(error))
+            return
+        if view is not None:
+            reads[piece.key] = view
+
+
 def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | None = None) -> list[str]:
     """Collective (every rank of the default group): load a Hugging Face safetensors checkpoint into ``module``.
 
@@ -181,6 +203,7 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | No
     lora = (clean_name(n) for n, m in module.named_modules() if is_lora_layer(m))
     adapted = [name[len(prefix):] + "." for name in lora if name.startswith(prefix)]
     tied = _tied_sources(hf_model)
+    naming = stored_names(hf_model)  # renamed keys, per-expert checkpoint tensors stacked in the model
     state = get_model_state_dict(module)
     reads: dict[str, Tensor] = {}  # checkpoint key -> this rank's tensor to fill
     copies: list[tuple[Tensor, Tensor]] = []  # tied in the checkpoint, separate tensors here: (copy, source)
@@ -198,9 +221,14 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | No
         if key is None:  # a LoRA adapter's own weight: not in the base checkpoint, keeps its initialization
             outside.append(fqn)
             continue
-        source = key if key in stored else tied.get(key)
+        source = next((name for name in naming.names(key) if name in stored), tied.get(key))
         if source not in stored:
-            missing.append(key)
+            converted = naming.pieces(key, tuple(tensor.shape), stored)
+            if converted is None:
+                missing.append(key)
+            else:
+                planned.add(id(tensor))
+                _plan_pieces(fqn, tensor, converted, reads, missing, mismatched)
             continue
         md = stored[source]
         if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(tensor.shape):

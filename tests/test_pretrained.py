@@ -48,7 +48,8 @@ from lightning_par import (
     consolidate_checkpoint,
     full_state_dict,
 )
-from lightning_par.pretrained import check_hf_checkpoint, find_hf_model, load_hf_weights
+from lightning_par.hf_conversions import shard_view, stored_names
+from lightning_par.pretrained import check_hf_checkpoint, find_hf_model, load_hf_weights, save_hf_pretrained
 
 LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=32)
@@ -57,15 +58,22 @@ QWEN = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_lay
 # big enough for memory to be measurable (about 193 MB of float32 weights), small enough for a test
 BIG_LLAMA = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2048, num_hidden_layers=3, num_attention_heads=8,
                  num_key_value_heads=8, max_position_embeddings=64)
+# mixtures of experts: transformers 5 stacks the experts (mlp.experts.gate_up_proj) while save_pretrained writes a
+# tensor per expert (mlp.experts.3.gate_proj.weight); Mixtral's are also renamed (block_sparse_moe.experts.3.w1)
+QWEN3_MOE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                 max_position_embeddings=32)
+MIXTRAL = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32)
+EXPERTS_KEY = "model.layers.0.mlp.experts.gate_up_proj"
 PROBE = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(7))
 
 
 def build_hf(kind: str, **config) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**config))
-    return Qwen2ForCausalLM(Qwen2Config(**config))
+    names = {"llama": "Llama", "qwen": "Qwen2", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}[kind]
+    return getattr(transformers, f"{names}ForCausalLM")(getattr(transformers, f"{names}Config")(**config))
 
 
 def save_hf(directory: Path, kind: str, max_shard_size: str | None = None, **config) -> Path:
@@ -153,8 +161,10 @@ class MeasureSetup(Callback):
 # ---- what the ranks run --------------------------------------------------------------------------------------------
 
 
-def predict(strategy, devices: int, kind: str, config: dict, callbacks=None, gather: bool = True) -> dict:
-    """Build on the meta device, let the strategy shard and load, return one batch's logits and the full weights."""
+def predict(strategy, devices: int, kind: str, config: dict, callbacks=None, gather: bool = True,
+            save_to: str | None = None) -> dict:
+    """Build on the meta device, let the strategy shard and load, return one batch's logits and the full weights
+    (and write them with ``save_hf_pretrained`` to ``save_to``)."""
     pl.seed_everything(SEED, verbose=False)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
@@ -162,8 +172,24 @@ def predict(strategy, devices: int, kind: str, config: dict, callbacks=None, gat
         module = LitCausalLM(kind, config)
     logits = trainer.predict(module, DataLoader(PROBE, batch_size=len(PROBE)))[0]
     weights = full_state_dict(module) if gather else {}
-    return {"logits": logits, "weights": {k.removeprefix("model."): v for k, v in weights.items()},
-            "inv_freq": module.model.model.rotary_emb.inv_freq.clone()}
+    out = {"logits": logits, "weights": {k.removeprefix("model."): v for k, v in weights.items()},
+           "inv_freq": module.model.model.rotary_emb.inv_freq.clone()}
+    if kind in ("qwen3_moe", "mixtral"):
+        out["experts_read"] = _expert_pieces_read(module.model, strategy.pretrained)
+    if save_to:
+        save_hf_pretrained(module, save_to)
+    return out
+
+
+def _expert_pieces_read(model: nn.Module, directory: str) -> list[str]:
+    """The stored per-expert tensors this rank reads for the first layer's stacked gate/up experts."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    stored = HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
+    tensor = model.get_parameter(EXPERTS_KEY)
+    pieces, missing, mismatched = stored_names(model).pieces(EXPERTS_KEY, tuple(tensor.shape), stored)
+    assert not missing and not mismatched, (missing, mismatched)
+    return [piece.key for piece in pieces if shard_view(tensor, piece, EXPERTS_KEY) is not None]
 
 
 def _hf_errors(dirs: dict[str, str]) -> dict:
@@ -194,6 +220,12 @@ def _world4(dirs: dict[str, str]) -> dict:
         "dp2_x_tp2": predict(NDParallelStrategy(dp_shard=2, tp=2, pretrained=dirs["qwen_sharded"]), 4, "qwen", QWEN),
         "hsdp_tied": predict(FSDP2Strategy(dp_replicate=2, dp_shard=2, pretrained=dirs["qwen_tied"]), 4, "qwen",
                              {**QWEN, "tie_word_embeddings": True}),
+        # a tensor per expert in the checkpoint, the experts stacked and sharded here: a rank reads its own
+        "ep2_efsdp2_qwen3_moe": predict(NDParallelStrategy(dp_shard=4, ep=2, pretrained=dirs["qwen3_moe"]), 4,
+                                        "qwen3_moe", QWEN3_MOE, save_to=dirs["saved_qwen3_moe"]),
+        "ep4_mixtral": predict(NDParallelStrategy(dp_shard=4, ep=4, pretrained=dirs["mixtral_sharded"]), 4,
+                               "mixtral", MIXTRAL),
+        "fsdp2_qwen3_moe": predict(FSDP2Strategy(pretrained=dirs["qwen3_moe"]), 4, "qwen3_moe", QWEN3_MOE),
     }
 
 
@@ -279,6 +311,9 @@ def hf_dirs(tmp_path_factory) -> dict[str, str]:
         "qwen_sharded": save_hf(root / "qwen_sharded", "qwen", max_shard_size="40KB", **QWEN),
         "qwen_tied": save_hf(root / "qwen_tied", "qwen", max_shard_size="40KB", **QWEN, tie_word_embeddings=True),
         "tiny_llama": save_hf(root / "tiny_llama", "llama", **{**LLAMA, "vocab_size": 32}),
+        "qwen3_moe": save_hf(root / "qwen3_moe", "qwen3_moe", **QWEN3_MOE),
+        "mixtral_sharded": save_hf(root / "mixtral_sharded", "mixtral", max_shard_size="40KB", **MIXTRAL),
+        "saved_qwen3_moe": root / "saved_qwen3_moe",
         "empty": root / "empty",
     }
     dirs["empty"].mkdir()
@@ -318,6 +353,9 @@ def test_save_pretrained_wrote_both_forms(hf_dirs):
     ("tp4", "llama_sharded"),  # an index and shards, from here on
     ("dp2_x_tp2", "qwen_sharded"),
     ("hsdp_tied", "qwen_tied"),  # lm_head tied to the embedding: the checkpoint holds only the embedding
+    ("ep2_efsdp2_qwen3_moe", "qwen3_moe"),  # a tensor per expert stored, the experts stacked in the model
+    ("ep4_mixtral", "mixtral_sharded"),  # and renamed (block_sparse_moe.experts.0.w1.weight)
+    ("fsdp2_qwen3_moe", "qwen3_moe"),
 ])
 def test_sharded_load_equals_from_pretrained(world4, hf_dirs, case, directory):
     reference = from_pretrained(Path(hf_dirs[directory]))
@@ -331,6 +369,31 @@ def test_sharded_load_equals_from_pretrained(world4, hf_dirs, case, directory):
     assert all(torch.equal(weights[k], reference_weights[k]) for k in weights)  # a copy: bit for bit
     for result in world4:  # not in the checkpoint: recomputed after meta-device init
         assert torch.equal(result[case]["inv_freq"], reference.model.rotary_emb.inv_freq)
+
+
+@pytest.mark.parametrize("case", ["ep2_efsdp2_qwen3_moe", "ep4_mixtral", "fsdp2_qwen3_moe"])
+def test_each_rank_reads_only_its_experts(world4, case):
+    """4 experts, each on one of the 4 ranks (ep2 x efsdp2, ep4, FSDP2 over dim 0): a rank reads the gate and up
+    tensors of its one expert, and the ranks together read every stored tensor once."""
+    reads = [result[case]["experts_read"] for result in world4]
+    assert all(len(r) == 2 for r in reads), reads
+    names = ("gate_proj", "up_proj") if "qwen" in case else ("w1", "w3")
+    stored = "mlp" if "qwen" in case else "block_sparse_moe"
+    assert sorted(sum(reads, [])) == sorted(f"model.layers.0.{stored}.experts.{e}.{n}.weight"
+                                            for e in range(4) for n in names)
+
+
+def test_save_hf_pretrained_under_expert_parallelism_writes_what_from_pretrained_loads(world4, hf_dirs):
+    """Written from the ep2 x efsdp2 shards as a tensor per expert (transformers' own layout on disk)."""
+    from safetensors import safe_open
+
+    saved = Path(hf_dirs["saved_qwen3_moe"])
+    with safe_open(saved / "model.safetensors", "pt") as f:
+        assert "model.layers.0.mlp.experts.3.down_proj.weight" in f.keys()
+    reloaded = from_pretrained(saved).state_dict()
+    reference = from_pretrained(Path(hf_dirs["qwen3_moe"])).state_dict()
+    assert reloaded.keys() == reference.keys()
+    assert all(torch.equal(reloaded[k], reference[k]) for k in reference)
 
 
 @pytest.mark.parametrize("case, error", [
@@ -464,3 +527,25 @@ def test_resumed_checkpoint_wins_over_pretrained_weights(resumed, hf_dirs):
 ])
 def test_bad_single_files_fail_on_every_rank(resumed, case, error):
     assert_raised_on_every_rank([r["errors"] for r in resumed], case, error)
+
+
+def test_transformers_converters_are_read_backwards():
+    """Guards the transformers API the expert loading reads (``get_model_conversion_mapping``, ``WeightConverter``
+    with ``MergeModulelist``/``Concatenate``): a change there fails here first, in one process."""
+    names = stored_names(build_hf("mixtral", **MIXTRAL))
+    gate_up = next(c for c in names.converters if c.target == ".experts.gate_up_proj")
+    assert (gate_up.sources, gate_up.stack_dim, gate_up.concat_dim) == ((".experts.*.w1.weight",
+                                                                         ".experts.*.w3.weight"), 0, 1)
+    assert names.names("model.layers.1.mlp.gate.weight") == ["model.layers.1.mlp.gate.weight",
+                                                            "model.layers.1.block_sparse_moe.gate.weight"]
+    stored = {f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight": type("Md", (), {"size": (64, 64)})()
+              for e in range(4) for w in ("w1", "w3")}
+    pieces, missing, mismatched = names.pieces("model.layers.1.mlp.experts.gate_up_proj", (4, 128, 64), stored)
+    assert not missing and not mismatched
+    assert [(p.key.split("experts.")[1], p.offsets, p.sizes) for p in pieces[:2] + pieces[4:5]] == [
+        ("0.w1.weight", (0, 0, 0), (1, 64, 64)), ("1.w1.weight", (1, 0, 0), (1, 64, 64)),
+        ("0.w3.weight", (0, 64, 0), (1, 64, 64))]
+    del stored["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    assert names.pieces("model.layers.1.mlp.experts.gate_up_proj", (4, 128, 64), stored)[1] == [
+        "model.layers.1.block_sparse_moe.experts.2.w3.weight"]  # named as missing, as the loader reports it
+    assert stored_names(torch.nn.Linear(2, 2)).converters == ()  # not a transformers model: names as they are
