@@ -73,10 +73,10 @@ class StoredNames:
 
     def pieces(self, key: str, shape: tuple[int, ...], stored: dict[str, Any]
                ) -> tuple[list[Piece], list[str], list[str]] | None:
-        """``pieces_of`` under each of ``key``'s names: the first that the checkpoint holds whole, else the first a
-        converter names (with what it lacks); None when no converter names ``key``."""
+        """``pieces_of`` under the name of ``key`` whose stored pieces the checkpoint lacks fewest of (none: it holds
+        them all); None when no converter names ``key``."""
         found = [r for name in self.names(key) if (r := pieces_of(name, shape, stored, self.converters))]
-        return next((r for r in found if not r[1]), found[0] if found else None)
+        return min(found, key=lambda r: len(r[1])) if found else None
 
 
 def stored_names(hf_model: nn.Module | None) -> StoredNames:
