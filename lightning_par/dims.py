@@ -24,6 +24,7 @@ FLAT_MESHES = {
 #: into ``efsdp x ep`` (ep innermost, so each expert group is ranks next to each other), as torchtitan lays it out.
 #: Experts are split over ``ep`` and FSDP-sharded over ``efsdp`` (and replicated over ``dp_replicate``).
 EXPERT_MESH_DIM_NAMES = ("pp", "dp_replicate", "efsdp", "ep", "tp")
+_EXPERT_DIMS = ("efsdp", "ep")
 
 
 @dataclass
@@ -137,19 +138,26 @@ class ParallelDims:
         return self._describe(self.sizes()) + (f" (ep={self.ep} within dp_shard x cp)" if self.ep > 1 else "")
 
     def mesh_size(self, name: str) -> int:
-        """Size of a base or flattened mesh dimension, from the sizes alone (no mesh needed)."""
+        """Size of a base, flattened or experts' mesh dimension, from the sizes alone (no mesh needed)."""
+        if name in _EXPERT_DIMS:
+            return self.ep if name == "ep" else self.dp_shard * self.cp // self.ep
         return math.prod(getattr(self, d) for d in FLAT_MESHES.get(name, (name,)))
 
     def within_node(self, name: str, ranks_per_node: int) -> bool:
         """Whether each group of mesh dimension ``name`` lies within one node of ``ranks_per_node`` consecutive
         ranks: the mesh is row-major over MESH_DIM_NAMES, so a group spans its own size times the sizes of every
-        dimension inside it."""
+        dimension inside it (the experts' mesh cuts the same ranks: ``efsdp x ep`` spans ``dp_shard x cp``)."""
+        if name in _EXPERT_DIMS:
+            return self.group_stride(name) * self.mesh_size(name) <= ranks_per_node
         outermost = MESH_DIM_NAMES.index(FLAT_MESHES.get(name, (name,))[0])
         return math.prod(getattr(self, d) for d in MESH_DIM_NAMES[outermost:]) <= ranks_per_node
 
     def group_stride(self, name: str) -> int:
         """How many ranks apart the members of a group of mesh dimension ``name`` are: the product of the sizes of
-        every dimension inside it (the mesh is row-major over MESH_DIM_NAMES)."""
+        every dimension inside it (the mesh is row-major over MESH_DIM_NAMES, the experts' over
+        EXPERT_MESH_DIM_NAMES)."""
+        if name in _EXPERT_DIMS:
+            return self.tp * (self.ep if name == "efsdp" else 1)
         innermost = MESH_DIM_NAMES.index(FLAT_MESHES.get(name, (name,))[-1])
         return math.prod(getattr(self, d) for d in MESH_DIM_NAMES[innermost + 1:])
 

@@ -44,11 +44,14 @@ LAYOUTS = {  # world 4, the tiny GPT with 4 blocks: one of each technique and th
     "dp2_x_tp2_ac": dict(dp_shard=2, tp=2, activation_checkpointing=True),
     "dp4_sac": dict(dp_shard=4, activation_checkpointing="selective"),
     "dp2_x_tp2_sp_sac": dict(dp_shard=2, tp=2, sequence_parallel=True, activation_checkpointing="selective"),
+    # the example's mixture of experts: 4 experts split over ep2, FSDP-sharded over the other 2 (efsdp)
+    "dp4_ep2_moe": dict(dp_shard=4, ep=2, model=dict(n_experts=4, moe_top_k=2)),
 }
+MOE = dict(n_experts=4, moe_top_k=2)
 
 
-def gpt(n_layer: int = 4) -> GPTModule:
-    module = GPTModule(**{**TINY_GPT, "n_layer": n_layer})
+def gpt(n_layer: int = 4, **model: object) -> GPTModule:
+    module = GPTModule(**{**TINY_GPT, "n_layer": n_layer, **model})
     module.configure_model()
     return module
 
@@ -90,6 +93,37 @@ def test_strategy_kwargs_carry_every_option_as_the_layout_has_it():
         dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=2, pp_schedule="interleaved_1f1b", pp_microbatches=4,
         pp_stages_per_rank=4, activation_checkpointing="selective", sequence_parallel=True, loss_parallel=True)
     assert NDParallelStrategy(**layout.strategy_kwargs()).activation_checkpointing.mode == "selective"
+
+
+def test_experts_are_profiled_and_priced_under_expert_parallelism():
+    """The profile finds the experts (the ep sizes that fit divide their count) and the rows routed to them; under
+    ep2 FSDP gathers each rank's half of the experts over efsdp, the dispatch adds its all-to-alls, and the state
+    per rank stays as FSDP alone would leave it."""
+    profile = profile_model(gpt(**MOE), batch())
+    assert profile.num_experts == 4
+    expert_bytes = sum(p.numel * p.itemsize for p in profile.params if p.expert and p.section == "model.blocks.0")
+    experts = gpt(**MOE).model.blocks[0].mlp.experts
+    assert expert_bytes == sum(w.numel() * 4 for w in experts.parameters()) > 0  # fp32
+    tokens = GLOBAL_BATCH * 16
+    assert all(profile.sections[b].routed_bytes == tokens * 2 * TINY_GPT["n_embd"] * 4 for b in profile.blocks)
+    plain, split = (account(Layout(dp_shard=4, ep=ep), profile, GLOBAL_BATCH // 4, 16, "32-true") for ep in (1, 2))
+    assert not any(t.kind == "all_to_all" for t in plain.transfers)
+    (a2a,) = [t for t in split.transfers if t.kind == "all_to_all"]
+    assert (a2a.dim, a2a.nbytes, a2a.count) == ("ep", 4 * tokens / 4 * 2 * TINY_GPT["n_embd"] * 4, 4)
+    gathers = {t.dim: t for t in split.transfers if t.kind == "fsdp_all_gather"}
+    assert gathers["efsdp"].nbytes == expert_bytes / 2 and gathers["efsdp"].count == 2 * 4  # fwd + bwd, 4 blocks
+    # the blocks' units (4 blocks x 2 gathers) lose their experts; the root's (2 gathers) stays
+    whole = {t.count: t.nbytes for t in plain.transfers if t.kind == "fsdp_all_gather"}
+    assert {t.count: t.nbytes for t in split.transfers if t.kind == "fsdp_all_gather" and t.dim == "dp_shard_cp"} == {
+        8: whole[8] - expert_bytes, 2: whole[2]}
+    one, two = (predict(Layout(dp_shard=4, ep=ep), profile, CPU, GLOBAL_BATCH // 4, 16) for ep in (1, 2))
+    assert one.model_state == two.model_state and two.buffers < one.buffers
+    plan = plan_layouts(gpt(**MOE), batch(), 4, CPU)
+    assert {p.layout.ep for p in plan.predictions} == {1, 2, 4}
+    assert all(p.layout.dp_shard * p.layout.cp % p.layout.ep == 0 for p in plan.predictions)
+    assert {p.layout.ep for p in plan_layouts(profile, batch(), 4, CPU, restrict={"ep": [1]}).predictions} == {1}
+    assert Layout(dp_shard=4, ep=2).strategy_kwargs()["ep"] == 2 and "ep2" in str(Layout(dp_shard=4, ep=2))
+    assert {p.layout.ep for p in plan_layouts(gpt(), batch(), 4, CPU).predictions} == {1}  # dense: no ep
 
 
 def test_restrict_and_the_reasons_for_what_was_left_out():
@@ -252,8 +286,10 @@ def test_memory_predictions_match_the_real_sharded_tensors(measured, name):
     Checkpointing keeps the generator's state per block, and selective checkpointing matmul outputs in its own
     cache, beside autograd's saved tensors: there the activations are all the step's forward left alive until
     backward."""
-    layout = Layout(**LAYOUTS[name])
-    p = predict(layout, profile_model(gpt(), batch()), CPU, GLOBAL_BATCH // layout.dp, 16)
+    options = dict(LAYOUTS[name])
+    model = options.pop("model", {})
+    layout = Layout(**options)
+    p = predict(layout, profile_model(gpt(**model), batch()), CPU, GLOBAL_BATCH // layout.dp, 16)
     state = max(rank[name]["state"]["total"] for rank in measured)
     kind = "live" if layout.activation_checkpointing and layout.pp == 1 else "activations"
     activations = max(rank[name][kind] for rank in measured)

@@ -62,7 +62,8 @@ def test_zero2_like_fsdp_gathers_once_and_keeps_every_unit_gathered(gpt):
     assert sorted(counts(zero2, gpt, "fsdp_all_gather")) == [("all_gather", 1), ("all_gather", 4)]
     assert sorted(counts(zero3, gpt, "fsdp_all_gather")) == [("all_gather", 2), ("all_gather", 4 * 2)]
     sheets = {layout: account(layout, gpt, GLOBAL_BATCH // 4, SEQ, "32-true") for layout in (zero3, zero2)}
-    units = unit_bytes(sheets[zero2])  # 4 blocks and the root, whole
+    units, experts = unit_bytes(sheets[zero2])  # 4 blocks and the root, whole; no experts
+    assert experts == []
     assert len(units) == 5
     assert sheets[zero3].buffer_bytes == 2 * max(units)
     assert sheets[zero2].buffer_bytes == pytest.approx(sum(units))

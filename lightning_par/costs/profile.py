@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode  # the documented home of the base class (torch 2.13)
 
 from lightning_par.flop_formulas import ATTENTION_OPS, FORMULAS
+from lightning_par.parallel.experts import find_experts, num_experts_of
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.modules import clean_name, find_block_list
 from lightning_par.parallel.recompute import SelectivePolicy
@@ -95,6 +96,9 @@ class Section:
     selective_recompute_flops: float = 0.0
     #: outputs of row-parallel layers: sequence parallelism reduce-scatters them, selective checkpointing keeps that
     reduce_scattered_bytes: int = 0
+    #: the rows its experts modules receive (one per token and routing choice, hidden wide): what expert
+    #: parallelism's all-to-all sends out and back, in forward and again in backward
+    routed_bytes: int = 0
 
     def attention_work(self, seq_len: int) -> float:
         """``attention_flops`` as the kernels do them at sequence length ``seq_len`` (still at the traced tokens): a
@@ -127,6 +131,7 @@ class ParamInfo:
     trainable: bool
     section: str  # the block it belongs to, or "first" / "last" (registered before / after the block list)
     tp_dim: int | None  # the dimension tensor parallelism splits (None: whole on every tp rank)
+    expert: bool = False  # held by an experts module (stacked on dim 0, one row per expert)
 
     @property
     def numel(self) -> int:
@@ -153,6 +158,8 @@ class ModelProfile:
     meta_module: nn.Module = field(repr=False)  # the meta copy: stage plans and tp checks are read from it
     tp_source_plan: dict[str, Any] = field(default_factory=dict)  # the plan as given (globs), validated per tp
     tp_checks: dict[tuple[int, bool], bool] = field(default_factory=dict, repr=False)
+    #: the fewest experts of its experts modules (the ep sizes that fit divide it); 0: no mixture of experts
+    num_experts: int = 0
 
     @property
     def tokens(self) -> int:
@@ -418,6 +425,9 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
                 lambda _m, _a, out, _layout=layout: _set_layout(trace, out, _layout)))
         if style_name in REDUCE_SCATTERING_STYLES:
             hooks.append(sub.register_forward_hook(lambda _m, _a, out: trace.reduce_scattered(out)))
+    experts = find_experts(model)
+    for _, sub in experts:
+        hooks.append(sub.register_forward_pre_hook(lambda _m, args: _count_routed(trace, args)))
     try:
         with ExitStack() as stack, warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -443,16 +453,28 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
     tp_dims = sharded_dims(resolved)
     named = list(model.named_parameters())
     first_block = next((i for i, (n, _) in enumerate(named) if n.startswith(block_fqn + ".")), len(named))
+    expert_prefixes = tuple(name + "." for name, _ in experts)
     return ModelProfile(
         name=type(module).__name__,
         params=[ParamInfo(n, tuple(p.shape), p.element_size(), p.requires_grad,
-                          _section(n, blocks, "first" if i < first_block else "last"), tp_dims.get(clean_name(n)))
+                          _section(n, blocks, "first" if i < first_block else "last"), tp_dims.get(clean_name(n)),
+                          clean_name(n).startswith(expert_prefixes) if expert_prefixes else False)
                 for i, (n, p) in enumerate(named)],
         block_list=block_fqn, blocks=blocks, sections=sections, batch=int(sample.shape[0]),
         seq_len=int(sample.shape[1]) if sample.ndim > 1 else 1,
         hidden_bytes=hidden_bytes // max(1, int(sample.shape[0]) * (int(sample.shape[1]) if sample.ndim > 1 else 1)),
         optimizer_bytes_per_element=_optimizer_bytes(model), tp_plan=resolved, meta_module=model,
-        tp_source_plan=source_plan)
+        tp_source_plan=source_plan, num_experts=min((num_experts_of(m, n) for n, m in experts), default=0))
+
+
+def _count_routed(trace: _Trace, args: tuple) -> None:
+    """The rows an experts module receives: ``x`` grouped by expert (torchtitan's contract) or the tokens with
+    their ``top_k_index`` (transformers': each token goes to k experts)."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return
+    x = args[0]
+    choices = args[1].shape[-1] if len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].ndim == 2 else 1
+    trace.sections.setdefault(trace.section, Section()).routed_bytes += x.numel() * x.element_size() * choices
 
 
 

@@ -75,6 +75,7 @@ class Layout:
     #: False: FSDP keeps each unit gathered from its forward through its backward (ZeRO-2-like: no all-gather in
     #: backward; every unit's whole parameters in memory at the peak)
     reshard_after_forward: bool = True
+    ep: int = 1  # expert parallelism, within dp_shard x cp
 
     @property
     def world_size(self) -> int:
@@ -85,10 +86,12 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     def dims(self) -> ParallelDims:
-        return ParallelDims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp)
+        return ParallelDims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.ep)
 
     def strategy_kwargs(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
+        if self.ep > 1:
+            out["ep"] = self.ep
         if self.pp > 1:
             out.update(pp_schedule=self.pp_schedule, pp_microbatches=self.pp_microbatches)
             if self.pp_stages_per_rank is not None:
@@ -102,6 +105,8 @@ class Layout:
 
     def __str__(self) -> str:
         sizes = " x ".join(f"{n}{getattr(self, n)}" for n in MESH_DIM_NAMES if getattr(self, n) > 1) or "1 rank"
+        if self.ep > 1:
+            sizes += f" (ep{self.ep})"
         extras = []
         if self.pp > 1:
             stages = f" v{self.pp_stages_per_rank}" if self.pp_stages_per_rank is not None else ""
@@ -378,7 +383,7 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0) -> float
 
 def _cached_link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float]:
     """``_link``, remembered across layouts (the same few mesh shapes recur in thousands of them)."""
-    return _link_of_sizes(dim, (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp), hw)
+    return _link_of_sizes(dim, (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp, dims.ep), hw)
 
 
 @lru_cache(maxsize=4096)
@@ -406,7 +411,7 @@ def _transfer_time(t: Transfer, n: int, bandwidth: float, latency: float) -> flo
         return 0.0
     if t.collective == "all_reduce":
         one = 2 * (n - 1) / n * t.nbytes / bandwidth + 2 * (n - 1) * latency
-    elif t.collective in ("all_gather", "reduce_scatter"):
+    elif t.collective in ("all_gather", "reduce_scatter", "all_to_all"):  # (n - 1) / n of the bytes leave
         one = (n - 1) / n * t.nbytes / bandwidth + (n - 1) * latency
     else:  # one point-to-point message
         one = t.nbytes / bandwidth + latency

@@ -215,9 +215,10 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
                       ) -> tuple[list[Layout], dict[str, int]]:
     """The layouts the engine would accept; ``skipped`` counts the candidates left out, by reason."""
     allowed = {k: set(v) for k, v in restrict.items()}
-    unknown = set(allowed) - set(SIZES)
+    unknown = set(allowed) - {*SIZES, "ep"}
     if unknown:
-        raise ValueError(f"restrict={dict(restrict)!r}: {sorted(unknown)} are not layout dimensions; use {SIZES}.")
+        raise ValueError(f"restrict={dict(restrict)!r}: {sorted(unknown)} are not layout dimensions; use "
+                         f"{(*SIZES, 'ep')}.")
     skipped: dict[str, int] = {}
 
     def skip(reason: str) -> None:
@@ -253,10 +254,11 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
             sp_choices = [False]
         sharded = dims["dp_shard"] * dims["cp"] > 1
         reshard_choices = reshard_after_forward if sharded else (True,)
-        for sp, ac, reshard in product(sp_choices, checkpointing, reshard_choices):
+        eps = _expert_splits(profile, dims["dp_shard"] * dims["cp"], allowed.get("ep"))
+        for sp, ac, reshard, ep in product(sp_choices, checkpointing, reshard_choices, eps):
             lp = sp and "vocab_parallel_head" in {s for s in profile.tp_plan.values() if isinstance(s, str)}
             base = Layout(**dims, activation_checkpointing=ac, sequence_parallel=sp, loss_parallel=lp,
-                          reshard_after_forward=reshard)
+                          reshard_after_forward=reshard, ep=ep)
             if dims["pp"] == 1:
                 out.append(base)
                 continue
@@ -273,6 +275,15 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
                         continue
                     out.append(replace(base, pp_schedule=schedule, pp_microbatches=m, pp_stages_per_rank=v))
     return out, skipped
+
+
+def _expert_splits(profile: ModelProfile, borrowed: int, allowed: set[int] | None) -> list[int]:
+    """The ep sizes to weigh: 1, and with experts every size that divides both the data/context ranks it borrows
+    (``dp_shard x cp``) and the expert count."""
+    if not profile.num_experts:
+        return [1]
+    return [ep for ep in range(1, borrowed + 1) if borrowed % ep == 0 and profile.num_experts % ep == 0
+            and (allowed is None or ep in allowed)] or [1]
 
 
 def _stages_per_rank(schedule: str, blocks: int, pp: int) -> tuple[int | None, ...]:

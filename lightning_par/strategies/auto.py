@@ -19,7 +19,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par._compat import train_dataloader_of
 from lightning_par.checks import check_bool, check_checkpointing
-from lightning_par.dims import ParallelDims
 from lightning_par.planner.predict import Layout
 from lightning_par.planner.search import CHECKPOINTING, SIZES, Plan, plan_layouts
 from lightning_par.strategies.nd import NDParallelStrategy
@@ -90,8 +89,7 @@ class AutoParallelStrategy(NDParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         self.plan = self._plan(trainer)
         layout = self._agree(self.plan.require_fit().layout)
-        self.dims = ParallelDims(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.pp).resolve(
-            self.num_nodes * self.num_processes)
+        self.dims = layout.dims().resolve(self.num_nodes * self.num_processes)
         self.techniques = build_recipe(**{**self._options, **_recipe_options(layout)})
         (self.pipeline_parallel, self.tensor_parallel, self.context_parallel, self.expert_parallel,
          self.activation_checkpointing, self.compile, self.fully_sharded) = self.techniques
@@ -159,7 +157,7 @@ _RECIPE_OPTIONS = ("pp_stages_per_rank", "pp_split_points", "pp_loss_method", "t
 def _recipe_options(layout: Layout) -> dict[str, Any]:
     """The layout's technique options: what ``NDParallelStrategy(**layout.strategy_kwargs())`` gets, less the sizes
     (one translation of a layout into options, for users and for this strategy alike)."""
-    return {k: v for k, v in layout.strategy_kwargs().items() if k not in SIZES}
+    return {k: v for k, v in layout.strategy_kwargs().items() if k not in (*SIZES, "ep")}
 
 
 def _matmul_shapes(profile: Any) -> list[tuple[int, int, int]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_par.checks import check_str_list
-from lightning_par.costs.sheet import CostSheet
+from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.experts import apply_expert_parallel, hf_ep_plan, num_experts_of
 from lightning_par.parallel.modules import fqn_matches, match_modules
@@ -62,8 +62,24 @@ class ExpertParallel(Technique):
         return f"expert parallel (ep={dims.ep}, experts FSDP-sharded over {dims.dp_shard * dims.cp // dims.ep})"
 
     def account(self, sheet: CostSheet) -> None:
-        """Not priced yet: the planner plans layouts without ``ep`` (see the planner's documentation)."""
-
+        """The dispatch's all-to-alls: per layer with experts, the routed rows (one per token and choice) out to
+        their experts and back, in forward and again in backward (and in the recomputed forward under activation
+        checkpointing), each leaving ``(ep - 1) / ep`` of its bytes to other ranks with the router's load even.
+        Memory is unchanged (the experts are sharded over ``efsdp x ep``, as many ranks as FSDP would use); what
+        ep saves, FSDP's account prices: each rank gathers only its own experts, over ``efsdp``. Not priced: the
+        all-to-all of the counts and its host sync (latency, per layer), and an uneven load."""
+        dims = sheet.dims
+        if dims.ep == 1 or not sheet.profile.num_experts:
+            return
+        sections = max(sheet.rank_sections, key=len) if sheet.rank_sections else sheet.profile.sections
+        routed = sum(sheet.profile.sections[s].routed_bytes for s in sections)
+        if not routed:
+            return
+        passes = 4 + (2 if sheet.checkpointing != "none" else 0)  # out and back, forward and backward (+ recompute)
+        # tensor parallelism leaves the experts whole: every tp rank routes the micro-batch's tokens (its cp chunk)
+        nbytes = routed * sheet.token_scale * sheet.activation_scale / dims.cp
+        sheet.transfers.append(Transfer("all_to_all", "ep", "all_to_all", nbytes, passes * sheet.microbatches,
+                                        False))
 
 
 def _matches_some_module(root: nn.Module, pattern: str) -> bool:

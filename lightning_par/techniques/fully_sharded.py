@@ -91,7 +91,7 @@ class FullySharded(Technique):
             return
         sheet.shard = dims.dp_shard * dims.cp
         sheet.offload = self.cpu_offload
-        units = unit_bytes(sheet)
+        units, expert_units = unit_bytes(sheet)
         m = sheet.microbatches
         gathered = [n * sheet.gather_scale for n in units]  # bf16-mixed all-gathers bf16 copies
         if dims.pp > 1:
@@ -100,18 +100,21 @@ class FullySharded(Technique):
             gathers, scatters = m * (2 if self.reshard_after_forward else 1), m
         # units of one size (the blocks) are one Transfer with their counts summed: the same time, and planning
         # thousands of layouts of a 126-block model does not build a message per block
-        equal_units = Counter(units).items()
-        if sheet.shard > 1:
-            for nbytes, k in equal_units:
-                wire = nbytes * sheet.gather_scale
-                sheet.transfers.append(Transfer("fsdp_all_gather", "dp_shard_cp", "all_gather", wire, gathers * k,
-                                                True))
-                sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_shard_cp", "reduce_scatter", nbytes,
-                                                scatters * k, True))
-        if dims.dp_replicate > 1:
-            for nbytes, k in equal_units:
-                sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_replicate", "all_reduce",
-                                                nbytes / sheet.shard, scatters * k, True))
+        # under ep each experts module is a unit of its own, of this rank's experts, sharded over efsdp
+        for group, group_units in (("dp_shard_cp", units), ("efsdp", expert_units)):
+            equal_units = Counter(group_units).items()
+            if dims.mesh_size(group) > 1:
+                for nbytes, k in equal_units:
+                    wire = nbytes * sheet.gather_scale
+                    sheet.transfers.append(Transfer("fsdp_all_gather", group, "all_gather", wire, gathers * k,
+                                                    True))
+                    sheet.transfers.append(Transfer("fsdp_reduce_scatter", group, "reduce_scatter", nbytes,
+                                                    scatters * k, True))
+            if dims.dp_replicate > 1:
+                for nbytes, k in equal_units:
+                    sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_replicate", "all_reduce",
+                                                    nbytes / dims.mesh_size(group), scatters * k, True))
+        gathered += [n * sheet.gather_scale for n in expert_units]
         if self.reshard_after_forward:
             sheet.buffer_bytes += 2 * max(gathered, default=0.0)
         else:  # each unit stays whole from its forward to its backward: all of them at the peak
@@ -130,23 +133,30 @@ def shard_experts(target: Target, dims: ParallelDims, *, reshard_after_forward: 
                    cpu_offload=cpu_offload)
 
 
-def unit_bytes(sheet: CostSheet) -> list[float]:
+def unit_bytes(sheet: CostSheet) -> tuple[list[float], list[float]]:
     """Bytes of each FSDP unit on the busiest pipeline rank, whole (before sharding), after tensor parallelism:
-    every block it runs, and the root (what it runs outside the blocks)."""
+    every block it runs, and the root (what it runs outside the blocks); and under expert parallelism, apart, each
+    block's experts on this rank (``1 / ep`` of them, a unit of their own)."""
     sizes = section_bytes(sheet.profile)
-    per_section = {s: sizes[s][0] / sheet.tp + sizes[s][1] for s in max(sheet.rank_sections, key=len) if s in sizes}
+    ep = sheet.dims.ep if sheet.profile.num_experts else 1
+    experts = {s: sizes[s][2] for s in max(sheet.rank_sections, key=len) if s in sizes} if ep > 1 else {}
+    per_section = {s: sizes[s][0] / sheet.tp + sizes[s][1] - experts.get(s, 0.0)
+                   for s in max(sheet.rank_sections, key=len) if s in sizes}
     root = per_section.pop("first", 0.0) + per_section.pop("last", 0.0)
-    return [*per_section.values(), *([root] if root else [])]
+    return [*per_section.values(), *([root] if root else [])], [n / ep for n in experts.values() if n]
 
 
-def section_bytes(profile: Any) -> dict[str, tuple[float, float]]:
-    """Per section of the profile: (bytes tensor parallelism splits, bytes it leaves whole), computed once."""
+def section_bytes(profile: Any) -> dict[str, tuple[float, float, float]]:
+    """Per section of the profile: (bytes tensor parallelism splits, bytes it leaves whole, of the latter the
+    experts'), computed once."""
     cache = profile.__dict__.setdefault("_section_bytes", {})
     if not cache:
         for p in profile.params:
-            split, whole = cache.get(p.section, (0.0, 0.0))
+            split, whole, experts = cache.get(p.section, (0.0, 0.0, 0.0))
             nbytes = p.numel * p.itemsize
-            cache[p.section] = (split + nbytes, whole) if p.tp_dim is not None else (split, whole + nbytes)
+            experts += nbytes if p.expert else 0.0
+            cache[p.section] = (split + nbytes, whole, experts) if p.tp_dim is not None else (split, whole + nbytes,
+                                                                                           experts)
     return cache
 
 
