@@ -46,4 +46,10 @@ def auto_then_by_hand(tmp: str) -> dict[str, Any]:
     chosen = auto.plan.best.layout
     out["chosen"] = str(chosen)
     out["by_hand"] = fit(NDParallelStrategy(**chosen.strategy_kwargs()), **run)
+    # a mixture of experts, told to use expert parallelism: the layout carries ep to the engine
+    moe = dict(devices=2, dp_size=2, max_steps=4, n_layer=2, n_experts=4, moe_top_k=2)
+    auto = AutoParallelStrategy(restrict={"ep": [2]})
+    out["moe_auto"] = fit(auto, **moe)
+    out["moe_chosen"] = auto.plan.best.layout
+    out["moe_by_hand"] = fit(NDParallelStrategy(**auto.plan.best.layout.strategy_kwargs()), **moe)
     return out

@@ -304,6 +304,10 @@ def test_auto_parallel_trains_its_choice_in_parity_with_the_same_layout_by_hand(
     assert auto["losses"] == by_hand["losses"]
     assert all(torch.equal(auto["weights"][k], by_hand["weights"][k]) for k in by_hand["weights"])
     assert results[0]["chosen"] == results[1]["chosen"]  # every rank built the same mesh
+    moe, moe_by_hand = results[0]["moe_auto"], results[0]["moe_by_hand"]
+    assert results[0]["moe_chosen"].ep == 2 and results[0]["moe_chosen"].strategy_kwargs()["ep"] == 2
+    assert moe["losses"] == moe_by_hand["losses"]
+    assert all(torch.equal(moe["weights"][k], moe_by_hand["weights"][k]) for k in moe_by_hand["weights"])
     assert (tmp_path / "plan" / "plan.png").stat().st_size > 10_000
 
 

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from lightning_par.devices import Hardware
 
 SIZES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+#: what ``restrict`` may name: the sizes, and expert parallelism (within dp_shard x cp)
+RESTRICTABLE = (*SIZES, "ep")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "zbv")
 #: schedules whose stages per rank the planner chooses (the others fix it)
 INTERLEAVED = ("interleaved_1f1b", "interleaved_zb")
@@ -215,10 +217,10 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
                       ) -> tuple[list[Layout], dict[str, int]]:
     """The layouts the engine would accept; ``skipped`` counts the candidates left out, by reason."""
     allowed = {k: set(v) for k, v in restrict.items()}
-    unknown = set(allowed) - {*SIZES, "ep"}
+    unknown = set(allowed) - set(RESTRICTABLE)
     if unknown:
         raise ValueError(f"restrict={dict(restrict)!r}: {sorted(unknown)} are not layout dimensions; use "
-                         f"{(*SIZES, 'ep')}.")
+                         f"{RESTRICTABLE}.")
     skipped: dict[str, int] = {}
 
     def skip(reason: str) -> None:
@@ -255,6 +257,9 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
         sharded = dims["dp_shard"] * dims["cp"] > 1
         reshard_choices = reshard_after_forward if sharded else (True,)
         eps = _expert_splits(profile, dims["dp_shard"] * dims["cp"], allowed.get("ep"))
+        if not eps:
+            skip("restricted")
+            continue
         for sp, ac, reshard, ep in product(sp_choices, checkpointing, reshard_choices, eps):
             lp = sp and "vocab_parallel_head" in {s for s in profile.tp_plan.values() if isinstance(s, str)}
             base = Layout(**dims, activation_checkpointing=ac, sequence_parallel=sp, loss_parallel=lp,
@@ -280,10 +285,9 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
 def _expert_splits(profile: ModelProfile, borrowed: int, allowed: set[int] | None) -> list[int]:
     """The ep sizes to weigh: 1, and with experts every size that divides both the data/context ranks it borrows
     (``dp_shard x cp``) and the expert count."""
-    if not profile.num_experts:
-        return [1]
-    return [ep for ep in range(1, borrowed + 1) if borrowed % ep == 0 and profile.num_experts % ep == 0
-            and (allowed is None or ep in allowed)] or [1]
+    fits = range(1, borrowed + 1) if profile.num_experts else (1,)
+    return [ep for ep in fits if borrowed % ep == 0 and profile.num_experts % max(ep, 1) == 0
+            and (allowed is None or ep in allowed)]
 
 
 def _stages_per_rank(schedule: str, blocks: int, pp: int) -> tuple[int | None, ...]:

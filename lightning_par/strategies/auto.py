@@ -20,11 +20,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_par._compat import train_dataloader_of
 from lightning_par.checks import check_bool, check_checkpointing
 from lightning_par.planner.predict import Layout
-from lightning_par.planner.search import CHECKPOINTING, SIZES, Plan, plan_layouts
+from lightning_par.planner.search import CHECKPOINTING, RESTRICTABLE, Plan, plan_layouts
 from lightning_par.strategies.nd import NDParallelStrategy
 from lightning_par.techniques import build_recipe
 
-_OWN = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "pp_schedule", "pp_microbatches", "loss_parallel",
+_OWN = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "pp_schedule", "pp_microbatches", "loss_parallel",
         "cpu_offload")
 
 
@@ -55,10 +55,10 @@ class AutoParallelStrategy(NDParallelStrategy):
                              f"restrict={{'tp': [1, 2]}} (or use NDParallelStrategy to set the layout by hand).")
         self.memory_budget = _parse_bytes(memory_budget)
         self.restrict = {k: [int(x) for x in v] for k, v in (restrict or {}).items()}
-        unknown = set(self.restrict) - set(SIZES)
+        unknown = set(self.restrict) - set(RESTRICTABLE)
         if unknown:
             raise ValueError(f"restrict={dict(restrict or {})!r}: {sorted(unknown)} are not layout dimensions; use "
-                             f"{SIZES}.")
+                             f"{RESTRICTABLE}.")
         if activation_checkpointing is not None:
             check_checkpointing("activation_checkpointing", activation_checkpointing)
         self.force_checkpointing = activation_checkpointing
@@ -157,7 +157,7 @@ _RECIPE_OPTIONS = ("pp_stages_per_rank", "pp_split_points", "pp_loss_method", "t
 def _recipe_options(layout: Layout) -> dict[str, Any]:
     """The layout's technique options: what ``NDParallelStrategy(**layout.strategy_kwargs())`` gets, less the sizes
     (one translation of a layout into options, for users and for this strategy alike)."""
-    return {k: v for k, v in layout.strategy_kwargs().items() if k not in (*SIZES, "ep")}
+    return {k: v for k, v in layout.strategy_kwargs().items() if k not in RESTRICTABLE}
 
 
 def _matmul_shapes(profile: Any) -> list[tuple[int, int, int]]:
