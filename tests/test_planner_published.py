@@ -25,7 +25,7 @@ from hf_models import HFCausalLM
 from example_projects.gpt.lit import GPTModule
 from lightning_par.devices import GiB, known_hardware
 from lightning_par.planner.predict import RESERVE, Prediction
-from lightning_par.planner.search import CHECKPOINTING, SIZES, Plan, plan_layouts
+from lightning_par.planner.search import CHECKPOINTING, RESTRICTABLE, Plan, plan_layouts
 
 _VOCAB = dict(vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False, max_position_embeddings=8192)
 #: Llama 3.1 sizes: the models' config.json on the Hugging Face hub (meta-llama/Llama-3.1-{8B,70B,405B}), which
@@ -56,7 +56,7 @@ class PublishedCase:
     name: str
     source: str  # where the figure is printed
     config: str  # the run's exact configuration, as the source states it
-    model: dict[str, Any]  # LlamaConfig fields (arch "llama"), GPTModule's arguments (arch "gpt")
+    model: dict[str, Any]  # config fields of tests/hf_models' ``arch`` (default "llama"), GPTModule's (arch "gpt")
     world: int
     global_batch: int  # sequences per optimizer step
     seq_len: int
@@ -172,6 +172,46 @@ CASES += [megatron_case(*row) for row in (
 
 
 
+#: NeMo AutoModel's published mixtures of experts (docs.nvidia.com/nemo/automodel, "Performance Summary",
+#: pre-training, DGX-H100, BF16; read 2026-11): the Hugging Face configs' sizes (Qwen/Qwen3-30B-A3B,
+#: deepseek-ai/DeepSeek-V3), built from transformers' config classes on the meta device
+QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
+                     num_experts_per_tok=8, vocab_size=151936, max_position_embeddings=40960,
+                     tie_word_embeddings=False)
+DEEPSEEK_V3 = dict(hidden_size=7168, intermediate_size=18432, num_hidden_layers=61, num_attention_heads=128,
+                   num_key_value_heads=128, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+                   num_experts_per_tok=8, first_k_dense_replace=3, n_group=8, topk_group=4, q_lora_rank=1536,
+                   kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, head_dim=64,
+                   vocab_size=129280, max_position_embeddings=4096, tie_word_embeddings=False)
+_NEMO_AUTOMODEL = "NeMo AutoModel, docs 'Performance Summary', pre-training table, System: DGX-H100, BF16"
+_DEEPEP = ("NeMo runs the dispatch with DeepEP, which overlaps the all-to-alls with the experts' compute; "
+           "lightning_par's dispatch is synchronous, so the planner prices its all-to-alls exposed")
+CASES += [
+    PublishedCase(
+        "NeMo AutoModel Qwen3-30B-A3B, 8 H100, EP 8 x FSDP 8",
+        _NEMO_AUTOMODEL + ", row 'Qwen3 MoE 30B'",
+        "Qwen3-30B-A3B, seq 4096, GBS 512 = 8 GPUs x LBS 4 x GA 16 (planned as one accumulation step: 32 "
+        "sequences), EP 8, FSDP 8, TE + DeepEP; 21.773 s per global step, 277 model TFLOP/s, 12,040 tokens/s per GPU",
+        QWEN3_30B_A3B, world=8, global_batch=32, seq_len=4096, published_tokens_per_s=12040,
+        layout={"dp_shard": 8, "ep": 8}, inter_link="ib-ndr400", arch="qwen3_moe",
+        known_gaps={"rank": f"{_DEEPEP}: it ranks plain FSDP (its gathers hidden behind compute, 12,160 tokens/s) "
+                            f"and context- or pipeline-split layouts with ep 2 above ep 8 (10,585 tokens/s, 0.88 of "
+                            f"the published figure)"}),
+    PublishedCase(
+        "NeMo AutoModel DeepSeek-V3 671B, 256 H100, PP 4 x EP 64 x FSDP 64",
+        _NEMO_AUTOMODEL + ", row 'DeepSeek V3 671B' (256 GPUs)",
+        "DeepSeek-V3 671B, seq 4096, GBS 512, MBS 1, LBS 8, GA 1, PP 4 x VP 8, EP 64, FSDP 64, TE + DeepEP; 8.18 s "
+        "per global step, 250 model TFLOP/s, 1,002 tokens/s per GPU",
+        DEEPSEEK_V3, world=256, global_batch=512, seq_len=4096, published_tokens_per_s=1002,
+        layout={"dp_shard": 64, "ep": 64, "pp": 4}, inter_link="ib-ndr400", arch="deepseek_v3",
+        known_gaps={
+            "rank": f"{_DEEPEP}; across 8 nodes (ep 64) they cost 4.5 s of an 8 s step here, and the planner ranks "
+                    f"32 pipeline stages x cp 8 without ep first",
+            "throughput": f"{_DEEPEP}: 618 tokens/s predicted for the published layout, 0.62 of the published "
+                          f"figure"}),
+]
+
 def build(case: PublishedCase) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """The model on the meta device (nothing allocated) and one global batch of token ids."""
     with torch.device("meta"):
@@ -185,11 +225,11 @@ def build(case: PublishedCase) -> tuple[torch.nn.Module, tuple[torch.Tensor, tor
 
 
 def sizes(prediction: Prediction) -> tuple[int, ...]:
-    return tuple(getattr(prediction.layout, k) for k in SIZES)
+    return tuple(getattr(prediction.layout, k) for k in RESTRICTABLE)
 
 
 def published_sizes(case: PublishedCase) -> tuple[int, ...]:
-    return tuple(case.layout.get(k, 1) for k in SIZES)
+    return tuple(case.layout.get(k, 1) for k in RESTRICTABLE)
 
 
 def plan(case: PublishedCase) -> Plan:

@@ -71,8 +71,9 @@ class ExpertParallel(Technique):
         dims = sheet.dims
         if dims.ep == 1 or not sheet.profile.num_experts:
             return
-        sections = max(sheet.rank_sections, key=len) if sheet.rank_sections else sheet.profile.sections
-        routed = sum(sheet.profile.sections[s].routed_bytes for s in sections)
+        ranks = sheet.rank_sections or [list(sheet.profile.sections)]
+        # the pipeline rank routing the most (dense first layers route nothing: not the rank with most sections)
+        routed = max(sum(sheet.profile.sections[s].routed_bytes for s in set(sections)) for sections in ranks)
         if not routed:
             return
         passes = 4 + (2 if sheet.checkpointing != "none" else 0)  # out and back, forward and backward (+ recompute)
