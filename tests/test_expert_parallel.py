@@ -8,13 +8,15 @@ the job's later runs still train.
 
 from __future__ import annotations
 
+import re
 from functools import cache
 
 import pytest
 import torch
 from hf_models import HFCausalLM
 from launch import launch
-from workers import assert_parity, error_of, fit, fit_reference
+from lightning.pytorch.callbacks import Callback
+from workers import TINY_GPT, assert_parity, error_of, fit, fit_reference
 
 from lightning_par import ExpertBiasBalancer, NDParallelStrategy
 from lightning_par.callbacks import ExpertLoadMonitor
@@ -36,6 +38,21 @@ WORLD4 = {  # name -> (strategy options, model options); the pipeline layouts wi
     "pp2_ep2_1f1b_balanced": (dict(dp_shard=2, pp=2, ep=2, pp_microbatches=2), MOE4),
     "pp2_tp2_zbv_balanced": (dict(dp_shard=1, pp=2, tp=2, pp_schedule="zbv", pp_microbatches=2), MOE4),
 }
+
+
+class LoRAExpertsLM(HFCausalLM):
+    """PEFT LoRA on attention and on the experts' stacked parameters (``target_parameters``); only adapters train."""
+
+    def __init__(self, arch: str = "qwen3_moe", **overrides: object) -> None:
+        super().__init__(arch, **overrides)
+        from peft import LoraConfig, get_peft_model
+
+        self.model = get_peft_model(self.model, LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=3e-3, eps=1e-6)
 
 
 def _monitored(log_dir: str) -> tuple[ExpertLoadMonitor, dict]:
@@ -60,6 +77,10 @@ def _world2(ckpt_dir: str) -> dict:
     out["ep2_balanced_accumulated_checkpointed"] = fit(
         NDParallelStrategy(ep=2, activation_checkpointing=True), 2, 2, accumulate_grad_batches=2,
         callbacks=[ExpertBiasBalancer(RATE)], **MOE)
+    # LoRA on the experts' own parameters (PEFT's target_parameters): under FSDP2; refused under ep
+    out["lora_experts_fsdp2"] = fit(NDParallelStrategy(), 2, 2, module_cls=LoRAExpertsLM, arch="qwen3_moe")
+    out["lora_experts_ep2"] = error_of(lambda: fit(NDParallelStrategy(ep=2), 2, 2, module_cls=LoRAExpertsLM,
+                                                   arch="qwen3_moe", max_steps=1))
     for arch in ("qwen3_moe", "deepseek_v3"):  # experts whole on every tp rank: HF's expert tp styles left out
         out[f"{arch}_tp2"] = fit(NDParallelStrategy(dp_shard=1, tp=2), 2, 1, module_cls=HFCausalLM, arch=arch)
     for arch in HF_MOE:
@@ -69,12 +90,26 @@ def _world2(ckpt_dir: str) -> dict:
     return out
 
 
+class ReshardsAfterForward(Callback):
+    """Which FSDP units free their gathered parameters after forward (read from FSDP's own state: a test of the
+    layout, through torch's private attributes, so it fails loudly if they change)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.units = {name: m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+                      for name, m in pl_module.named_modules()
+                      if name and isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None}
+
+
 def _world4() -> dict:
     out = {}
     for name, (options, model) in WORLD4.items():
-        callbacks = [ExpertBiasBalancer(RATE)] if name.endswith("balanced") else None
+        check = ReshardsAfterForward()
+        callbacks = [ExpertBiasBalancer(RATE)] if name.endswith("balanced") else [check]
         out[name] = fit(NDParallelStrategy(**options), 4, options.get("dp_replicate", 1) * options["dp_shard"],
                         callbacks=callbacks, **model)
+        out[name]["reshards"] = getattr(check, "units", None)
     # parallel folding: attention under tp, experts under ep
     out["mixtral_tp2_ep2"] = fit(NDParallelStrategy(dp_shard=2, tp=2, ep=2), 4, 2, module_cls=HFCausalLM,
                                  arch="mixtral")
@@ -157,6 +192,14 @@ def test_hugging_face_experts_under_tensor_parallelism(request, name, arch, worl
     assert_parity(request.getfixturevalue(world)[name], hf_reference(arch))
 
 
+def test_lora_on_the_experts_parameters_trains_under_fsdp2_and_is_refused_under_ep(world2):
+    reference = fit_reference(module_cls=LoRAExpertsLM, arch="qwen3_moe")
+    assert_parity(world2["lora_experts_fsdp2"], reference)
+    assert "lora_A" in " ".join(k for k in reference["weights"] if "experts" in k)  # adapters on the experts
+    assert re.search(r"ValueError: ep=2: .*carries LoRA adapters on the experts' parameters .*Train them with ep=1",
+                     world2["lora_experts_ep2"])
+
+
 def test_checkpoint_from_ep2_resumes_without_expert_parallelism(world2, reference):
     assert_parity(world2["resumed_at_ep1"], reference, steps=5)
 
@@ -173,6 +216,16 @@ def test_expert_parallel_world4_in_parity(world4, reference, reference_shared_si
     rank updates its own layers' biases from the global batch's counts (not the shape-inference forward's)."""
     expected = {"balanced": reference_balanced, "cp2_tp2_ep2": reference_shared_sigmoid}
     assert_parity(world4[name], expected.get(name.rsplit("_", 1)[-1], expected.get(name, reference)))
+
+
+def test_experts_units_reshard_after_forward_as_the_blocks_do(world4):
+    """Each experts module is an FSDP unit of its own over efsdp: it frees its gathered experts after forward like
+    every block but the last (which backward needs at once); it used to keep them gathered (ZeRO-2-like)."""
+    units = world4["ep2_efsdp2"]["reshards"]
+    experts = {k: v for k, v in units.items() if k.endswith("mlp.experts")}
+    assert len(experts) == TINY_GPT["n_layer"] and all(experts.values()), units
+    blocks = sorted(k for k in units if k.startswith("model.blocks.") and k.count(".") == 2)
+    assert [units[b] for b in blocks] == [True] * (len(blocks) - 1) + [False], units
 
 
 def test_bias_balancer_under_gradient_accumulation_and_checkpointing(world2):

@@ -21,6 +21,7 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
+    keep_last_gathered: bool = True,
 ) -> UnusedParameterGuard:
     """``fully_shard`` each unit (given in model order), then the root, which takes every parameter no unit holds.
     ``root=None`` shards the units only, each its own FSDP root (pipeline stages, whose root module is never
@@ -29,7 +30,8 @@ def apply_fsdp(
     ``mesh`` is 1-D for FSDP and 2-D ``(replicate, shard)`` for HSDP. ``reshard_after_forward=False`` keeps the
     gathered parameters between forward and backward (ZeRO-2-like: less communication, more memory). The last unit
     never reshards after forward: backward needs its parameters at once, so freeing them would only add an
-    all-gather (torchtitan does the same).
+    all-gather (torchtitan does the same); ``keep_last_gathered=False`` where the units are not the model's last
+    (each experts module, sharded apart in the middle of its block).
 
     Returns the guard of parameters a rank's forward may leave out (``parallel/unused_parameters.py``): call its
     ``before_backward``/``after_backward`` around each backward when ``root`` is given.
@@ -45,7 +47,7 @@ def apply_fsdp(
         fully_shard(
             units[i],
             mesh=mesh,
-            reshard_after_forward=reshard_after_forward and i < len(units) - 1,
+            reshard_after_forward=reshard_after_forward and (i < len(units) - 1 or not keep_last_gathered),
             mp_policy=mp_policy,
             offload_policy=offload_policy,
         )

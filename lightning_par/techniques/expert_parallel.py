@@ -44,6 +44,12 @@ class ExpertParallel(Technique):
                               ["model.blocks.*.mlp.experts"])
         everywhere = match_modules(target.whole, plan, "ep_plan")  # the whole model: every rank checks the same
         for fqn, module in everywhere:
+            if type(module).__name__ == "ParamWrapper":  # PEFT's LoRA on parameters (``target_parameters``)
+                raise ValueError(
+                    f"ep={dims.ep}: `{fqn}` carries LoRA adapters on the experts' parameters (PEFT's "
+                    f"`target_parameters`), whose adapters stack every expert's rank together; they are not split "
+                    f"by expert parallelism yet. Train them with ep=1 (FSDP2 shards the experts and their "
+                    f"adapters), or keep LoRA off the experts (`target_modules` on attention) under ep.")
             experts = num_experts_of(module, fqn)
             if experts % dims.ep:
                 raise ValueError(

@@ -130,7 +130,7 @@ def shard_experts(target: Target, dims: ParallelDims, *, reshard_after_forward: 
         module = target.module.get_submodule(fqn)
         apply_fsdp(None, dims.expert_fsdp_mesh(), [module], reshard_after_forward=reshard_after_forward,
                    param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None,
-                   cpu_offload=cpu_offload)
+                   cpu_offload=cpu_offload, keep_last_gathered=False)
 
 
 def unit_bytes(sheet: CostSheet) -> tuple[list[float], list[float]]:
