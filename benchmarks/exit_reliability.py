@@ -15,6 +15,7 @@ Prints the exit codes per kind and writes benchmarks/results/exit_reliability.js
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -70,13 +71,23 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--kinds", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/exit_reliability.json"))
+    parser.add_argument("--resume", action="store_true",
+                        help="go on from the runs --out already holds (a measurement stopped to free the cores)")
     args = parser.parse_args()
     codes = {kind: Counter() for kind in args.kinds}
     seconds = dict.fromkeys(args.kinds, 0.0)
     failures: dict[str, list] = {}
+    done, results = 0, {}
+    if args.resume and Path(args.out).is_file():
+        earlier = json.loads(Path(args.out).read_text())
+        done = min(earlier["results"][kind]["runs"] for kind in args.kinds)
+        for kind in args.kinds:
+            codes[kind].update({int(c): n for c, n in earlier["results"][kind]["exit_codes"].items()})
+            seconds[kind] = earlier["results"][kind]["seconds"]
+        failures = earlier["failures"]
     # kinds take turns, and the JSON is rewritten after every round: a long measurement stopped early still
     # reports the same number of runs for each kind
-    for i in range(args.runs):
+    for i in range(done, args.runs):
         for kind in args.kinds:
             started = time.perf_counter()
             exits, stderr = run_once(kind, port=29500 + (i * len(args.kinds) + args.kinds.index(kind)) % 200)
