@@ -83,7 +83,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     (no values exist to be wrong; gathering a weight per row would save rows x in x out)."""
     if x.is_meta:
         return x @ w[0]
-    if hasattr(F, "grouped_mm") and (x.shape[-1] * x.element_size()) % 16 == 0 and x.shape[0] > 0:
+    # torch.compile traces the grouped matmul with its meta kernel, which takes only bf16 (torch 2.13): other dtypes
+    # take the loop there
+    traceable = x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
+    if hasattr(F, "grouped_mm") and (x.shape[-1] * x.element_size()) % 16 == 0 and x.shape[0] > 0 and traceable:
         return F.grouped_mm(x, w, offs=offsets)
     starts = [0, *offsets.tolist()]
     return torch.cat([x[starts[e]:starts[e + 1]] @ w[e] for e in range(w.shape[0])]) if w.shape[0] else x

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_par._compat import all_to_all_single_autograd, in_backward, in_pipeline_metadata_inference
 from lightning_par.parallel.hf import outermost_hf_models
@@ -247,4 +247,4 @@ def _group_by_expert(by_source: torch.Tensor, total: int) -> torch.Tensor:
 
 def local_experts(weight: Any) -> torch.Tensor:
     """This rank's experts of a weight: the local shard of an expert-parallel DTensor, the tensor itself otherwise."""
-    return weight.to_local() if hasattr(weight, "to_local") else weight
+    return weight.to_local() if isinstance(weight, DTensor) else weight  # (isinstance: what torch.compile traces)
