@@ -39,7 +39,8 @@ class GPTModule(pl.LightningModule):
                  n_embd: int = 128, dropout: float = 0.0, lr: float = 1e-3, weight_decay: float = 0.1,
                  warmup_steps: int = 20, max_steps: int = 1000, adam_eps: float = 1e-8,
                  vocab_multiple: int = 1, n_experts: int = 0, moe_top_k: int = 2, moe_hidden: int = 0,
-                 moe_router: str = "softmax", moe_shared_expert: bool = False) -> None:
+                 moe_router: str = "softmax", moe_shared_expert: bool = False, moe_aux_loss_coef: float = 0.0,
+                 moe_aux_loss: str = "global", moe_z_loss_coef: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
         for name, value in (("n_experts", n_experts), ("moe_hidden", moe_hidden)):
@@ -64,7 +65,8 @@ class GPTModule(pl.LightningModule):
         if self.model is None:
             hp = self.hparams
             config = GPTConfig(self.padded_vocab_size, hp.block_size, hp.n_layer, hp.n_head, hp.n_embd, hp.dropout,
-                               hp.n_experts, hp.moe_top_k, hp.moe_hidden, hp.moe_router, hp.moe_shared_expert)
+                               hp.n_experts, hp.moe_top_k, hp.moe_hidden, hp.moe_router, hp.moe_shared_expert,
+                               hp.moe_aux_loss_coef, hp.moe_aux_loss, hp.moe_z_loss_coef)
             self.model = GPT(config)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -73,10 +75,38 @@ class GPTModule(pl.LightningModule):
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
+    def on_fit_start(self) -> None:
+        """The routers' auxiliary losses count tokens over the global micro-batch: they need the ranks that hold its
+        other parts (lightning_par's data/context-parallel groups)."""
+        routers = self._routers_with_losses()
+        if not routers:
+            return
+        dims = getattr(self.trainer.strategy, "dims", None)
+        if dims is not None and dims.pp > 1:
+            raise ValueError("moe_aux_loss_coef / moe_z_loss_coef under pipeline parallelism (pp="
+                             f"{dims.pp}) are not supported by the example yet: set them to 0 there, or balance "
+                             "the experts with lightning_par.ExpertBiasBalancer (auxiliary-loss-free), which is.")
+        groups = {}
+        if dims is not None and dims.has_mesh:
+            for scope, mesh in (("global", "dp_cp"), ("sequence", "cp")):
+                if dims.mesh_size(mesh) > 1:
+                    groups[scope] = dims.mesh(mesh).get_group()
+        for router in routers:
+            router.count_groups = groups
+            router.loss_scale = 1.0 / self.trainer.accumulate_grad_batches
+
+    def _routers_with_losses(self) -> list[torch.nn.Module]:
+        return [m for m in self.modules() if hasattr(m, "last_losses") and (m.aux_loss_coef or m.z_loss_coef)]
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = self.loss(self(x), y)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        routers = self._routers_with_losses()
+        for name in ("aux_loss", "z_loss"):  # the layers' mean; averaged over the ranks, one process's value
+            values = [r.last_losses[name] for r in routers if name in r.last_losses]
+            if values:
+                self.log(f"train/moe_{name}", torch.stack(values).mean(), sync_dist=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

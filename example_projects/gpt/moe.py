@@ -14,9 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_par import local_experts
+from lightning_par import attach_auxiliary_loss, local_experts
 
 ROUTER_SCORES = ("softmax", "sigmoid")
+#: the load-balancing loss counts the tokens per expert over the whole global micro-batch (Switch Transformer,
+#: Megatron's "global" aux loss), or per sequence (DeepSeek-V3's complementary sequence-wise loss)
+AUX_LOSS_SCOPES = ("global", "sequence")
 
 
 class Router(nn.Module):
@@ -24,10 +27,28 @@ class Router(nn.Module):
     or a sigmoid per expert whose top-k weights are then normalized to sum to one (DeepSeek-V3).
 
     ``expert_bias`` is added to the scores to choose the experts, not to weight them (DeepSeek-V3's auxiliary-loss-free
-    balancing): zeros unless a balancer moves it (``lightning_par.ExpertBiasBalancer``)."""
+    balancing): zeros unless a balancer moves it (``lightning_par.ExpertBiasBalancer``).
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, score: str) -> None:
+    In training, two optional losses train the router (attached to the layer's output by
+    ``lightning_par.attach_auxiliary_loss``, so they need no path to the training step): the load-balancing loss
+    ``aux_loss_coef * E * sum_i f_i P_i`` (``f_i`` the share of routed rows expert ``i`` got, ``P_i`` its mean
+    normalized score), counted over the global micro-batch or per sequence (``aux_loss``), and the router z-loss
+    ``z_loss_coef * mean(logsumexp(logits)^2)`` (ST-MoE). The token counts are all-reduced over ``count_groups``
+    (the data/context-parallel ranks for the global loss, the context-parallel ranks for the per-sequence one; set by
+    the LightningModule), so every layout trains the router as one process does."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, score: str, aux_loss_coef: float = 0.0,
+                 aux_loss: str = "global", z_loss_coef: float = 0.0) -> None:
         super().__init__()
+        if aux_loss not in AUX_LOSS_SCOPES:
+            raise ValueError(f"moe_aux_loss={aux_loss!r}: choose one of {AUX_LOSS_SCOPES}.")
+        for name, value in (("moe_aux_loss_coef", aux_loss_coef), ("moe_z_loss_coef", z_loss_coef)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a number >= 0 (0 turns the loss off).")
+        self.aux_loss_coef, self.aux_loss, self.z_loss_coef = float(aux_loss_coef), aux_loss, float(z_loss_coef)
+        self.count_groups: dict[str, object] = {}  # "global" / "sequence" -> process group (None: one process)
+        self.loss_scale = 1.0  # 1 / gradient accumulation, as the training loss is scaled
+        self.last_losses: dict[str, torch.Tensor] = {}
         if score not in ROUTER_SCORES:
             raise ValueError(f"moe_router={score!r} is not a router score; choose one of {ROUTER_SCORES}.")
         if not 1 <= top_k <= num_experts:
@@ -40,15 +61,52 @@ class Router(nn.Module):
     def reset_parameters(self) -> None:  # the buffer, when the model is materialized from the meta device
         self.expert_bias.zero_()
 
-    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, dim) -> weights and expert indices, both (tokens, top_k)."""
+    def forward(self, tokens: torch.Tensor, sequences: int = 1
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(tokens, dim), ``sequences`` of equal length -> weights and expert indices, both (tokens, top_k), and
+        the auxiliary losses to train (None: none)."""
         logits = self.gate(tokens).float()
         scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
         experts = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if self.score == "sigmoid":
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(tokens.dtype), experts
+        losses = self._losses(logits, scores, experts, sequences) if self.training else None
+        return weights.to(tokens.dtype), experts, losses
+
+    def _losses(self, logits: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor, sequences: int
+                ) -> torch.Tensor | None:
+        total, self.last_losses = None, {}
+        if self.z_loss_coef:
+            self.last_losses["z_loss"] = torch.logsumexp(logits, dim=-1).square().mean()
+            total = self.z_loss_coef * self.last_losses["z_loss"]
+        if self.aux_loss_coef:
+            self.last_losses["aux_loss"] = self._balance_loss(scores, experts, sequences)
+            aux = self.aux_loss_coef * self.last_losses["aux_loss"]
+            total = aux if total is None else total + aux
+        self.last_losses = {k: v.detach() for k, v in self.last_losses.items()}
+        return total
+
+    def _balance_loss(self, scores: torch.Tensor, experts: torch.Tensor, sequences: int) -> torch.Tensor:
+        """``E * sum_i f_i P_i``. The counts (no gradient) are summed over the ranks holding the rest of the global
+        micro-batch (or of each sequence); ``P_i`` stays this rank's mean: the ranks' gradients, averaged by data
+        parallelism, then add up to one process's."""
+        num_experts = scores.shape[-1]
+        probs = scores / scores.sum(dim=-1, keepdim=True)  # sigmoid scores normalized per token (softmax: as is)
+        chosen = torch.zeros_like(probs).scatter_(-1, experts, 1.0)  # (tokens, E): 1 where a token chose e
+        per = "global" if self.aux_loss == "global" else "sequence"
+        if per == "global":
+            counts, probs_mean, rows = chosen.sum(0), probs.mean(0), chosen.new_tensor(float(chosen.shape[0]))
+        else:
+            counts = chosen.view(sequences, -1, num_experts).sum(1)  # (sequences, E)
+            probs_mean = probs.view(sequences, -1, num_experts).mean(1)
+            rows = chosen.new_tensor(float(chosen.shape[0] // sequences))
+        group = self.count_groups.get(per)
+        if group is not None:
+            for t in (counts, rows):
+                torch.distributed.all_reduce(t, group=group)
+        shares = counts / (rows * self.top_k)
+        return num_experts * (shares * probs_mean).sum(-1).mean()
 
 
 class GroupedExperts(nn.Module):
@@ -97,10 +155,11 @@ class MoE(nn.Module):
     outputs by the router's weights, and add the shared expert's output when there is one."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, hidden: int, score: str = "softmax",
-                 shared_expert: bool = False) -> None:
+                 shared_expert: bool = False, aux_loss_coef: float = 0.0, aux_loss: str = "global",
+                 z_loss_coef: float = 0.0) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.router = Router(dim, num_experts, top_k, score)
+        self.router = Router(dim, num_experts, top_k, score, aux_loss_coef, aux_loss, z_loss_coef)
         self.experts = GroupedExperts(num_experts, dim, hidden)
         self.shared = nn.Sequential(nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, dim)) if shared_expert \
             else None
@@ -108,7 +167,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        weights, experts = self.router(tokens)
+        weights, experts, losses = self.router(tokens, sequences=shape[0] if x.dim() == 3 else 1)
         choices = experts.flatten()  # (tokens * top_k,), token-major
         order = choices.argsort(stable=True)  # the choices grouped by expert
         counts = torch.histc(choices.float(), bins=self.num_experts, min=0, max=self.num_experts - 1).long()
@@ -117,4 +176,6 @@ class MoE(nn.Module):
         y = torch.zeros_like(tokens).index_add(0, token_of, out)
         if self.shared is not None:
             y = y + self.shared(tokens)
+        if losses is not None:
+            y = attach_auxiliary_loss(y, losses, self.router.loss_scale)
         return y.view(shape)

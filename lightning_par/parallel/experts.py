@@ -248,3 +248,26 @@ def _group_by_expert(by_source: torch.Tensor, total: int) -> torch.Tensor:
 def local_experts(weight: Any) -> torch.Tensor:
     """This rank's experts of a weight: the local shard of an expert-parallel DTensor, the tensor itself otherwise."""
     return weight.to_local() if isinstance(weight, DTensor) else weight  # (isinstance: what torch.compile traces)
+
+
+class _AttachedLoss(torch.autograd.Function):
+    """Identity on ``output``; in backward, ``loss`` gets the gradient ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.save_for_backward(loss)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None
+
+
+def attach_auxiliary_loss(output: torch.Tensor, loss: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``output`` unchanged, with ``loss`` (a scalar computed from the layer's router) trained by the backward that
+    reaches ``output``: its gradient is ``scale`` (``1 / accumulate_grad_batches``, as Lightning scales the training
+    loss). The auxiliary loss never has to reach the training step's return value, so it works in any layer of any
+    layout (Megatron's ``MoEAuxLossAutoScaler`` does the same)."""
+    return _AttachedLoss.apply(output, loss, scale)
