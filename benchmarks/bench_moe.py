@@ -426,12 +426,8 @@ def run_hand_gpt(cfg: dict[str, Any], rank: int, world: int, ep: int, n_timed: i
     opt_cfg = module.configure_optimizers()
     optimizer, scheduler = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
     expert_params = [p for inner in experts for p in inner.parameters()]
-    times, losses, recorder = [], [], None
-    for step, (x, y) in enumerate(token_loader(cfg, n_timed + 1, rank, world, sampler=True)):
-        if step == n_timed:
-            recorder = collective_recorder()
-            recorder.__enter__()
-        start = time.perf_counter()
+
+    def train_step(x: Any, y: Any) -> Any:
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         logged = loss.detach().clone()
@@ -443,13 +439,28 @@ def run_hand_gpt(cfg: dict[str, Any], rank: int, world: int, ep: int, n_timed: i
             p.grad.div_(ep)
         optimizer.step()
         scheduler.step()
+        return loss
+
+    return {**timed_loop(cfg, rank, world, n_timed, yield_turn, train_step),
+            "expert_state": expert_state(module.named_parameters(), optimizer)}
+
+
+def timed_loop(cfg: dict[str, Any], rank: int, world: int, n_timed: int, yield_turn: Callable[[], None] | None,
+               train_step: Callable[[Any, Any], Any]) -> dict[str, Any]:
+    """``n_timed`` timed steps of a plain loop (taking turns with the other variants), then one more whose
+    collectives are recorded."""
+    times, losses, recorder = [], [], collective_recorder()
+    for step, (x, y) in enumerate(token_loader(cfg, n_timed + 1, rank, world, sampler=True)):
+        if step == n_timed:
+            recorder.__enter__()
+        start = time.perf_counter()
+        loss = train_step(x, y)
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
-        if step < n_timed:
+        if step < n_timed and yield_turn is not None:
             yield_turn()
     recorder.__exit__(None, None, None)
-    return {"step_times_s": times[:n_timed], "losses": losses, "comm": recorder.summary(cfg["n_embd"] * 4),
-            "expert_state": expert_state(module.named_parameters(), optimizer)}
+    return {"step_times_s": times[:n_timed], "losses": losses, "comm": recorder.summary(cfg["n_embd"] * 4)}
 
 
 def build_transformers_ep(cfg: dict[str, Any], world: int, ep: int) -> tuple[Any, Any]:
@@ -473,22 +484,15 @@ def run_transformers(cfg: dict[str, Any], rank: int, world: int, ep: int, n_time
     import torch.nn.functional as F
 
     model, optimizer = build_transformers_ep(cfg, world, ep)
-    times, losses, recorder = [], [], None
-    for step, (x, y) in enumerate(token_loader(cfg, n_timed + 1, rank, world, sampler=True)):
-        if step == n_timed:
-            recorder = collective_recorder()
-            recorder.__enter__()
-        start = time.perf_counter()
+
+    def train_step(x: Any, y: Any) -> Any:
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(input_ids=x).logits.float().flatten(0, 1), y.flatten())
         loss.backward()
         optimizer.step()
-        times.append(time.perf_counter() - start)
-        losses.append(float(loss))
-        if step < n_timed and yield_turn is not None:
-            yield_turn()
-    recorder.__exit__(None, None, None)
-    return {"step_times_s": times[:n_timed], "losses": losses, "comm": recorder.summary(cfg["n_embd"] * 4),
+        return loss
+
+    return {**timed_loop(cfg, rank, world, n_timed, yield_turn, train_step),
             "expert_state": expert_state(model.named_parameters(), optimizer)}
 
 

@@ -16,7 +16,7 @@ import torch
 # wrapper, and FSDP2's state-dict handling knows this one's ``_checkpoint_wrapped_module`` prefix
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-__all__ = ["all_to_all_single_autograd", "checkpoint_wrapper", "in_backward", "live_process_groups",
+__all__ = ["all_to_all_single_autograd", "checkpoint_wrapper", "in_backward", "live_process_groups", "local_chunk",
            "move_graph_to_device", "pipeline_stage_class", "set_device_mesh", "torch_dispatch_mode",
            "train_dataloader_of", "without_function_modes"]
 
@@ -141,3 +141,11 @@ def live_process_groups() -> list[Any]:
     from torch.distributed import distributed_c10d
 
     return list(distributed_c10d._world.pg_names)
+
+
+def local_chunk(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where this rank's part of a DTensor sits in the global tensor: (offsets, sizes), as
+    torch.distributed.checkpoint plans its reads. torch 2.11-2.13: ``DTensor.__create_chunk_list__``, the dunder of
+    DCP's protocol (one chunk per rank); there is no public accessor."""
+    (chunk,) = tensor.__create_chunk_list__()
+    return tuple(chunk.offsets), tuple(chunk.sizes)

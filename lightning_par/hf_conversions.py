@@ -19,6 +19,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_par._compat import local_chunk
+
 __all__ = ["Converter", "Piece", "StoredNames", "pieces_of", "shard_view", "stored_names"]
 
 _MERGE, _CONCAT = "MergeModulelist", "Concatenate"
@@ -164,8 +166,7 @@ def _local_region(tensor: Tensor) -> tuple[Tensor, tuple[int, ...], tuple[int, .
     """This rank's part of ``tensor``: the local tensor, its offsets and its sizes in the global tensor (a DTensor's
     chunk, as torch.distributed.checkpoint plans it)."""
     if isinstance(tensor, DTensor):
-        (chunk,) = tensor.__create_chunk_list__()
-        return tensor.to_local(), tuple(chunk.offsets), tuple(chunk.sizes)
+        return tensor.to_local(), *local_chunk(tensor)
     return tensor, (0,) * tensor.dim(), tuple(tensor.shape)
 
 

@@ -124,6 +124,19 @@ def test_all_to_all_single_autograd_on_one_rank(tmp_path):
         dist.destroy_process_group()
 
 
+def test_local_chunk_of_a_dtensor_on_one_rank(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        whole = distribute_tensor(torch.zeros(4, 3), init_device_mesh("cpu", (1,)), [Shard(0)])
+        assert _compat.local_chunk(whole) == ((0, 0), (4, 3))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_in_backward_is_true_only_inside_a_backward():
     seen = []
 

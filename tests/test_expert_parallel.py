@@ -187,6 +187,12 @@ def test_auxiliary_losses_attach_their_gradient_as_if_added_to_the_loss():
     (moe(x).square().sum() + 0.5 * (0.5 * balance + 0.1 * z)).backward()
     assert torch.allclose(moe.router.gate.weight.grad, attached, atol=1e-6)
     assert not torch.allclose(attached, moe.router.gate.weight.grad * 0)  # the losses did reach the router
+    from lightning_par import attach_auxiliary_loss
+
+    with pytest.raises(ValueError, match="loss must be a scalar tensor"):
+        attach_auxiliary_loss(x, torch.ones(2))
+    with pytest.raises(ValueError, match=r"scale=0 must be a positive number"):
+        attach_auxiliary_loss(x, torch.ones(()), 0)
 
 
 @pytest.mark.parametrize("name, model, accumulate", [

@@ -270,4 +270,10 @@ def attach_auxiliary_loss(output: torch.Tensor, loss: torch.Tensor, scale: float
     reaches ``output``: its gradient is ``scale`` (``1 / accumulate_grad_batches``, as Lightning scales the training
     loss). The auxiliary loss never has to reach the training step's return value, so it works in any layer of any
     layout (Megatron's ``MoEAuxLossAutoScaler`` does the same)."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(f"attach_auxiliary_loss: loss must be a scalar tensor (the layer's summed auxiliary losses), "
+                         f"got {type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}; reduce it first.")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
+        raise ValueError(f"attach_auxiliary_loss: scale={scale!r} must be a positive number (1 / "
+                         f"accumulate_grad_batches, as Lightning scales the training loss).")
     return _AttachedLoss.apply(output, loss, scale)
