@@ -6,7 +6,7 @@ from lightning_par.dims import ParallelDims
 from lightning_par.expert_balance import ExpertBiasBalancer
 from lightning_par.lightning_checkpoints import to_lightning_checkpoint
 from lightning_par.parallel.context_routing import context_positions
-from lightning_par.parallel.experts import attach_auxiliary_loss, local_experts
+from lightning_par.parallel.experts import attach_auxiliary_loss, auxiliary_loss_scale, local_experts
 from lightning_par.planner.search import plan_layouts
 from lightning_par.pretrained import load_hf_weights, save_hf_pretrained
 from lightning_par.strategies.auto import AutoParallelStrategy
@@ -35,6 +35,7 @@ __all__ = [
     "PipelineParallelStrategy",
     "TensorParallelStrategy",
     "attach_auxiliary_loss",
+    "auxiliary_loss_scale",
     "consolidate_checkpoint",
     "context_positions",
     "full_state_dict",

@@ -28,6 +28,8 @@ SHARED_SIGMOID = dict(n_experts=4, moe_top_k=2, moe_shared_expert=True, moe_rout
 MOE4 = dict(n_experts=4, moe_top_k=2, n_layer=4)  # 4 blocks: 2 stages per rank for the V schedule
 AUX = dict(moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01)  # large enough to move the routers within 10 steps
 SEQUENCE_AUX = dict(moe_aux_loss_coef=0.1, moe_aux_loss="sequence")
+SEQUENCE_AUX_Z = dict(**SEQUENCE_AUX, moe_z_loss_coef=0.01)
+CAPACITY = dict(moe_capacity_factor=1.0)  # drops ~10 % of the tiny model's choices
 RATE = 1e-2  # the balancer's bias step: large enough to change routing within the 10 steps
 #: transformers' mixtures of experts, unchanged: ep from their config's base_model_ep_plan
 HF_MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
@@ -37,7 +39,8 @@ WORLD4 = {  # name -> (strategy options, model options); the pipeline layouts wi
     "hsdp_ep2": (dict(dp_replicate=2, dp_shard=2, ep=2), MOE),
     "tp2_ep2_loss_parallel": (dict(dp_shard=2, tp=2, ep=2, loss_parallel=True), MOE),
     "cp2_tp2_ep2": (dict(dp_shard=1, cp=2, tp=2, ep=2), SHARED_SIGMOID),
-    "pp2_ep2_1f1b_balanced": (dict(dp_shard=2, pp=2, ep=2, pp_microbatches=2), MOE4),
+    # and the example's auxiliary losses, counted per pipeline micro-batch over the data-parallel ranks
+    "pp2_ep2_1f1b_balanced_aux": (dict(dp_shard=2, pp=2, ep=2, pp_microbatches=2), dict(**MOE4, **AUX)),
     "pp2_tp2_zbv_balanced": (dict(dp_shard=1, pp=2, tp=2, pp_schedule="zbv", pp_microbatches=2), MOE4),
 }
 
@@ -80,12 +83,21 @@ def _world2(ckpt_dir: str) -> dict:
         NDParallelStrategy(ep=2, activation_checkpointing=True), 2, 2, accumulate_grad_batches=2,
         callbacks=[ExpertBiasBalancer(RATE)], **MOE)
     # the example router's auxiliary losses: token counts over the global micro-batch (or each sequence)
-    out["ep2_aux_z"] = fit(NDParallelStrategy(ep=2), 2, 2, **AUX, **MOE)
+    out["ep2_aux_z_checkpointed"] = fit(NDParallelStrategy(ep=2, activation_checkpointing=True), 2, 2, **AUX, **MOE)
     out["cp2_sequence_aux"] = fit(NDParallelStrategy(dp_shard=1, cp=2), 2, 1, **SEQUENCE_AUX, **MOE)
     out["dp2_sequence_aux_accumulated"] = fit(NDParallelStrategy(), 2, 2, accumulate_grad_batches=2,
                                               **SEQUENCE_AUX, **MOE)
-    out["aux_under_pp"] = error_of(lambda: fit(NDParallelStrategy(dp_shard=1, pp=2, pp_microbatches=2), 2, 1,
-                                               max_steps=1, **AUX, **MOE4))
+    # under pipelines: attached in every stage, scaled per pipeline micro-batch; ZBV's split backward too
+    out["pp2_1f1b_aux_z"] = fit(NDParallelStrategy(dp_shard=1, pp=2, pp_microbatches=2), 2, 1, **AUX, **MOE4)
+    out["pp2_zbv_sequence_aux_z_capacity"] = fit(
+        NDParallelStrategy(dp_shard=1, pp=2, pp_schedule="zbv", pp_microbatches=2), 2, 1, **SEQUENCE_AUX_Z,
+        **CAPACITY, **MOE4)
+    # a capacity factor: each expert's room counted per sequence, the rest dropped (and logged)
+    metrics = LastMetrics()
+    out["ep2_capacity"] = fit(NDParallelStrategy(ep=2), 2, 2, callbacks=[metrics], **CAPACITY, **MOE)
+    out["ep2_capacity"]["metrics"] = metrics.metrics
+    out["capacity_under_cp"] = error_of(lambda: fit(NDParallelStrategy(dp_shard=1, cp=2), 2, 1, max_steps=1,
+                                                    **CAPACITY, **MOE))
     # each block compiled: the dispatch's host sync breaks the graph, fp32 experts take the loop there
     out["ep2_compiled"] = fit(NDParallelStrategy(ep=2, compile=True), 2, 2, **MOE)
     # LoRA on the experts' own parameters (PEFT's target_parameters): under FSDP2; refused under ep
@@ -99,6 +111,13 @@ def _world2(ckpt_dir: str) -> dict:
         out[arch] = fit(NDParallelStrategy(ep=2), 2, 2, module_cls=HFCausalLM, arch=arch, callbacks=[hf_monitor])
         out[arch]["expert_load"] = (hf_monitor.all_layers, hf_monitor.last_shares)
     return out
+
+
+class LastMetrics(Callback):
+    """The metrics logged in the last training step."""
+
+    def on_train_end(self, trainer, pl_module):
+        self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
 class ReshardsAfterForward(Callback):
@@ -117,7 +136,7 @@ def _world4() -> dict:
     out = {}
     for name, (options, model) in WORLD4.items():
         check = ReshardsAfterForward()
-        callbacks = [ExpertBiasBalancer(RATE)] if name.endswith("balanced") else [check]
+        callbacks = [ExpertBiasBalancer(RATE)] if "balanced" in name else [check]
         out[name] = fit(NDParallelStrategy(**options), 4, options.get("dp_replicate", 1) * options["dp_shard"],
                         callbacks=callbacks, **model)
         out[name]["reshards"] = getattr(check, "units", None)
@@ -148,6 +167,12 @@ def reference_shared_sigmoid():
 @pytest.fixture(scope="module")
 def reference_balanced():
     return fit_reference(callbacks=[ExpertBiasBalancer(RATE)], **MOE4)
+
+
+@pytest.fixture(scope="module")
+def reference_balanced_aux():
+    """The global auxiliary loss counts each pipeline micro-batch: one process accumulating the two micro-batches."""
+    return fit_reference(callbacks=[ExpertBiasBalancer(RATE)], micro_batches=2, **MOE4, **AUX)
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +221,7 @@ def test_auxiliary_losses_attach_their_gradient_as_if_added_to_the_loss():
 
 
 @pytest.mark.parametrize("name, model, accumulate", [
-    ("ep2_aux_z", AUX, 1),  # counts all-reduced over the data-parallel ranks
+    ("ep2_aux_z_checkpointed", AUX, 1),  # counts all-reduced over the data-parallel ranks, again in recompute
     ("cp2_sequence_aux", SEQUENCE_AUX, 1),  # each sequence split over cp: its counts all-reduced over cp
     ("dp2_sequence_aux_accumulated", SEQUENCE_AUX, 2),
 ])
@@ -207,9 +232,64 @@ def test_router_auxiliary_losses_in_parity(world2, name, model, accumulate):
     assert max_weight_diff(reference["weights"], plain["weights"]) > 1e-4  # the losses changed the training
 
 
-def test_auxiliary_losses_are_refused_under_pipelines_with_the_alternative(world2):
-    assert "not supported by the example yet" in world2["aux_under_pp"]
-    assert "ExpertBiasBalancer" in world2["aux_under_pp"]
+def test_router_auxiliary_losses_under_pipelines_in_parity(world2):
+    """Each stage's routers attach their losses, scaled by 1 / micro-batches as the schedule scales the training loss.
+    The global load-balancing loss counts each pipeline micro-batch (Megatron's choice): one process accumulating
+    the same micro-batches, not one process on the whole batch (which differs by >1e-3), is its reference. The
+    per-sequence loss and the z-loss do not depend on the micro-batching: one process on the whole batch."""
+    micro_batched = fit_reference(micro_batches=2, **AUX, **MOE4)
+    assert_parity(world2["pp2_1f1b_aux_z"], micro_batched)
+    assert max_weight_diff(fit_reference(**AUX, **MOE4)["weights"], micro_batched["weights"]) > 1e-3
+    assert_parity(world2["pp2_zbv_sequence_aux_z_capacity"], fit_reference(**SEQUENCE_AUX_Z, **CAPACITY, **MOE4))
+
+
+def test_capacity_factor_drops_the_same_tokens_in_every_layout(world2):
+    """Capacities count each sequence's choices, so ep2 (and ZBV above) drop what one process drops; the share
+    dropped is logged as one process logs it; cp, which splits sequences, is refused on every rank."""
+    metrics = LastMetrics()
+    reference = fit_reference(callbacks=[metrics], **CAPACITY, **MOE)
+    assert_parity(world2["ep2_capacity"], reference)
+    dropped = world2["ep2_capacity"]["metrics"]["train/moe_dropped"]
+    assert 0.01 < dropped < 0.5 and abs(dropped - metrics.metrics["train/moe_dropped"]) < 1e-6
+    assert max_weight_diff(reference["weights"], fit_reference(**MOE)["weights"]) > 1e-3  # dropping changed it
+    assert "moe_capacity_factor=1.0 with cp=2" in world2["capacity_under_cp"]
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_keeps_each_experts_heaviest_or_earliest_choices_per_sequence(policy):
+    """Against a plain loop over sequences and experts."""
+    import math
+
+    from example_projects.gpt.moe import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(16, 4, 2, 32, capacity_factor=0.75, drop_policy=policy).train()
+    sequences, length, k = 3, 10, 2
+    choices = torch.stack([torch.randperm(4)[:k] for _ in range(sequences * length)]).flatten()
+    gates = torch.rand(sequences * length * k)
+    keep = moe._within_capacity(choices, gates, sequences)
+    capacity = math.ceil(0.75 * length * k / 4)
+    expected = torch.zeros_like(keep)
+    for seq in range(sequences):
+        span = range(seq * length * k, (seq + 1) * length * k)
+        for e in range(4):
+            mine = [i for i in span if choices[i] == e]
+            if policy == "probs":
+                mine = sorted(mine, key=lambda i: -gates[i])
+            expected[mine[:capacity]] = True
+    assert torch.equal(keep, expected) and not keep.all()
+    big = MoE(16, 4, 2, 32, capacity_factor=100.0)
+    big.load_state_dict(moe.state_dict())
+    dropless = MoE(16, 4, 2, 32)
+    dropless.load_state_dict(moe.state_dict())
+    x = torch.randn(2, 8, 16)
+    assert torch.equal(big(x), dropless(x)) and float(big.last_dropped) == 0.0
+    for bad, message in ((0.0, "moe_capacity_factor=0.0 must be a number > 0"),
+                         ("x", "moe_capacity_factor='x' must be a number > 0")):
+        with pytest.raises(ValueError, match=message):
+            MoE(16, 4, 2, 32, capacity_factor=bad)
+    with pytest.raises(ValueError, match=r"moe_token_drop_policy='tail': choose one of \('probs', 'position'\)"):
+        MoE(16, 4, 2, 32, capacity_factor=1.0, drop_policy="tail")
 
 
 def test_expert_parallel_with_compiled_blocks_in_parity(world2, reference):
@@ -273,11 +353,13 @@ def test_bad_expert_layouts_are_refused_on_every_rank(world2):
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
-def test_expert_parallel_world4_in_parity(world4, reference, reference_shared_sigmoid, reference_balanced, name):
+def test_expert_parallel_world4_in_parity(world4, reference, reference_shared_sigmoid, reference_balanced,
+                                          reference_balanced_aux, name):
     """Also the router biases the balancer moved (in the weights), under 1F1B x ep2 and ZBV x tp2: each pipeline
     rank updates its own layers' biases from the global batch's counts (not the shape-inference forward's)."""
-    expected = {"balanced": reference_balanced, "cp2_tp2_ep2": reference_shared_sigmoid}
-    assert_parity(world4[name], expected.get(name.rsplit("_", 1)[-1], expected.get(name, reference)))
+    expected = {"pp2_tp2_zbv_balanced": reference_balanced, "cp2_tp2_ep2": reference_shared_sigmoid,
+                "pp2_ep2_1f1b_balanced_aux": reference_balanced_aux}
+    assert_parity(world4[name], expected.get(name, reference))
 
 
 def test_experts_units_reshard_after_forward_as_the_blocks_do(world4):

@@ -147,23 +147,28 @@ def fit_reference(
     num_samples: int = 96,
     accumulate_grad_batches: int = 1,
     callbacks: list[Callback] | None = None,
+    micro_batches: int = 1,
     **model_overrides: Any,
 ) -> dict:
-    """One process, the whole global batch, the same sample order as a DistributedSampler over any dp size."""
+    """One process, the whole global batch, the same sample order as a DistributedSampler over any dp size.
+    ``micro_batches``: each global batch as that many consecutive micro-batches, their gradients accumulated (what a
+    pipeline's micro-batches are to a loss that is not a mean over samples); a step's loss is then their mean."""
     pl.seed_everything(SEED, verbose=False)
     record = RecordLoss()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=[record, *(callbacks or [])], use_distributed_sampler=False, gradient_clip_val=gradient_clip_val,
-        accumulate_grad_batches=accumulate_grad_batches, precision=precision,
+        accumulate_grad_batches=accumulate_grad_batches * micro_batches, precision=precision,
     )
     with trainer.init_module():  # bf16-true builds the weights in bf16, as the parallel run does
         model = module_cls(**_model_kwargs(module_cls, model_overrides))
     data = token_dataset(num_samples)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)
-    trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler))
-    return {"losses": record.losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH // micro_batches, sampler=sampler))
+    # Lightning reports each micro-batch's loss divided by the accumulation: a step's micro-batch losses add up to it
+    losses = [sum(record.losses[i:i + micro_batches]) for i in range(0, len(record.losses), micro_batches)]
+    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 def _model_kwargs(module_cls: type, overrides: dict[str, Any]) -> dict[str, Any]:

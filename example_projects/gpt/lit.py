@@ -11,6 +11,8 @@ from torch.distributed.tensor import DTensor
 from torchmetrics.text import Perplexity
 
 from example_projects.gpt.model import GPT, GPT_TP_PLAN, GPTConfig
+from example_projects.gpt.moe import check_capacity
+from lightning_par import auxiliary_loss_scale
 from lightning_par.parallel.tensor_plan import prefix_plan
 
 
@@ -40,13 +42,15 @@ class GPTModule(pl.LightningModule):
                  warmup_steps: int = 20, max_steps: int = 1000, adam_eps: float = 1e-8,
                  vocab_multiple: int = 1, n_experts: int = 0, moe_top_k: int = 2, moe_hidden: int = 0,
                  moe_router: str = "softmax", moe_shared_expert: bool = False, moe_aux_loss_coef: float = 0.0,
-                 moe_aux_loss: str = "global", moe_z_loss_coef: float = 0.0) -> None:
+                 moe_aux_loss: str = "global", moe_z_loss_coef: float = 0.0, moe_capacity_factor: float | None = None,
+                 moe_token_drop_policy: str = "probs") -> None:
         super().__init__()
         self.save_hyperparameters()
         for name, value in (("n_experts", n_experts), ("moe_hidden", moe_hidden)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0 (n_experts=0: a dense MLP; moe_hidden=0: "
                                  f"2 x n_embd per expert).")
+        check_capacity(moe_capacity_factor, moe_token_drop_policy)  # here: every rank, before any collective
         self.padded_vocab_size = padded_vocab_size(vocab_size, vocab_multiple)
         self.model: GPT | None = None
         self.val_perplexity = Perplexity()
@@ -66,7 +70,8 @@ class GPTModule(pl.LightningModule):
             hp = self.hparams
             config = GPTConfig(self.padded_vocab_size, hp.block_size, hp.n_layer, hp.n_head, hp.n_embd, hp.dropout,
                                hp.n_experts, hp.moe_top_k, hp.moe_hidden, hp.moe_router, hp.moe_shared_expert,
-                               hp.moe_aux_loss_coef, hp.moe_aux_loss, hp.moe_z_loss_coef)
+                               hp.moe_aux_loss_coef, hp.moe_aux_loss, hp.moe_z_loss_coef, hp.moe_capacity_factor,
+                               hp.moe_token_drop_policy)
             self.model = GPT(config)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -77,23 +82,23 @@ class GPTModule(pl.LightningModule):
 
     def on_fit_start(self) -> None:
         """The routers' auxiliary losses count tokens over the global micro-batch: they need the ranks that hold its
-        other parts (lightning_par's data/context-parallel groups)."""
-        routers = self._routers_with_losses()
-        if not routers:
-            return
+        other parts (lightning_par's data/context-parallel groups), and the scale of one forward's loss. Under
+        pipeline parallelism the micro-batch is the pipeline's (Megatron's choice): the global loss then equals one
+        process accumulating those micro-batches; the per-sequence loss and the z-loss equal one process's on the
+        whole batch."""
         dims = getattr(self.trainer.strategy, "dims", None)
-        if dims is not None and dims.pp > 1:
-            raise ValueError("moe_aux_loss_coef / moe_z_loss_coef under pipeline parallelism (pp="
-                             f"{dims.pp}) are not supported by the example yet: set them to 0 there, or balance "
-                             "the experts with lightning_par.ExpertBiasBalancer (auxiliary-loss-free), which is.")
+        if self.hparams.moe_capacity_factor is not None and dims is not None and dims.cp > 1:
+            raise ValueError(f"moe_capacity_factor={self.hparams.moe_capacity_factor} with cp={dims.cp}: the "
+                             f"capacity counts each sequence's tokens, which context parallelism splits over ranks. "
+                             f"Use moe_capacity_factor=null (dropless) with cp, or cp=1.")
         groups = {}
         if dims is not None and dims.has_mesh:
             for scope, mesh in (("global", "dp_cp"), ("sequence", "cp")):
                 if dims.mesh_size(mesh) > 1:
                     groups[scope] = dims.mesh(mesh).get_group()
-        for router in routers:
+        for router in self._routers_with_losses():
             router.count_groups = groups
-            router.loss_scale = 1.0 / self.trainer.accumulate_grad_batches
+            router.loss_scale = auxiliary_loss_scale(self.trainer)
 
     def _routers_with_losses(self) -> list[torch.nn.Module]:
         return [m for m in self.modules() if hasattr(m, "last_losses") and (m.aux_loss_coef or m.z_loss_coef)]
@@ -102,12 +107,30 @@ class GPTModule(pl.LightningModule):
         x, y = batch
         loss = self.loss(self(x), y)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
-        routers = self._routers_with_losses()
-        for name in ("aux_loss", "z_loss"):  # the layers' mean; averaged over the ranks, one process's value
-            values = [r.last_losses[name] for r in routers if name in r.last_losses]
-            if values:
-                self.log(f"train/moe_{name}", torch.stack(values).mean(), sync_dist=True)
+        self._log_routing()
         return loss
+
+    def _log_routing(self) -> None:
+        """The mean over the layers of each router loss and of the share of dropped choices (of the last micro-batch
+        under a pipeline, whose stages hold different layers: summed over the pp ranks first); averaged over the
+        ranks, one process's value."""
+        hp = self.hparams
+        names = [n for n, on in (("aux_loss", hp.moe_aux_loss_coef), ("z_loss", hp.moe_z_loss_coef),
+                                 ("dropped", hp.moe_capacity_factor is not None)) if on]
+        if not hp.n_experts or not names:  # the same on every rank: the logging below is collective
+            return
+        layers = [m for m in self.modules() if hasattr(m, "last_dropped")]
+        dims = getattr(self.trainer.strategy, "dims", None)
+        for name in names:
+            if name == "dropped":
+                values = [m.last_dropped for m in layers if m.last_dropped is not None]
+            else:
+                values = [m.router.last_losses[name] for m in layers if name in m.router.last_losses]
+            total = torch.stack(values).sum().float() if values else torch.zeros((), device=self.device)
+            sums = torch.stack([total, total.new_tensor(float(len(values)))])
+            if dims is not None and dims.pp > 1:
+                torch.distributed.all_reduce(sums, group=dims.mesh("pp").get_group())
+            self.log(f"train/moe_{name}", sums[0] / sums[1].clamp(min=1), sync_dist=True)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch

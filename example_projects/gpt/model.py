@@ -33,6 +33,8 @@ class GPTConfig:
     moe_aux_loss_coef: float = 0.0  # the load-balancing loss's weight (0: off)
     moe_aux_loss: str = "global"  # counted over the global micro-batch, or "sequence"
     moe_z_loss_coef: float = 0.0  # the router z-loss's weight (0: off)
+    moe_capacity_factor: float | None = None  # None: dropless; else each expert's room per sequence (moe.py)
+    moe_token_drop_policy: str = "probs"  # over capacity, drop the lowest router weights, or "position": the latest
 
 
 class CausalSelfAttention(nn.Module):
@@ -77,7 +79,8 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.n_embd)
         self.mlp: nn.Module = MLP(cfg) if cfg.n_experts == 0 else MoE(
             cfg.n_embd, cfg.n_experts, cfg.moe_top_k, cfg.moe_hidden or 2 * cfg.n_embd, cfg.moe_router,
-            cfg.moe_shared_expert, cfg.moe_aux_loss_coef, cfg.moe_aux_loss, cfg.moe_z_loss_coef)
+            cfg.moe_shared_expert, cfg.moe_aux_loss_coef, cfg.moe_aux_loss, cfg.moe_z_loss_coef,
+            cfg.moe_capacity_factor, cfg.moe_token_drop_policy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))

@@ -20,6 +20,8 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 #: the load-balancing loss counts the tokens per expert over the whole global micro-batch (Switch Transformer,
 #: Megatron's "global" aux loss), or per sequence (DeepSeek-V3's complementary sequence-wise loss)
 AUX_LOSS_SCOPES = ("global", "sequence")
+#: which routed tokens an expert over capacity drops: those of lowest router weight, or the latest in the sequence
+DROP_POLICIES = ("probs", "position")
 
 
 class Router(nn.Module):
@@ -47,7 +49,7 @@ class Router(nn.Module):
                 raise ValueError(f"{name}={value!r} must be a number >= 0 (0 turns the loss off).")
         self.aux_loss_coef, self.aux_loss, self.z_loss_coef = float(aux_loss_coef), aux_loss, float(z_loss_coef)
         self.count_groups: dict[str, object] = {}  # "global" / "sequence" -> process group (None: one process)
-        self.loss_scale = 1.0  # 1 / gradient accumulation, as the training loss is scaled
+        self.loss_scale = 1.0  # lightning_par.auxiliary_loss_scale: as the training loss of one forward is scaled
         self.last_losses: dict[str, torch.Tensor] = {}
         if score not in ROUTER_SCORES:
             raise ValueError(f"moe_router={score!r} is not a router score; choose one of {ROUTER_SCORES}.")
@@ -71,7 +73,9 @@ class Router(nn.Module):
         weights = scores.gather(-1, experts)
         if self.score == "sigmoid":
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        losses = self._losses(logits, scores, experts, sequences) if self.training else None
+        # no graph, nothing to train; on the meta device (a pipeline's trace and shape inference) no values either
+        train = self.training and torch.is_grad_enabled() and not tokens.is_meta
+        losses = self._losses(logits, scores, experts, sequences) if train else None
         return weights.to(tokens.dtype), experts, losses
 
     def _losses(self, logits: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor, sequences: int
@@ -150,14 +154,33 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     return torch.cat([x[starts[e]:starts[e + 1]] @ w[e] for e in range(w.shape[0])]) if w.shape[0] else x
 
 
+def check_capacity(capacity_factor: float | None, drop_policy: str) -> None:
+    if capacity_factor is not None and (isinstance(capacity_factor, bool)
+                                        or not isinstance(capacity_factor, (int, float)) or capacity_factor <= 0):
+        raise ValueError(f"moe_capacity_factor={capacity_factor!r} must be a number > 0 (a capacity of 0 would drop "
+                         f"every token; 1.0 is the balanced load; null: dropless).")
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"moe_token_drop_policy={drop_policy!r}: choose one of {DROP_POLICIES}.")
+
+
 class MoE(nn.Module):
-    """Route each token to ``top_k`` of ``num_experts`` experts (dropless: every choice is computed), weight their
-    outputs by the router's weights, and add the shared expert's output when there is one."""
+    """Route each token to ``top_k`` of ``num_experts`` experts, weight their outputs by the router's weights, and
+    add the shared expert's output when there is one.
+
+    Dropless by default: every choice is computed. With a ``capacity_factor`` each expert takes at most
+    ``ceil(capacity_factor x tokens x top_k / num_experts)`` choices of each sequence (GShard's capacity, with the
+    sequence as the group: what is dropped does not depend on how the batch is split over ranks or pipeline
+    micro-batches); the rest are dropped (the token keeps its residual and shared expert), chosen by
+    ``drop_policy``: the lowest router weights (``"probs"``, Megatron's default) or the latest tokens
+    (``"position"``). ``last_dropped``: the share of choices the last training forward dropped."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, hidden: int, score: str = "softmax",
                  shared_expert: bool = False, aux_loss_coef: float = 0.0, aux_loss: str = "global",
-                 z_loss_coef: float = 0.0) -> None:
+                 z_loss_coef: float = 0.0, capacity_factor: float | None = None, drop_policy: str = "probs") -> None:
         super().__init__()
+        check_capacity(capacity_factor, drop_policy)
+        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.last_dropped: torch.Tensor | None = None
         self.num_experts = num_experts
         self.router = Router(dim, num_experts, top_k, score, aux_loss_coef, aux_loss, z_loss_coef)
         self.experts = GroupedExperts(num_experts, dim, hidden)
@@ -167,15 +190,35 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        weights, experts, losses = self.router(tokens, sequences=shape[0] if x.dim() == 3 else 1)
-        choices = experts.flatten()  # (tokens * top_k,), token-major
+        sequences = shape[0] if x.dim() == 3 else 1
+        weights, experts, losses = self.router(tokens, sequences=sequences)
+        choices, gates = experts.flatten(), weights.flatten()  # (tokens * top_k,), token-major
+        token_of = torch.arange(choices.numel(), device=choices.device) // self.router.top_k
+        if self.capacity_factor is not None and not tokens.is_meta:  # meta (a pipeline's trace): no values to drop
+            keep = self._within_capacity(choices, gates, sequences)
+            if self.training and torch.is_grad_enabled():
+                self.last_dropped = 1.0 - keep.float().mean().detach()
+            choices, gates, token_of = choices[keep], gates[keep], token_of[keep]
         order = choices.argsort(stable=True)  # the choices grouped by expert
         counts = torch.histc(choices.float(), bins=self.num_experts, min=0, max=self.num_experts - 1).long()
-        token_of = order // self.router.top_k
-        out = self.experts(tokens[token_of], counts) * weights.flatten()[order].unsqueeze(-1)
+        token_of = token_of[order]
+        out = self.experts(tokens[token_of], counts) * gates[order].unsqueeze(-1)
         y = torch.zeros_like(tokens).index_add(0, token_of, out)
         if self.shared is not None:
             y = y + self.shared(tokens)
         if losses is not None:
             y = attach_auxiliary_loss(y, losses, self.router.loss_scale)
         return y.view(shape)
+
+    def _within_capacity(self, choices: torch.Tensor, gates: torch.Tensor, sequences: int) -> torch.Tensor:
+        """Which of the token-major ``choices`` each expert has room for, per sequence."""
+        per_sequence = choices.numel() // sequences
+        capacity = math.ceil(self.capacity_factor * per_sequence / self.num_experts)
+        chosen = F.one_hot(choices, self.num_experts).view(sequences, per_sequence, self.num_experts)
+        if self.drop_policy == "position":  # the choice's place among its expert's choices in the sequence
+            place = (chosen.cumsum(dim=1) - 1).mul_(chosen).sum(dim=-1)
+            return place.flatten() < capacity
+        weight = gates.view(sequences, per_sequence, 1).float().masked_fill(chosen == 0, -math.inf)
+        kept = weight.topk(min(capacity, per_sequence), dim=1).indices  # each expert's heaviest choices
+        room = torch.zeros_like(chosen, dtype=torch.bool).scatter_(1, kept, True) & chosen.bool()
+        return room.any(dim=-1).flatten()

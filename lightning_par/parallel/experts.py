@@ -267,13 +267,22 @@ class _AttachedLoss(torch.autograd.Function):
 
 def attach_auxiliary_loss(output: torch.Tensor, loss: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """``output`` unchanged, with ``loss`` (a scalar computed from the layer's router) trained by the backward that
-    reaches ``output``: its gradient is ``scale`` (``1 / accumulate_grad_batches``, as Lightning scales the training
-    loss). The auxiliary loss never has to reach the training step's return value, so it works in any layer of any
-    layout (Megatron's ``MoEAuxLossAutoScaler`` does the same)."""
+    reaches ``output``: its gradient is ``scale`` (:func:`auxiliary_loss_scale`: the factor the training loss of one
+    forward is scaled by). The auxiliary loss never has to reach the training step's return value, so it works in any
+    layer of any layout, pipeline stages included (Megatron's ``MoEAuxLossAutoScaler`` does the same)."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ValueError(f"attach_auxiliary_loss: loss must be a scalar tensor (the layer's summed auxiliary losses), "
                          f"got {type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}; reduce it first.")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
-        raise ValueError(f"attach_auxiliary_loss: scale={scale!r} must be a positive number (1 / "
-                         f"accumulate_grad_batches, as Lightning scales the training loss).")
+        raise ValueError(f"attach_auxiliary_loss: scale={scale!r} must be a positive number "
+                         f"(lightning_par.auxiliary_loss_scale(trainer), as the training loss is scaled).")
     return _AttachedLoss.apply(output, loss, scale)
+
+
+def auxiliary_loss_scale(trainer: Any) -> float:
+    """The ``scale`` for :func:`attach_auxiliary_loss` in this run: ``1 / accumulate_grad_batches`` (Lightning scales
+    the training loss so), and under pipeline parallelism also ``1 / pp_microbatches`` (each pipeline micro-batch is
+    a forward of its own, whose loss the schedule scales so). Read it after setup (``on_fit_start``)."""
+    pipeline = getattr(trainer.strategy, "pipeline", None)
+    micro_batches = pipeline.n_microbatches if pipeline is not None else 1
+    return 1.0 / (trainer.accumulate_grad_batches * micro_batches)
