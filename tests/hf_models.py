@@ -45,8 +45,16 @@ TINY_CONFIGS.update({
                                          "topk_group": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
                                          "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8,
                                          "head_dim": 4}),
+    # attention sinks (a bare per-head parameter) in sliding and full layers
+    "granite_swa": ("GraniteSWAConfig", {"sliding_window": 8}),
+    # multi-head latent attention with sinks and an indexer, a shared expert, a dense first layer
+    "hy_v4": ("HYV4Config", {"num_key_value_heads": 4, "head_dim": 4, "n_routed_experts": 4, "n_shared_experts": 1,
+                             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1,
+                             "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4,
+                             "v_head_dim": 8, "qk_head_dim": 8, "pad_token_id": 0, "bos_token_id": 1,
+                             "eos_token_id": 2, "index_head_dim": 8, "index_n_heads": 4}),
 })
-_EAGER = ("gemma2", "gpt_oss")  # no SDPA path in transformers
+_EAGER = ("gemma2", "gpt_oss", "granite_swa", "hy_v4")  # no SDPA path in transformers
 
 
 def tiny_hf_model(arch: str, **overrides: Any) -> torch.nn.Module:

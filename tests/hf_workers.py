@@ -85,6 +85,10 @@ def world2(ckpt_dir: str) -> dict[str, Any]:
     out["tp_sp_lp_head_norms"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="qwen3")
     out["tp_sp_lp_gathered_projections"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="phi3")
     out["tp_sp_lp_linear_attention"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="qwen3_5")
+    # bare per-head parameters split by head (Granite-SWA's attention sinks, with SP and LP: the attention also
+    # gathers the sequence), and multi-head latent attention with sinks (HY-V4: the rope part's gradient summed)
+    out["tp_sp_lp_attention_sinks"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="granite_swa")
+    out["tp_latent_attention_sinks"] = hf_fit(NDParallelStrategy(dp_shard=1, tp=2), 2, 1, arch="hy_v4")
     out["errors"]["attention_bias_under_cp"] = error_of(_attention_with_a_bias_under_cp)
     # Apertus's plan leaves its xIELU activation whole on split activations: found after the first backward; with
     # the activation marked 'head_norm' (whole weights, gradients summed over tp) it trains in parity
@@ -133,4 +137,8 @@ def world4() -> dict[str, Any]:
 
 
 def world8() -> dict[str, Any]:
-    return {"pp2_x_dp_shard2_x_tp2": hf_fit(NDParallelStrategy(pp=2, dp_shard=2, tp=2), 8, 2)}
+    """The 3-D mix on a dense model, and on a mixture of experts with ep borrowed from dp_shard in each stage
+    (attention under tp, experts under ep)."""
+    return {"pp2_x_dp_shard2_x_tp2": hf_fit(NDParallelStrategy(pp=2, dp_shard=2, tp=2), 8, 2),
+            "pp2_x_dp_shard2_x_tp2_x_ep2": hf_fit(NDParallelStrategy(pp=2, dp_shard=2, tp=2, ep=2), 8, 2,
+                                                   arch="qwen3_moe")}

@@ -42,6 +42,8 @@ WORLD4 = {  # name -> (strategy options, model options); the pipeline layouts wi
     # and the example's auxiliary losses, counted per pipeline micro-batch over the data-parallel ranks
     "pp2_ep2_1f1b_balanced_aux": (dict(dp_shard=2, pp=2, ep=2, pp_microbatches=2), dict(**MOE4, **AUX)),
     "pp2_tp2_zbv_balanced": (dict(dp_shard=1, pp=2, tp=2, pp_schedule="zbv", pp_microbatches=2), MOE4),
+    # ep borrowed from the context ranks, inside each pipeline stage
+    "pp2_cp2_ep2_balanced": (dict(dp_shard=1, pp=2, cp=2, ep=2, pp_microbatches=2), MOE4),
 }
 
 
@@ -357,7 +359,8 @@ def test_expert_parallel_world4_in_parity(world4, reference, reference_shared_si
                                           reference_balanced_aux, name):
     """Also the router biases the balancer moved (in the weights), under 1F1B x ep2 and ZBV x tp2: each pipeline
     rank updates its own layers' biases from the global batch's counts (not the shape-inference forward's)."""
-    expected = {"pp2_tp2_zbv_balanced": reference_balanced, "cp2_tp2_ep2": reference_shared_sigmoid,
+    expected = {"pp2_tp2_zbv_balanced": reference_balanced, "pp2_cp2_ep2_balanced": reference_balanced,
+                "cp2_tp2_ep2": reference_shared_sigmoid,
                 "pp2_ep2_1f1b_balanced_aux": reference_balanced_aux}
     assert_parity(world4[name], expected.get(name, reference))
 

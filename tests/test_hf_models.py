@@ -69,13 +69,19 @@ def test_pipeline_uneven_split_and_activation_checkpointing(w2, name):
 @pytest.mark.parametrize(("name", "arch"), [("cp_attention_sinks", "gpt_oss"), ("tp_sp_lp_head_norms", "qwen3"),
                                           ("tp_sp_lp_gathered_projections", "phi3"),
                                           ("tp_sp_lp_linear_attention", "qwen3_5"),
-                                          ("tp_learnable_activation", "apertus")])
+                                          ("tp_learnable_activation", "apertus"),
+                                          ("tp_sp_lp_attention_sinks", "granite_swa"),
+                                          ("tp_latent_attention_sinks", "hy_v4")])
 def test_more_architectures(w2, name, arch):
     """gpt-oss's attention sinks under cp; under tp with SP and LP: Qwen3's per-head q/k norms (weights whole,
     gradients summed over tp), Phi-3's projections whose outputs its plan gathers whole (the sequence is gathered
     before the attention and MLP), Qwen3.5's linear-attention layers (their output cut back to the chunk); and
     Apertus's learnable activation under tp, marked 'head_norm' in the user's plan (with SGD: 1e-8; AdamW's first
-    steps, ~lr x sign(gradient), turn rounding in one v_proj's near-zero gradients into 1.4e-5)."""
+    steps, ~lr x sign(gradient), turn rounding in one v_proj's near-zero gradients into 1.4e-5). Bare per-head
+    parameters under tp (attention sinks: split by head, the attention run on this rank's shards) with SP and LP,
+    and multi-head latent attention (HY-V4's kv_a_proj_with_mqa: whole, its rope output's gradient summed over
+    tp; without that sum its gradients differ across the tp ranks, which the strategy refuses after the first
+    backward)."""
     sgd = {"optimizer": "sgd"} if arch == "apertus" else {}
     assert_parity(w2[0][name], reference(arch, **sgd), steps=STEPS)
 
@@ -136,6 +142,7 @@ def test_two_dimensional_layouts(w4, name):
 def test_pp_x_dp_shard_x_tp_at_world_8():
     result = launch(8, world8, timeout=900)
     assert_parity(result[0]["pp2_x_dp_shard2_x_tp2"], reference(), steps=STEPS)
+    assert_parity(result[0]["pp2_x_dp_shard2_x_tp2_x_ep2"], reference("qwen3_moe"), steps=STEPS)
 
 
 @pytest.mark.parametrize(("name", "arch"), [("model_parallel_tp", "llama"), ("model_parallel_dp_moe", "mixtral")])

@@ -211,7 +211,43 @@ BAD_PLANS = {
     "sequence parallel without norms": (lambda: tiny_gpt(), {"blocks.*.attn.q": "colwise"}, 2,
                                         {"sequence_parallel": True}, ["sequence_parallel=True", "norm"]),
     "tied weights": (lambda: _tied_llama(), None, 2, {}, ["tied weights", "tie_word_embeddings=False"]),
+    # bare parameters (no module): split only as per-head vectors, all of a module's or none
+    "bare parameter rowwise": (lambda: Holder(Sinks()), {"model.sinks": "rowwise"}, 2, {},
+                               ["'model.sinks'", "names bare parameters", "split only by head"]),
+    "bare parameters partly split": (lambda: Holder(Sinks(scale=True)), {"model.sinks": "colwise"}, 2, {},
+                                     ["'model'", "['model.scale'] have no such entry"]),
+    "bare parameter heads": (lambda: Holder(Sinks(heads=3)), {"model.sinks": "colwise"}, 2, {},
+                             ["model.sinks (shape (3,))", "tp=2 cannot divide"]),
+    "packed bare parameter": (lambda: Holder(Sinks(packed=True)), {"model.packed": "colwise"}, 2, {},
+                              ["bare parameters of 2 dimensions", "per-head vector"]),
+    "latent attention without a rope size": (lambda: Holder(Sinks()), {"model.kv_a": "mla_kv_a_proj"}, 2, {},
+                                             ["'model.kv_a' is 'mla_kv_a_proj'", "qk_rope_head_dim"]),
 }
+
+
+class Sinks(nn.Module):
+    """An attention-like module with bare per-head parameters (attention sinks) next to its projections."""
+
+    def __init__(self, heads: int = 4, scale: bool = False, packed: bool = False) -> None:
+        super().__init__()
+        self.kv_a = nn.Linear(8, 8)
+        self.sinks = nn.Parameter(torch.zeros(heads))
+        if scale:
+            self.scale = nn.Parameter(torch.ones(1))
+        if packed:
+            self.packed = nn.Parameter(torch.zeros(4, 8))
+
+
+def test_bare_per_head_parameters_and_latent_attention_validate():
+    """'colwise' on a bare per-head vector splits it by head (applied by apply_tp, not a module entry; the owner's
+    HF 'local_params' is a no-op); 'mla_kv_a_proj' reads the rope size from its attention (per-layer configs)."""
+    from lightning_par.parallel.tensor_plan import head_params
+
+    holder = Holder(Sinks())
+    holder.model.qk_rope_head_dim = 4
+    plan = {"model.sinks": "colwise", "model": "local_params", "model.kv_a": "mla_kv_a_proj"}
+    assert validate_tp_plan(holder, plan, 2) == {"model.kv_a": "mla_kv_a_proj"}
+    assert head_params(holder, plan, 2) == {"model": ["sinks"]}
 BAD_TYPES = {
     "colwise on a norm": (lambda: tiny_gpt(), {"norm": "colwise"}, ["'colwise' shards an nn.Linear", "LayerNorm"]),
     "embedding style on a linear": (lambda: tiny_gpt(), {"head": "vocab_parallel_embedding"},

@@ -26,6 +26,8 @@ FSDP's own divide factor would do the first half, but torch versions divide diff
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -36,7 +38,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_par._compat import all_to_all_single_autograd, in_backward, in_pipeline_metadata_inference
 from lightning_par.parallel.hf import outermost_hf_models
-from lightning_par.parallel.modules import clean_name, fqn_matches
+from lightning_par.parallel.modules import clean_name, fqn_matches, local_parameters
 from lightning_par.parallel.unused_parameters import not_a_routing_decision
 
 
@@ -157,24 +159,16 @@ def _route_hf_experts(module: nn.Module, dispatch: _TokenDispatch) -> None:
     module.forward = forward
 
 
-class _local_shards:  # noqa: N801 - used as a context manager
-    """The module's parameters as their local shards (differentiable views of what FSDP gathered) while its own
-    forward runs, and ``num_experts`` the local count; put back afterwards."""
-
-    def __init__(self, module: nn.Module, local_experts: int) -> None:
-        self.module, self.local_experts = module, local_experts
-
-    def __enter__(self) -> None:
-        params = self.module._parameters
-        self.saved = dict(params), self.module.num_experts
-        for name, p in self.saved[0].items():
-            if p is not None and hasattr(p, "to_local"):
-                params[name] = p.to_local()  # a plain view; nn.Module reads _parameters as they are
-        self.module.num_experts = self.local_experts
-
-    def __exit__(self, *exc: object) -> None:
-        self.module._parameters.update(self.saved[0])
-        self.module.num_experts = self.saved[1]
+@contextmanager
+def _local_shards(module: nn.Module, local_experts: int) -> Iterator[None]:
+    """The module's parameters as their local shards while its own forward runs, and ``num_experts`` the local
+    count; put back afterwards."""
+    saved, module.num_experts = module.num_experts, local_experts
+    try:
+        with local_parameters(module):
+            yield
+    finally:
+        module.num_experts = saved
 
 
 class _TokenDispatch:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 
 from torch import nn
@@ -98,3 +99,18 @@ def clean_name(name: str) -> str:
     """A module's or parameter's name as the model had it (and as state dicts name it): the segments of the
     wrappers of activation checkpointing and compile left out."""
     return ".".join(seg for seg in name.split(".") if seg not in WRAPPER_SEGMENTS)
+
+
+@contextmanager
+def local_parameters(module: nn.Module) -> Iterator[None]:
+    """The module's own DTensor parameters as their local shards (differentiable views of what FSDP gathered) while
+    the block runs, for code that mixes them with plain tensors; put back afterwards."""
+    params = module._parameters
+    saved = dict(params)
+    for name, p in saved.items():
+        if p is not None and hasattr(p, "to_local"):
+            params[name] = p.to_local()  # nn.Module reads _parameters as they are
+    try:
+        yield
+    finally:
+        params.update(saved)

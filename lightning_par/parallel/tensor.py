@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -30,11 +30,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_par.parallel.modules import local_parameters
 from lightning_par.parallel.tensor_plan import (
     HF_ALIASES,
     STYLES,
     Plan,
     check_tp_size,
+    head_params,
+    mla_rope_dim,
     prefix_plan,
     resolve_tp_plan,
     validate_tp_plan,
@@ -92,11 +95,17 @@ def apply_tp(
         name: built
         for name, style in resolved.items()
         if (built := build_style(style, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                                 input_gathered=any(name.startswith(g + ".") for g in gathered))) is not None
+                                 input_gathered=any(name.startswith(g + ".") for g in gathered),
+                                 rope_dim=mla_rope_dim(module, name) if style == "mla_kv_a_proj" else 0))
+        is not None
     }
-    if styles:
+    by_head = head_params(module, plan, tp_mesh.size())  # their owners may have a style too: applied on their own
+    if styles or by_head:
         frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
-        parallelize_module(module, tp_mesh, styles)
+        if styles:
+            parallelize_module(module, tp_mesh, styles)
+        for owner, names in by_head.items():
+            parallelize_module(module.get_submodule(owner), tp_mesh, _HeadParams(names))
         # torch's SequenceParallel re-creates parameters without their requires_grad (torch 2.11-2.13): a frozen
         # norm would start training. Put every flag back by name.
         for name, p in module.named_parameters():
@@ -106,11 +115,12 @@ def apply_tp(
 
 def build_style(
     style: str | ParallelStyle, *, sequence_parallel: bool = False, loss_parallel: bool = False,
-    input_gathered: bool = False,
+    input_gathered: bool = False, rope_dim: int = 0,
 ) -> ParallelStyle | None:
     """The torch ``ParallelStyle`` for a style name (see ``STYLES``); ``None`` where there is nothing to do.
     ``input_gathered``: the module sits inside a 'gather_sequence' module, so under SP a plain-tensor input of a
-    column-parallel layer is a whole sequence (an inner activation), not a chunk of the residual stream."""
+    column-parallel layer is a whole sequence (an inner activation), not a chunk of the residual stream.
+    ``rope_dim``: the rope part of an 'mla_kv_a_proj' output (:func:`mla_rope_dim`)."""
     if isinstance(style, ParallelStyle):
         return style
     style = HF_ALIASES.get(style, style)
@@ -148,6 +158,8 @@ def build_style(
         # torch's SequenceParallel on the leading dim: weights replicated DTensors, the input declared sharded (any
         # leading dim gives the same local math), so each weight gradient is a partial sum DTensor all-reduces
         return SequenceParallel(sequence_dim=0, use_local_output=True)
+    if style == "mla_kv_a_proj":
+        return _SumRopeGradient(rope_dim)
     if style == "split_sequence":
         return _FirstInput(_split_sequence, shrinks=True) if sp else None
     if style == "gather_sequence":
@@ -234,6 +246,49 @@ class _GatherSequence(_FirstInput):
 
         module.register_forward_pre_hook(remember, with_kwargs=True, prepend=True)
         module.register_forward_hook(cut, with_kwargs=True)
+        return module
+
+
+class _HeadParams(ParallelStyle):
+    """'head_params' on the owner of bare parameters ``names``: they become DTensors split on dim 0 (by head), and
+    its forward runs with this rank's shards, plain tensors its code can index and broadcast against its local
+    heads."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__()
+        self.names = names
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in self.names:
+            p = module.get_parameter(name)
+            module.register_parameter(
+                name, nn.Parameter(distribute_tensor(p.data, device_mesh, [Shard(0)]), requires_grad=p.requires_grad))
+        inner = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with local_parameters(module):
+                return inner(*args, **kwargs)
+
+        module.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) call it
+        return module
+
+
+class _SumRopeGradient(ParallelStyle):
+    """'mla_kv_a_proj': the last ``rope_dim`` outputs go to every head as they are, so each tp rank's heads give
+    them only part of their gradient: summed over tp in backward (Replicate in, Partial gradient back)."""
+
+    def __init__(self, rope_dim: int) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(_mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+            latent, rope = out.split([out.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+            rope = DTensor.from_local(rope, device_mesh, [Replicate()], run_check=False).to_local(
+                grad_placements=[Partial()])
+            return torch.cat([latent, rope], dim=-1)
+
+        module.register_forward_hook(hook)
         return module
 
 

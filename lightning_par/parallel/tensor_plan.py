@@ -41,6 +41,12 @@ STYLES: dict[str, str] = {
     "head_norm": "a module computing on this rank's share of split activations (Qwen3's per-head q/k norms, a "
     "learnable activation between 'colwise' and 'rowwise'): its weights stay whole on every rank, their gradients "
     "are summed over tp",
+    "head_params": "for a bare parameter indexed by attention head (sinks, a per-head gate bias; 'colwise' on a "
+    "parameter means the same): split on dim 0 like the heads of its module's 'colwise' projections; the module's "
+    "forward runs with this rank's shards (Hugging Face's 'colwise' parameter with a 'local_params' owner)",
+    "mla_kv_a_proj": "multi-head latent attention's kv_a_proj_with_mqa (nn.Linear): whole on every rank; the rope "
+    "part of its output (config.qk_rope_head_dim, shared by every head) gets its gradient summed over tp, since each "
+    "rank's heads give only their share (the latent part reaches the 'colwise' kv_b_proj, which sums it already)",
     "split_sequence": "SP only: the first tensor input (or `hidden_states=`) is full; keep this rank's sequence chunk",
     "gather_sequence": "SP only: all-gather the first tensor input (or `hidden_states=`) once for the module's "
     "colwise children (one all-gather instead of one per child)",
@@ -54,16 +60,17 @@ HF_ALIASES: dict[str, str | None] = {
     "replicated_with_grad_allreduce": "head_norm",
     "gather": None,
     "local": None,
+    "local_params": None,  # the owner of 'colwise' bare parameters: 'head_params' runs it on local shards
 }
 #: Hugging Face styles that need HF's own forward hooks or packed weights.
 HF_UNSUPPORTED = (
-    "packed_colwise", "packed_rowwise", "local_packed_rowwise", "mla_kv_a_proj", "moe_tp_experts",
-    "moe_identity_expert", "all_reduce", "local_params", "grouped_gemm",
+    "packed_colwise", "packed_rowwise", "local_packed_rowwise", "moe_tp_experts",
+    "moe_identity_expert", "all_reduce", "grouped_gemm",
     "ep_router", "isolated",
 )
 _HF_NOOP_IN_HF_PLANS = ("replicate", "local", "gather")  # HF "replicate" = keep the full parameter: the default
 
-_ON_LINEAR = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "vocab_parallel_head")
+_ON_LINEAR = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "vocab_parallel_head", "mla_kv_a_proj")
 _ON_EMBEDDING = ("vocab_parallel_embedding", "embedding_rowwise", "embedding_colwise")
 # style -> (attribute that must divide by tp, what it is)
 _SHARDED_SIZE = {
@@ -155,9 +162,10 @@ def _hf_plan(root: nn.Module, loss_parallel: bool = False) -> dict[str, str]:
             own = dict(getattr(type(sub), "_tp_plan", None) or {})
             own.update(prefix_plan(sub.config.base_model_tp_plan or {}, base_fqn))
         own = {k: v for k, v in own.items() if v not in _HF_NOOP_IN_HF_PLANS and not _inside_experts(sub, k)}
-        names = [name for name, _ in sub.named_modules() if name]
+        names = [name for name, _ in sub.named_modules() if name] + [name for name, _ in sub.named_parameters()]
         # a config family's plan names modules some of its models lack (Qwen3-MoE's dense MLP entries, for
-        # configs whose every layer is a mixture of experts): the model's own plan, not a user's typo
+        # configs whose every layer is a mixture of experts): the model's own plan, not a user's typo. Entries
+        # naming bare parameters (attention sinks) stay: validate_tp_plan splits them or says why not
         own = {k: v for k, v in own.items() if any(fqn_matches(name, k) for name in names)}
         if loss_parallel:
             own = _head_keeps_vocab_shards(sub, own)
@@ -282,11 +290,15 @@ def validate_tp_plan(
         if not isinstance(value, bool):
             raise TypeError(f"{flag}={value!r} must be True or False.")
     names = [name for name, _ in module.named_modules() if name]
+    params = [name for name, _ in module.named_parameters()]
     resolved: dict[str, str | ParallelStyle] = {}
     source: dict[str, str] = {}
     for key, style in plan.items():
         style = canonical_style(style, key)  # first: an HF style we refuse may name a parameter, not a module
         hits = [name for name in names if fqn_matches(name, key)]
+        if not hits and any(fqn_matches(p, key) for p in params):
+            head_params(module, {key: plan[key]}, tp_size, all_entries=plan)  # checked here, applied by apply_tp
+            continue
         if not hits:
             raise ValueError(_no_match_message(module, key, names))
         if style is None:
@@ -376,8 +388,85 @@ def _follow_adapters(root: nn.Module, resolved: dict[str, str | ParallelStyle],
     return out
 
 
+def head_params(root: nn.Module, plan: Plan, tp: int, all_entries: Plan | None = None) -> dict[str, list[str]]:
+    """``{owner module FQN: its parameter names}`` split by head: the plan's entries that name bare parameters (no
+    module) with 'colwise' or 'head_params' (Hugging Face's attention sinks, per-head gate biases, whose owners HF
+    marks 'local_params'). An owner runs on this rank's shards of all its own parameters or of none, so the entries
+    (``all_entries``: the whole plan, when ``plan`` is one entry of it) must name every one; each must split by
+    ``tp`` on dim 0. Raises a ValueError saying what to do otherwise."""
+    entries = all_entries if all_entries is not None else plan
+    params = [name for name, _ in root.named_parameters()]
+    modules = [name for name, _ in root.named_modules() if name]
+
+    def bare(key: str) -> list[str]:
+        if any(fqn_matches(m, key) for m in modules):
+            return []
+        return [p for p in params if fqn_matches(p, key)]
+
+    named = {p for k, s in entries.items() if HF_ALIASES.get(s, s) in ("colwise", "head_params") for p in bare(k)}
+    out: dict[str, list[str]] = {}
+    for key, style in plan.items():
+        hits = bare(key)
+        if not hits or canonical_style(style, key) is None:
+            continue
+        if HF_ALIASES.get(style, style) not in ("colwise", "head_params"):
+            raise ValueError(
+                f"tp_plan[{key!r}] = {style!r} names bare parameters ({hits[:2]}), not modules. A bare parameter is "
+                f"split only by head: 'colwise' or 'head_params' (dim 0, as its module's column-parallel projections "
+                f"split the heads). Drop the entry to keep it whole on every tp rank, or name a module.")
+        packed = [p for p in hits if root.get_parameter(p).dim() != 1]
+        if packed:
+            raise ValueError(
+                f"tp_plan[{key!r}] = {style!r} names bare parameters of {root.get_parameter(packed[0]).dim()} "
+                f"dimensions ({packed[:2]}: packed or stacked weights, which need Hugging Face's own hooks). "
+                f"lightning_par splits a bare parameter only as a per-head vector (1-D). Drop the entry to keep it "
+                f"whole on every tp rank, or name a module.")
+        for fqn in hits:
+            owner, _, name = fqn.rpartition(".")
+            own = [f"{owner}.{n}" for n, _ in root.get_submodule(owner).named_parameters(recurse=False)]
+            missing = sorted(set(own) - named)
+            if missing:
+                raise ValueError(
+                    f"tp_plan[{key!r}] splits the bare parameters of {owner!r} by head, but {missing} have no such "
+                    f"entry: the module runs on this rank's shards of all its own parameters or of none. Give them "
+                    f"'colwise' entries too, or drop {key!r} to keep them all whole.")
+            heads = root.get_parameter(fqn).shape[0]
+            if heads % tp:
+                raise ValueError(
+                    f"tp_plan[{key!r}]: {fqn} (shape ({heads},)) is split by head, which tp={tp} cannot divide. "
+                    f"Choose a tp that divides {heads}, or drop the entry.")
+            out.setdefault(owner, []).append(name)
+    return out
+
+
+def mla_rope_dim(root: nn.Module, name: str) -> int:
+    """``qk_rope_head_dim`` of the attention holding the 'mla_kv_a_proj' module ``name`` (its own attribute, which
+    models with per-layer configs set), else of its Hugging Face model's config."""
+    parent_name = name.rpartition(".")[0]
+    rope = getattr(root.get_submodule(parent_name) if parent_name else root, "qk_rope_head_dim", None)
+    if isinstance(rope, int) and rope > 0:
+        return rope
+    for fqn, model in outermost_hf_models(root):
+        if not fqn or name.startswith(fqn + "."):
+            try:
+                rope = getattr(model.config.get_text_config(), "qk_rope_head_dim", None)
+            except Exception:  # noqa: BLE001 - a per-layer config refuses the global value (transformers' own class)
+                rope = None
+            if isinstance(rope, int) and rope > 0:
+                return rope
+    raise ValueError(
+        f"tp_plan: {name!r} is 'mla_kv_a_proj', which splits its output into the latent and the rope part by the "
+        f"Hugging Face config's `qk_rope_head_dim`; no model config above it has one. Use 'replicate' for it, or "
+        f"keep the attention whole.")
+
+
 def _check_module(name: str, mod: nn.Module, style: str | ParallelStyle, tp: int, root: nn.Module) -> None:
     kind = style
+    if kind == "head_params":
+        raise TypeError(f"tp_plan: 'head_params' names bare parameters (e.g. '...self_attn.sinks'), but {name!r} is a "
+                        f"{type(mod).__name__} module: name its parameters, or use 'colwise' for a linear layer.")
+    if kind == "mla_kv_a_proj":
+        mla_rope_dim(root, name)
     if isinstance(style, ParallelStyle):  # check torch's own Colwise/Rowwise objects on linears too
         kind = {ColwiseParallel: "colwise", RowwiseParallel: "rowwise"}.get(type(style), "")
         if kind and not isinstance(mod, nn.Linear):
@@ -438,7 +527,10 @@ def _check_heads(name: str, linear: nn.Module, tp: int, root: nn.Module) -> None
             )
     config = getattr(parent, "config", None)
     for attr in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, attr, None)
+        try:
+            heads = getattr(config, attr, None)
+        except Exception:  # noqa: BLE001 - transformers' per-layer configs refuse the global value (their own error
+            continue  # class): the head_dim check above covers each layer
         if isinstance(heads, int) and heads % tp:
             raise ValueError(
                 f"tp_plan: attention {parent_name!r} has {attr}={heads} (config of {type(parent).__name__}), which "
