@@ -16,7 +16,8 @@ import torch
 # wrapper, and FSDP2's state-dict handling knows this one's ``_checkpoint_wrapped_module`` prefix
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-__all__ = ["all_to_all_single_autograd", "checkpoint_wrapper", "in_backward", "live_process_groups", "local_chunk",
+__all__ = ["all_to_all_single_autograd", "checkpoint_wrapper", "ignore_profiler_ranges_in_selective_checkpointing",
+           "in_backward", "live_process_groups", "local_chunk",
            "move_graph_to_device", "pipeline_stage_class", "set_device_mesh", "torch_dispatch_mode",
            "train_dataloader_of", "without_function_modes"]
 
@@ -149,3 +150,20 @@ def local_chunk(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     DCP's protocol (one chunk per rank); there is no public accessor."""
     (chunk,) = tensor.__create_chunk_list__()
     return tuple(chunk.offsets), tuple(chunk.sizes)
+
+
+#: the profiler's range ops (``torch.profiler.record_function``'s enter and exit)
+PROFILER_RANGE_OPS = (torch.ops.profiler._record_function_enter_new.default,
+                      torch.ops.profiler._record_function_exit.default,
+                      torch.ops.profiler._record_function_exit._RecordFunction)
+
+
+def ignore_profiler_ranges_in_selective_checkpointing() -> None:
+    """Selective checkpointing (torch 2.11-2.13) numbers every op of a region in forward and again in its
+    recomputation, and fails when the counts differ. FSDP2 opens one profiler range more in a nested unit's
+    recomputed forward (it becomes the iteration's forward root: ``FSDP::root_pre_forward``), so a block holding an
+    FSDP unit of its own (expert parallelism's experts) failed under selective checkpointing. Profiler ranges hold no
+    tensor: add them to the ops it passes through, ``torch.utils.checkpoint.SAC_IGNORED_OPS`` (private; idempotent)."""
+    import torch.utils.checkpoint as checkpoint
+
+    checkpoint.SAC_IGNORED_OPS.update(PROFILER_RANGE_OPS)

@@ -166,3 +166,25 @@ def test_live_process_groups_lists_the_default_group_first_then_in_creation_orde
     finally:
         dist.destroy_process_group()
     assert _compat.live_process_groups() == []
+
+
+def test_selective_checkpointing_passes_profiler_ranges_through():
+    """A region whose recomputation opens one more profiler range than its forward (what a nested FSDP2 unit does)
+    recomputes under selective checkpointing once the ranges are in torch's ignored ops."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_par.parallel.recompute import selective_checkpoint_contexts
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        if _compat.in_backward():
+            with torch.profiler.record_function("only in the recomputation"):
+                pass
+        return (x @ x).sin() @ x
+
+    _compat.ignore_profiler_ranges_in_selective_checkpointing()
+    x = torch.randn(4, 4, requires_grad=True)
+    checkpoint(region, x, use_reentrant=False, context_fn=selective_checkpoint_contexts).sum().backward()
+    y = x.detach().requires_grad_()
+    region(y).sum().backward()
+    assert torch.allclose(x.grad, y.grad)
+    assert set(_compat.PROFILER_RANGE_OPS) <= torch.utils.checkpoint.SAC_IGNORED_OPS

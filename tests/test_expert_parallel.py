@@ -16,6 +16,7 @@ import torch
 from hf_models import HFCausalLM
 from launch import launch
 from lightning.pytorch.callbacks import Callback
+from torch.utils._python_dispatch import TorchDispatchMode
 from workers import TINY_GPT, assert_parity, error_of, fit, fit_reference, max_weight_diff
 
 from lightning_par import ExpertBiasBalancer, NDParallelStrategy
@@ -85,6 +86,12 @@ def _world2(ckpt_dir: str) -> dict:
         NDParallelStrategy(ep=2, activation_checkpointing=True), 2, 2, accumulate_grad_batches=2,
         callbacks=[ExpertBiasBalancer(RATE)], **MOE)
     # the example router's auxiliary losses: token counts over the global micro-batch (or each sequence)
+    # selective checkpointing keeps the all-to-alls' outputs: backward runs only their reverses
+    for mode in (True, "selective"):
+        counter = BackwardAllToAlls()
+        out[f"ep2_checkpointed_{mode}"] = fit(NDParallelStrategy(ep=2, activation_checkpointing=mode), 2, 2,
+                                              callbacks=[counter], **MOE)
+        out[f"ep2_checkpointed_{mode}"]["backward_all_to_alls"] = counter.count
     out["ep2_aux_z_checkpointed"] = fit(NDParallelStrategy(ep=2, activation_checkpointing=True), 2, 2, **AUX, **MOE)
     out["cp2_sequence_aux"] = fit(NDParallelStrategy(dp_shard=1, cp=2), 2, 1, **SEQUENCE_AUX, **MOE)
     out["dp2_sequence_aux_accumulated"] = fit(NDParallelStrategy(), 2, 2, accumulate_grad_batches=2,
@@ -113,6 +120,31 @@ def _world2(ckpt_dir: str) -> dict:
         out[arch] = fit(NDParallelStrategy(ep=2), 2, 2, module_cls=HFCausalLM, arch=arch, callbacks=[hf_monitor])
         out[arch]["expert_load"] = (hf_monitor.all_layers, hf_monitor.last_shares)
     return out
+
+
+class BackwardAllToAlls(Callback):
+    """How many token all-to-alls the backward of the second step runs (its reverse all-to-alls, and those that
+    activation checkpointing's recomputation runs again)."""
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if trainer.global_step == 1 and not hasattr(self, "count"):
+            self.mode = CountOps(torch.ops._c10d_functional.all_to_all_single.default)
+            self.mode.__enter__()
+
+    def on_after_backward(self, trainer, pl_module):
+        if getattr(self, "mode", None) is not None:
+            self.mode.__exit__(None, None, None)
+            self.count, self.mode = self.mode.count, None
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.op, self.count = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func == self.op
+        return func(*args, **(kwargs or {}))
 
 
 class LastMetrics(Callback):
@@ -292,6 +324,16 @@ def test_capacity_keeps_each_experts_heaviest_or_earliest_choices_per_sequence(p
             MoE(16, 4, 2, 32, capacity_factor=bad)
     with pytest.raises(ValueError, match=r"moe_token_drop_policy='tail': choose one of \('probs', 'position'\)"):
         MoE(16, 4, 2, 32, capacity_factor=1.0, drop_policy="tail")
+
+
+def test_selective_checkpointing_keeps_the_token_all_to_alls(world2, reference):
+    """Full checkpointing recomputes each layer's two all-to-alls in backward (communicating again) besides their two
+    reverses; selective checkpointing keeps their outputs: only the reverses. Both in parity."""
+    layers = TINY_GPT["n_layer"]
+    assert world2["ep2_checkpointed_True"]["backward_all_to_alls"] == 4 * layers
+    assert world2["ep2_checkpointed_selective"]["backward_all_to_alls"] == 2 * layers
+    for mode in ("True", "selective"):
+        assert_parity(world2[f"ep2_checkpointed_{mode}"], reference)
 
 
 def test_expert_parallel_with_compiled_blocks_in_parity(world2, reference):

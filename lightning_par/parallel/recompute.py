@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from lightning_par._compat import checkpoint_wrapper
+from lightning_par._compat import checkpoint_wrapper, ignore_profiler_ranges_in_selective_checkpointing
 from lightning_par.parallel.tensor import SHRINKING_INPUT_HOOKS
 
 ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
@@ -21,11 +21,12 @@ _aten = torch.ops.aten
 #: of torchtitan's ``selective_ac_option="op"``: half the matmul recomputation for about half the memory
 MATMUL_OPS = frozenset({_aten.mm.default, _aten.addmm.default})
 #: ops whose outputs selective checkpointing always keeps: the attention kernels (their FLOPs grow with the square of
-#: the sequence) and sequence parallelism's reduce-scatter (recomputing it would communicate again)
+#: the sequence), sequence parallelism's reduce-scatter and expert parallelism's token all-to-alls (recomputing them
+#: would communicate again; torchtitan keeps the same)
 KEPT_OPS = frozenset({
     _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops._c10d_functional.all_to_all_single.default,
 })
 
 
@@ -47,6 +48,7 @@ class SelectivePolicy:
 def selective_checkpoint_contexts() -> tuple[AbstractContextManager, AbstractContextManager]:
     """``context_fn`` of selective checkpointing: torch's own caching of the ops ``SelectivePolicy`` keeps (fresh
     per block call; the recomputation decides apart, so it skips the same matmuls the forward kept)."""
+    ignore_profiler_ranges_in_selective_checkpointing()  # an FSDP unit inside the block (experts) needs it
     passes = {False: SelectivePolicy(), True: SelectivePolicy()}  # the forward, the recomputation
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
