@@ -8,11 +8,11 @@ the job's later runs still train.
 
 from __future__ import annotations
 
-import re
 from functools import cache
 
 import pytest
 import torch
+from finetune_workers import MergeAtEnd
 from hf_models import HFCausalLM
 from launch import launch
 from lightning.pytorch.callbacks import Callback
@@ -110,10 +110,11 @@ def _world2(ckpt_dir: str) -> dict:
                                                     **CAPACITY, **MOE))
     # each block compiled: the dispatch's host sync breaks the graph, fp32 experts take the loop there
     out["ep2_compiled"] = fit(NDParallelStrategy(ep=2, compile=True), 2, 2, **MOE)
-    # LoRA on the experts' own parameters (PEFT's target_parameters): under FSDP2; refused under ep
+    # LoRA on the experts' own parameters (PEFT's target_parameters): under FSDP2 and under ep, merged and written
     out["lora_experts_fsdp2"] = fit(NDParallelStrategy(), 2, 2, module_cls=LoRAExpertsLM, arch="qwen3_moe")
-    out["lora_experts_ep2"] = error_of(lambda: fit(NDParallelStrategy(ep=2), 2, 2, module_cls=LoRAExpertsLM,
-                                                   arch="qwen3_moe", max_steps=1))
+    out["lora_experts_ep2"] = fit(NDParallelStrategy(ep=2), 2, 2, module_cls=LoRAExpertsLM, arch="qwen3_moe",
+                                  callbacks=[MergeAtEnd(f"{ckpt_dir}/lora_merged")])
+    out["lora_merged"] = f"{ckpt_dir}/lora_merged"
     for arch in ("qwen3_moe", "deepseek_v3"):  # experts whole on every tp rank: HF's expert tp styles left out
         out[f"{arch}_tp2"] = fit(NDParallelStrategy(dp_shard=1, tp=2), 2, 1, module_cls=HFCausalLM, arch=arch)
     for arch in HF_MOE:
@@ -175,6 +176,8 @@ def _world4() -> dict:
         out[name] = fit(NDParallelStrategy(**options), 4, options.get("dp_replicate", 1) * options["dp_shard"],
                         callbacks=callbacks, **model)
         out[name]["reshards"] = getattr(check, "units", None)
+    # LoRA adapters whole over ep, their experts' base weights split over ep and FSDP-sharded over the other 2
+    out["lora_experts_ep2_efsdp2"] = fit(NDParallelStrategy(ep=2), 4, 4, module_cls=LoRAExpertsLM, arch="qwen3_moe")
     # parallel folding: attention under tp, experts under ep
     out["mixtral_tp2_ep2"] = fit(NDParallelStrategy(dp_shard=2, tp=2, ep=2), 4, 2, module_cls=HFCausalLM,
                                  arch="mixtral")
@@ -378,12 +381,63 @@ def test_hugging_face_experts_under_tensor_parallelism(request, name, arch, worl
     assert_parity(request.getfixturevalue(world)[name], hf_reference(arch))
 
 
-def test_lora_on_the_experts_parameters_trains_under_fsdp2_and_is_refused_under_ep(world2):
-    reference = fit_reference(module_cls=LoRAExpertsLM, arch="qwen3_moe")
-    assert_parity(world2["lora_experts_fsdp2"], reference)
-    assert "lora_A" in " ".join(k for k in reference["weights"] if "experts" in k)  # adapters on the experts
-    assert re.search(r"ValueError: ep=2: .*carries LoRA adapters on the experts' parameters .*Train them with ep=1",
-                     world2["lora_experts_ep2"])
+@pytest.fixture(scope="module")
+def reference_lora_experts():
+    return fit_reference(module_cls=LoRAExpertsLM, arch="qwen3_moe")
+
+
+def test_lora_on_the_experts_parameters_trains_under_fsdp2_and_ep(world2, world4, reference_lora_experts):
+    """The adapters stack every expert's rank; under ep each rank trains its experts' slice of them (kept whole),
+    in parity with one process at ep2 and at ep2 x efsdp2."""
+    reference = reference_lora_experts
+    for result in (world2["lora_experts_fsdp2"], world2["lora_experts_ep2"], world4["lora_experts_ep2_efsdp2"]):
+        assert_parity(result, reference)
+    trained = {k: v for k, v in world2["lora_experts_ep2"]["weights"].items() if "experts" in k and "lora_B" in k}
+    assert {".experts.lora_B", ".experts.base_layer.lora_B"} == {k[k.index(".experts"):k.index("lora_B") + 6]
+                                                                  for k in trained}  # both stacked parameters
+    assert all(v.abs().max() > 1e-3 for v in trained.values())  # B starts at zero
+
+
+def test_lora_on_experts_merged_from_ep2_loads_with_from_pretrained(world2, reference_lora_experts):
+    """save_hf_pretrained from the ep2 run folds the experts' adapters into their stacked weights."""
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(world2["lora_merged"]).eval()
+    peft_model = LoRAExpertsLM()
+    peft_model.load_state_dict(reference_lora_experts["weights"])
+    probe = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (merged(input_ids=probe).logits - peft_model.eval()(probe)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_expert_lora_factors_of_a_slice_are_pefts_update_of_those_experts(transposed):
+    """The slice expert parallelism computes equals PEFT's own ``get_delta_weight`` there, for both layouts PEFT
+    stores (experts, in, out) and (experts, out, in) parameters in: fails if PEFT changes how it stacks adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_par.parallel.lora import active_expert_adapters, expert_lora_factors, unwrap_param_wrappers
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 6, 5))
+            if transposed:  # transformers' mark of experts stored (experts, in, out)
+                self.is_transposed = True
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts, self.head = Experts(), torch.nn.Linear(3, 3)
+
+    torch.manual_seed(0)
+    model = get_peft_model(Model(), LoraConfig(r=3, target_parameters=["experts.w"], init_lora_weights=False))
+    (wrapper,), core = unwrap_param_wrappers(model.base_model.model.experts)
+    assert core.w.shape == (4, 6, 5)
+    ((lora_a, lora_b, scaling),) = active_expert_adapters(wrapper)
+    lhs, rhs = expert_lora_factors(wrapper, lora_a, lora_b, first=2, count=2)
+    expected = wrapper.get_delta_weight("default")[2:4]
+    assert expected.abs().max() > 0.1 and (scaling * lhs @ rhs - expected).abs().max() <= 1e-6
 
 
 def test_checkpoint_from_ep2_resumes_without_expert_parallelism(world2, reference):

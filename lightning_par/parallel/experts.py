@@ -26,7 +26,7 @@ FSDP's own divide factor would do the first half, but torch versions divide diff
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_par._compat import all_to_all_single_autograd, in_backward, in_pipeline_metadata_inference
 from lightning_par.parallel.hf import outermost_hf_models
+from lightning_par.parallel.lora import active_expert_adapters, expert_lora_factors, unwrap_param_wrappers
 from lightning_par.parallel.modules import clean_name, fqn_matches, local_parameters
 from lightning_par.parallel.unused_parameters import not_a_routing_decision
 
@@ -45,7 +46,7 @@ from lightning_par.parallel.unused_parameters import not_a_routing_decision
 def num_experts_of(module: nn.Module, fqn: str) -> int:
     """The expert count of an experts module: the dim 0 its parameters share. Refuses a module without
     parameters or whose parameters disagree (it is then not an experts module in the sense above)."""
-    sizes = {name: p.shape[0] if p.ndim else 0 for name, p in module.named_parameters()}
+    sizes = {name: p.shape[0] if p.ndim else 0 for name, p in experts_core(module).named_parameters()}
     if not sizes or len(set(sizes.values())) != 1 or 0 in sizes.values():
         raise ValueError(
             f"ep_plan: `{fqn}` ({type(module).__name__}) is not an experts module: expert parallelism splits the "
@@ -118,29 +119,58 @@ class TokenCounter:
         self._handles = []
 
 
-def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Split ``module``'s experts over ``ep_mesh`` (1-D) and route its tokens to them (see the module docstring)."""
-    for name, param in list(module.named_parameters(recurse=False)):
+def experts_core(module: nn.Module) -> nn.Module:
+    """The experts module itself, inside PEFT's ``ParamWrapper``s when LoRA adapts its parameters."""
+    return unwrap_param_wrappers(module)[1]
+
+
+def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> str:
+    """Split ``module``'s experts over ``ep_mesh`` (1-D) and route its tokens to them (see the module docstring).
+    Returns the path from ``module`` to the module holding the experts' parameters ("" unless LoRA wraps it)."""
+    wrappers, core = unwrap_param_wrappers(module)
+    for name, param in list(core.named_parameters(recurse=False)):
         sharded = nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]), requires_grad=param.requires_grad)
-        module.register_parameter(name, sharded)
+        core.register_parameter(name, sharded)
     dispatch = _TokenDispatch(ep_mesh.get_group(), ep_mesh.size())  # one per module: its forward never nests
-    if is_hf_experts(module):
+    if is_hf_experts(core):
         _route_hf_experts(module, dispatch)
+    elif wrappers:
+        raise ValueError(
+            f"expert parallelism: LoRA adapters on the parameters of {type(core).__name__} (PEFT's "
+            f"target_parameters) are split by expert only for Hugging Face transformers' experts modules. Train them "
+            f"with ep=1 (FSDP2 shards the experts and their adapters), or keep LoRA off these experts.")
     else:
         module.register_forward_pre_hook(dispatch.send, with_kwargs=True)
         module.register_forward_hook(dispatch.receive)
+    return ".".join(["base_layer"] * len(wrappers))
 
 
 def is_hf_experts(module: nn.Module) -> bool:
-    """A transformers experts module (``@use_experts_implementation`` sets ``_is_expert_parallel`` in its init)."""
-    return hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts")
+    """A transformers experts module (``@use_experts_implementation`` sets ``_is_expert_parallel`` in its init),
+    also inside PEFT's LoRA wrappers."""
+    core = experts_core(module)
+    return hasattr(core, "_is_expert_parallel") and hasattr(core, "num_experts")
 
 
 def _route_hf_experts(module: nn.Module, dispatch: _TokenDispatch) -> None:
     """Replace the instance's forward: sort the (token, choice) rows by expert, send them, run the model's own forward
-    on this rank's experts, send the rows back, weight them and sum each token's choices."""
-    inner = module.forward
-    num_experts = module.num_experts
+    on this rank's experts, send the rows back, weight them and sum each token's choices.
+
+    With LoRA on the experts' parameters, ``module`` is PEFT's outermost ``ParamWrapper``: the experts module inside
+    is called (so that FSDP's hooks on it gather its shard) and runs on this rank's experts, each parameter adapted
+    by its slice of the adapters (:func:`_local_shards`)."""
+    wrappers, core = unwrap_param_wrappers(module)
+    num_experts = core.num_experts
+    if wrappers:
+        core_forward = core.forward
+
+        def adapted(*args: torch.Tensor) -> torch.Tensor:
+            with _local_shards(core, num_experts // dispatch.ep, wrappers, dispatch):
+                return core_forward(*args)
+
+        core.forward, inner = adapted, core
+    else:
+        inner = module.forward
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         k = top_k_index.shape[-1]
@@ -151,8 +181,11 @@ def _route_hf_experts(module: nn.Module, dispatch: _TokenDispatch) -> None:
             (rows, local_counts), _ = dispatch.send(module, (hidden_states[order // k], counts), {})
             local_index = torch.repeat_interleave(torch.arange(local_counts.numel(), device=rows.device),
                                                   local_counts, output_size=rows.shape[0]).unsqueeze(1)
-        with _local_shards(module, local_counts.numel()):
+        if wrappers:
             out = inner(rows, local_index, rows.new_ones(rows.shape[0], 1))
+        else:
+            with _local_shards(module, local_counts.numel()):
+                out = inner(rows, local_index, rows.new_ones(rows.shape[0], 1))
         out = dispatch.receive(module, (), out) * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         return torch.zeros_like(hidden_states).index_add(0, order // k, out.to(hidden_states.dtype))
 
@@ -160,15 +193,32 @@ def _route_hf_experts(module: nn.Module, dispatch: _TokenDispatch) -> None:
 
 
 @contextmanager
-def _local_shards(module: nn.Module, local_experts: int) -> Iterator[None]:
+def _local_shards(module: nn.Module, local_experts: int, wrappers: Sequence[nn.Module] = (),
+                  dispatch: _TokenDispatch | None = None) -> Iterator[None]:
     """The module's parameters as their local shards while its own forward runs, and ``num_experts`` the local
-    count; put back afterwards."""
+    count; put back afterwards. With LoRA ``wrappers``, each adapted parameter is its shard plus this rank's experts'
+    slice of the adapters' update (PEFT's own fold, ``W + scaling * lhs @ rhs`` in one ``baddbmm``). The adapters stay
+    whole on every rank of the ep group, each training its experts' slice: their gradient is multiplied by ``ep``,
+    which undoes the dispatch's ``1/ep`` (data parallelism then averages it over every data rank, ep's included)."""
     saved, module.num_experts = module.num_experts, local_experts
     try:
         with local_parameters(module):
+            for wrapper in wrappers:
+                _adapt_local_shard(module, wrapper, local_experts, dispatch)
             yield
     finally:
         module.num_experts = saved
+
+
+def _adapt_local_shard(module: nn.Module, wrapper: nn.Module, local_experts: int, dispatch: _TokenDispatch) -> None:
+    name = wrapper.parameter_name
+    weight = module._parameters[name]
+    first = dispatch.rank * local_experts
+    for lora_a, lora_b, scaling in active_expert_adapters(wrapper):
+        lora_a, lora_b = (_ScaleGradient.apply(w, float(dispatch.ep)) for w in (lora_a, lora_b))
+        lhs, rhs = expert_lora_factors(wrapper, lora_a, lora_b, first, local_experts)
+        weight = torch.baddbmm(weight, lhs.to(weight.dtype), rhs.to(weight.dtype), alpha=scaling)
+    module._parameters[name] = weight
 
 
 class _TokenDispatch:
@@ -176,7 +226,7 @@ class _TokenDispatch:
     permutation) lives here; a module's forward never interleaves with another forward of itself."""
 
     def __init__(self, group: dist.ProcessGroup, ep: int) -> None:
-        self.group, self.ep = group, ep
+        self.group, self.ep, self.rank = group, ep, dist.get_rank(group)
         self._pending: list[tuple[list[int], list[int], torch.Tensor]] = []
 
     def send(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

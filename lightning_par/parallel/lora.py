@@ -16,12 +16,19 @@ that path needs transformers to own the mesh, so here it is a plan):
 
 Anything else (adapters on embeddings, on layers with a gathered or vocabulary-parallel style, DoRA's magnitude
 vector) is refused, naming the layer.
+
+LoRA on a mixture of experts' stacked parameters (PEFT's ``target_parameters``) wraps the experts module in one
+``ParamWrapper`` per parameter, whose adapters stack every expert's rank: ``lora_A`` (r x experts, in) expert-major,
+``lora_B`` (out, r x experts) with the expert index fastest. Expert parallelism keeps them whole and computes each
+rank's experts' adapted weights from their slice (:func:`expert_lora_factors`), the way PEFT's ``get_delta_factors``
+computes all of them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
@@ -32,6 +39,44 @@ def is_lora_layer(module: nn.Module) -> bool:
     return (isinstance(getattr(module, "base_layer", None), nn.Module)
             and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
             and isinstance(getattr(module, "lora_B", None), nn.ModuleDict))
+
+
+def is_param_wrapper(module: nn.Module) -> bool:
+    """PEFT's LoRA on a parameter (``target_parameters``): a LoRA layer naming the parameter it adapts."""
+    return is_lora_layer(module) and isinstance(getattr(module, "parameter_name", None), str)
+
+
+def unwrap_param_wrappers(module: nn.Module) -> tuple[list[nn.Module], nn.Module]:
+    """The ``ParamWrapper`` chain around a module (outermost first; one per adapted parameter) and the module."""
+    wrappers = []
+    while is_param_wrapper(module):
+        wrappers.append(module)
+        module = module.base_layer
+    return wrappers, module
+
+
+def active_expert_adapters(wrapper: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """``(lora_A weight, lora_B weight, scaling)`` of each adapter that changes ``wrapper``'s parameter now: none
+    while adapters are disabled or merged into the weights (then PEFT runs the base layer alone)."""
+    if wrapper.disable_adapters or wrapper.merged:
+        return []
+    return [(wrapper.lora_A[a].weight, wrapper.lora_B[a].weight, wrapper.scaling[a])
+            for a in wrapper.active_adapters if a in wrapper.lora_A]
+
+
+def expert_lora_factors(wrapper: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor, first: int,
+                        count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lhs, rhs)`` with ``lhs @ rhs`` the update of experts ``first .. first + count`` of ``wrapper``'s stacked
+    parameter (before ``scaling``), shaped like that parameter's slice: PEFT's ``ParamWrapper.get_delta_factors``
+    for a slice of the experts (``tests/test_expert_parallel`` checks them against PEFT's ``get_delta_weight``)."""
+    experts = wrapper.num_experts
+    a = lora_a.view(experts, -1, lora_a.shape[-1])[first:first + count]  # (experts, r, in)
+    b = lora_b.view(lora_b.shape[0], -1, experts)[..., first:first + count].permute(2, 0, 1)  # (experts, out, r)
+    # PEFT stores (experts, out, in) parameters "swapped" (in/out features exchanged): all but those transformers
+    # marks is_transposed; the attribute says which it chose (a private one, hence the fallback to its rule)
+    swapped = getattr(wrapper, "_did_swap_in_out_features", not getattr(wrapper.get_base_layer(), "is_transposed",
+                                                                           False))
+    return (b, a) if swapped else (a.transpose(-2, -1), b.transpose(-2, -1))
 
 
 def lora_tp_entries(name: str, layer: nn.Module, style: Any, sequence_parallel: bool) -> dict[str, Any]:

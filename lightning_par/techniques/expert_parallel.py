@@ -44,12 +44,6 @@ class ExpertParallel(Technique):
                               ["model.blocks.*.mlp.experts"])
         everywhere = match_modules(target.whole, plan, "ep_plan")  # the whole model: every rank checks the same
         for fqn, module in everywhere:
-            if type(module).__name__ == "ParamWrapper":  # PEFT's LoRA on parameters (``target_parameters``)
-                raise ValueError(
-                    f"ep={dims.ep}: `{fqn}` carries LoRA adapters on the experts' parameters (PEFT's "
-                    f"`target_parameters`), whose adapters stack every expert's rank together; they are not split "
-                    f"by expert parallelism yet. Train them with ep=1 (FSDP2 shards the experts and their "
-                    f"adapters), or keep LoRA off the experts (`target_modules` on attention) under ep.")
             experts = num_experts_of(module, fqn)
             if experts % dims.ep:
                 raise ValueError(
@@ -58,9 +52,9 @@ class ExpertParallel(Technique):
         mine = [fqn for fqn, _ in everywhere if target.keep is None
                 or any(fqn == owner or fqn.startswith(owner + ".") for owner in target.keep)]
         ep_mesh = dims.expert_mesh()["ep"]
-        for fqn in mine:
-            apply_expert_parallel(target.module.get_submodule(fqn), ep_mesh)
-        target.experts = mine
+        # FSDP's experts units are the modules holding the experts' parameters (LoRA's wrappers stay in the block's)
+        target.experts = [".".join(filter(None, (fqn, apply_expert_parallel(target.module.get_submodule(fqn),
+                                                                              ep_mesh)))) for fqn in mine]
 
     def describe(self, dims: ParallelDims) -> str | None:
         if dims.ep == 1:
