@@ -5,7 +5,7 @@ from lightning_par.collectives import full_state_dict
 from lightning_par.dims import ParallelDims
 from lightning_par.expert_balance import ExpertBiasBalancer
 from lightning_par.lightning_checkpoints import to_lightning_checkpoint
-from lightning_par.parallel.context_routing import context_positions
+from lightning_par.parallel.context_routing import context_positions, local_sequence, whole_sequence
 from lightning_par.parallel.experts import attach_auxiliary_loss, auxiliary_loss_scale, local_experts
 from lightning_par.planner.search import plan_layouts
 from lightning_par.pretrained import load_hf_weights, save_hf_pretrained
@@ -40,9 +40,11 @@ __all__ = [
     "context_positions",
     "full_state_dict",
     "local_experts",
+    "local_sequence",
     "load_hf_weights",
     "plan_layouts",
     "save_hf_pretrained",
     "to_lightning_checkpoint",
+    "whole_sequence",
 ]
 __version__ = "0.1.0"

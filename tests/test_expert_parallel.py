@@ -31,6 +31,7 @@ AUX = dict(moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01)  # large enough to move 
 SEQUENCE_AUX = dict(moe_aux_loss_coef=0.1, moe_aux_loss="sequence")
 SEQUENCE_AUX_Z = dict(**SEQUENCE_AUX, moe_z_loss_coef=0.01)
 CAPACITY = dict(moe_capacity_factor=1.0)  # drops ~10 % of the tiny model's choices
+CAPACITY_POSITION = dict(moe_capacity_factor=1.0, moe_token_drop_policy="position")
 RATE = 1e-2  # the balancer's bias step: large enough to change routing within the 10 steps
 #: transformers' mixtures of experts, unchanged: ep from their config's base_model_ep_plan
 HF_MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
@@ -106,8 +107,9 @@ def _world2(ckpt_dir: str) -> dict:
     metrics = LastMetrics()
     out["ep2_capacity"] = fit(NDParallelStrategy(ep=2), 2, 2, callbacks=[metrics], **CAPACITY, **MOE)
     out["ep2_capacity"]["metrics"] = metrics.metrics
-    out["capacity_under_cp"] = error_of(lambda: fit(NDParallelStrategy(dp_shard=1, cp=2), 2, 1, max_steps=1,
-                                                    **CAPACITY, **MOE))
+    cp_metrics = LastMetrics()  # cp splits sequences: each capacity is decided on the whole (gathered) sequence
+    out["cp2_capacity"] = fit(NDParallelStrategy(dp_shard=1, cp=2), 2, 1, callbacks=[cp_metrics], **CAPACITY, **MOE)
+    out["cp2_capacity"]["metrics"] = cp_metrics.metrics
     # each block compiled: the dispatch's host sync breaks the graph, fp32 experts take the loop there
     out["ep2_compiled"] = fit(NDParallelStrategy(ep=2, compile=True), 2, 2, **MOE)
     # LoRA on the experts' own parameters (PEFT's target_parameters): under FSDP2 and under ep, merged and written
@@ -176,6 +178,9 @@ def _world4() -> dict:
         out[name] = fit(NDParallelStrategy(**options), 4, options.get("dp_replicate", 1) * options["dp_shard"],
                         callbacks=callbacks, **model)
         out[name]["reshards"] = getattr(check, "units", None)
+    # the latest tokens dropped, where cp's load-balanced chunks put them out of order
+    out["cp2_ep2_capacity_position"] = fit(NDParallelStrategy(dp_shard=2, cp=2, ep=2), 4, 2, **CAPACITY_POSITION,
+                                           **MOE)
     # LoRA adapters whole over ep, their experts' base weights split over ep and FSDP-sharded over the other 2
     out["lora_experts_ep2_efsdp2"] = fit(NDParallelStrategy(ep=2), 4, 4, module_cls=LoRAExpertsLM, arch="qwen3_moe")
     # parallel folding: attention under tp, experts under ep
@@ -281,16 +286,20 @@ def test_router_auxiliary_losses_under_pipelines_in_parity(world2):
     assert_parity(world2["pp2_zbv_sequence_aux_z_capacity"], fit_reference(**SEQUENCE_AUX_Z, **CAPACITY, **MOE4))
 
 
-def test_capacity_factor_drops_the_same_tokens_in_every_layout(world2):
-    """Capacities count each sequence's choices, so ep2 (and ZBV above) drop what one process drops; the share
-    dropped is logged as one process logs it; cp, which splits sequences, is refused on every rank."""
+def test_capacity_factor_drops_the_same_tokens_in_every_layout(world2, world4):
+    """Capacities count each sequence's choices, so ep2, cp2 (which decides on the gathered sequence), cp2 x ep2
+    and ZBV (above) drop what one process drops; the share dropped is logged as one process logs it."""
     metrics = LastMetrics()
     reference = fit_reference(callbacks=[metrics], **CAPACITY, **MOE)
-    assert_parity(world2["ep2_capacity"], reference)
-    dropped = world2["ep2_capacity"]["metrics"]["train/moe_dropped"]
-    assert 0.01 < dropped < 0.5 and abs(dropped - metrics.metrics["train/moe_dropped"]) < 1e-6
-    assert max_weight_diff(reference["weights"], fit_reference(**MOE)["weights"]) > 1e-3  # dropping changed it
-    assert "moe_capacity_factor=1.0 with cp=2" in world2["capacity_under_cp"]
+    for result in (world2["ep2_capacity"], world2["cp2_capacity"]):
+        assert_parity(result, reference)
+        dropped = result["metrics"]["train/moe_dropped"]
+        assert 0.01 < dropped < 0.5 and abs(dropped - metrics.metrics["train/moe_dropped"]) < 1e-6
+    dropless = fit_reference(**MOE)["weights"]
+    assert max_weight_diff(reference["weights"], dropless) > 1e-3  # dropping changed it
+    by_position = fit_reference(**CAPACITY_POSITION, **MOE)
+    assert_parity(world4["cp2_ep2_capacity_position"], by_position)
+    assert max_weight_diff(by_position["weights"], reference["weights"]) > 1e-3  # the policies differ
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])

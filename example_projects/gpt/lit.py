@@ -87,10 +87,6 @@ class GPTModule(pl.LightningModule):
         process accumulating those micro-batches; the per-sequence loss and the z-loss equal one process's on the
         whole batch."""
         dims = getattr(self.trainer.strategy, "dims", None)
-        if self.hparams.moe_capacity_factor is not None and dims is not None and dims.cp > 1:
-            raise ValueError(f"moe_capacity_factor={self.hparams.moe_capacity_factor} with cp={dims.cp}: the "
-                             f"capacity counts each sequence's tokens, which context parallelism splits over ranks. "
-                             f"Use moe_capacity_factor=null (dropless) with cp, or cp=1.")
         groups = {}
         if dims is not None and dims.has_mesh:
             for scope, mesh in (("global", "dp_cp"), ("sequence", "cp")):

@@ -1,9 +1,10 @@
 """A mixture-of-experts feed-forward layer for the example GPT: a token-choice top-k router, the experts as stacked
 weights run by one grouped matmul, and an optional shared expert (DeepSeek's) that every token passes through.
 
-Nothing here knows about parallelism beyond one courtesy: the experts read their weights through
+Nothing here knows about parallelism beyond two courtesies: the experts read their weights through
 ``lightning_par.local_experts`` (under expert parallelism each rank holds some of the experts and is handed only
-their tokens).
+their tokens), and a capacity per sequence is decided on the whole sequence (``lightning_par.whole_sequence``: under
+context parallelism each rank holds a part of it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_par import attach_auxiliary_loss, local_experts
+from lightning_par import attach_auxiliary_loss, local_experts, local_sequence, whole_sequence
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 #: the load-balancing loss counts the tokens per expert over the whole global micro-batch (Switch Transformer,
@@ -211,7 +212,14 @@ class MoE(nn.Module):
         return y.view(shape)
 
     def _within_capacity(self, choices: torch.Tensor, gates: torch.Tensor, sequences: int) -> torch.Tensor:
-        """Which of the token-major ``choices`` each expert has room for, per sequence."""
+        """Which of the token-major ``choices`` each expert has room for, per sequence: decided on the whole
+        sequences (gathered over the context-parallel ranks, each keeping its part of the answer)."""
+        k = self.router.top_k
+        whole = (whole_sequence(t.view(sequences, -1, k)).flatten() for t in (choices, gates))
+        keep = self._room(*whole, sequences)
+        return local_sequence(keep.view(sequences, -1, k)).flatten()
+
+    def _room(self, choices: torch.Tensor, gates: torch.Tensor, sequences: int) -> torch.Tensor:
         per_sequence = choices.numel() // sequences
         capacity = math.ceil(self.capacity_factor * per_sequence / self.num_experts)
         chosen = F.one_hot(choices, self.num_experts).view(sequences, per_sequence, self.num_experts)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_par.parallel.context import context_parallel_sdpa
-from lightning_par.parallel.context_sharding import sequence_positions, shard_sequence
+from lightning_par.parallel.context_sharding import sequence_positions, shard_sequence, unshard_sequence
 
 _ACTIVE: list[ContextParallelScope] = []
 
@@ -71,6 +71,22 @@ def context_positions(local_len: int, device: torch.device | str | None = None) 
         return torch.arange(local_len, device=device)
     scope = _ACTIVE[-1]
     return sequence_positions(local_len * scope.size, scope.rank, scope.size, scope.load_balance, device=device)
+
+
+def whole_sequence(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Every cp rank's part of ``tensor`` along its sequence dimension ``dim``, joined into the whole sequence in
+    order (a collective over the cp group; no gradient): for decisions a model makes over whole sequences, such as
+    an expert's capacity per sequence. ``tensor`` itself unless context parallelism is active."""
+    if not _ACTIVE:
+        return tensor
+    scope = _ACTIVE[-1]
+    return unshard_sequence(tensor.detach(), dim, scope.group, scope.load_balance)
+
+
+def local_sequence(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """This rank's part of a whole-sequence ``tensor`` (the inverse of :func:`whole_sequence`); ``tensor`` itself
+    unless context parallelism is active."""
+    return _ACTIVE[-1].shard(tensor, dim) if _ACTIVE else tensor
 
 
 def shard_batch(batch: Any, scope: ContextParallelScope, seq_dim: int = 1) -> Any:

@@ -71,7 +71,7 @@ def join_shards(shards: Sequence[torch.Tensor], dim: int, load_balance: bool = T
 def unshard_sequence(
     tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None, load_balance: bool = True
 ) -> torch.Tensor:
-    """Gather every rank's shard over the cp ``group`` and return the global tensor (no autograd; for tests/debug)."""
+    """Gather every rank's shard over the cp ``group`` and return the global tensor (no autograd)."""
     shards = [
         torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))
     ]
