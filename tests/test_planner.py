@@ -118,6 +118,15 @@ def test_experts_are_profiled_and_priced_under_expert_parallelism():
         8: whole[8] - expert_bytes, 2: whole[2]}
     one, two = (predict(Layout(dp_shard=4, ep=ep), profile, CPU, GLOBAL_BATCH // 4, 16) for ep in (1, 2))
     assert one.model_state == two.model_state and two.buffers < one.buffers
+    # recomputation: full checkpointing runs the dispatch again; selective keeps its two outputs per block
+    AC = {"none": False, "full": True, "selective": "selective"}
+    counts = {mode: sum(t.count for t in account(Layout(dp_shard=4, ep=2, activation_checkpointing=AC[mode]), profile,
+                                              GLOBAL_BATCH // 4, 16, "32-true").transfers if t.kind == "all_to_all")
+              for mode in ("none", "full", "selective")}
+    assert counts == {"none": 4, "full": 6, "selective": 4}
+    kept = [predict(Layout(dp_shard=4, ep=ep, activation_checkpointing="selective"), profile, CPU, GLOBAL_BATCH // 4,
+                    16).activations for ep in (1, 2)]
+    assert kept[1] - kept[0] == pytest.approx(4 * 2 * tokens / 4 * 2 * TINY_GPT["n_embd"] * 4)  # 4 blocks
     plan = plan_layouts(gpt(**MOE), batch(), 4, CPU)
     assert {p.layout.ep for p in plan.predictions} == {1, 2, 4}
     assert all(p.layout.dp_shard * p.layout.cp % p.layout.ep == 0 for p in plan.predictions)

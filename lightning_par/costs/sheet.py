@@ -26,6 +26,10 @@ class Transfer:
     nbytes: float  # the whole tensor of one message (an all-gather's output, an all-reduce's input)
     count: float
     overlappable: bool
+    # of ``count``, the messages the blocks' forward sends, which activation checkpointing's recomputation sends
+    # again: all of them under full checkpointing, those whose outputs the selective policy does not keep
+    recomputed_full: float = 0.0
+    recomputed_selective: float = 0.0
 
 
 @dataclass

@@ -257,7 +257,7 @@ def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float
             if state_key not in memo:
                 memo[state_key] = _rank_state(sheet, rank)
             act_key = ("activations", key, scale * sheet.activation_scale, sheet.tp, sheet.cp,
-                       sheet.sequence_parallel, sheet.loss_parallel, sheet.checkpointing)
+                       sheet.sequence_parallel, sheet.loss_parallel, sheet.checkpointing, sheet.dims.ep)
             if act_key not in memo:
                 memo[act_key] = _rank_activations(sheet, rank)
             flops_key = ("flops", key, scale, sheet.sequence_scale, sheet.tp, sheet.cp, sheet.checkpointing,
@@ -350,6 +350,8 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float]:
             kept += CHECKPOINT_RNG_BYTES
             if sheet.checkpointing == "selective":
                 kept += section.selective_kept.per_rank(tp, cp, sp, lp, scale)
+                if sheet.dims.ep > 1:  # the dispatch's two all-to-alls' outputs (kept: the profile traces no ep)
+                    kept += 2 * section.routed_bytes * scale / cp
                 if sp:  # its reduce-scatters' outputs, on this rank's sequence chunk
                     kept += section.reduce_scattered_bytes * scale / tp / cp
             peak_block = max(peak_block, full)  # recomputed in backward, one block at a time

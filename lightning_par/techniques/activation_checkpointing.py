@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lightning_par.checks import check_bool, check_checkpointing
 from lightning_par.costs.sheet import CostSheet
 from lightning_par.dims import ParallelDims
@@ -49,8 +51,15 @@ class ActivationCheckpointing(Technique):
     def account(self, sheet: CostSheet) -> None:
         """Full: a block keeps only its input until backward, which recomputes its forward (one more forward pass)
         and holds one block's activations at a time. Selective: the block also keeps the outputs the policy names,
-        and backward recomputes only the rest (the profile measured both)."""
+        and backward recomputes only the rest (the profile measured both). The recomputation sends the blocks'
+        forward collectives again (the earlier techniques' transfers say how many; selective keeps some outputs)."""
         sheet.checkpointing = self.mode
+        if self.mode == "none":
+            return
+        for t in list(sheet.transfers):
+            count = t.recomputed_full if self.mode == "full" else t.recomputed_selective
+            if count:
+                sheet.transfers.append(replace(t, count=count, recomputed_full=0.0, recomputed_selective=0.0))
 
 
 class Compile(Technique):

@@ -61,10 +61,13 @@ class ContextParallel(Technique):
         for kv, k in attentions.items():
             if not kv:
                 continue
+            # a recomputed forward sends the forward's messages again (no checkpointing policy keeps them)
             if self.algorithm == "ring":  # forward: cp-1 hops of K/V; backward: again, plus cp hops of dK/dV
-                sheet.transfers.append(Transfer("cp", "cp", "send_recv", kv, (2 * (cp - 1) + cp * grad) * m * k, True))
+                forward = (cp - 1) * m * k
+                sheet.transfers.append(Transfer("cp", "cp", "send_recv", kv, (2 * (cp - 1) + cp * grad) * m * k, True,
+                                                forward, forward))
             else:
-                sheet.transfers.append(Transfer("cp", "cp", "all_gather", kv * cp, 2 * m * k, True))
+                sheet.transfers.append(Transfer("cp", "cp", "all_gather", kv * cp, 2 * m * k, True, m * k, m * k))
                 sheet.transfers.append(Transfer("cp", "cp", "reduce_scatter", grad * kv * cp, m * k, True))
 
     def describe(self, dims: ParallelDims) -> str | None:

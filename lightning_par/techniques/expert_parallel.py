@@ -66,7 +66,8 @@ class ExpertParallel(Technique):
         their experts and back, in forward and again in backward (and in the recomputed forward under activation
         checkpointing), each leaving ``(ep - 1) / ep`` of its bytes to other ranks with the router's load even.
         Memory is unchanged (the experts are sharded over ``efsdp x ep``, as many ranks as FSDP would use); what
-        ep saves, FSDP's account prices: each rank gathers only its own experts, over ``efsdp``. Not priced: the
+        ep saves, FSDP's account prices: each rank gathers only its own experts, over ``efsdp`` (selective
+        checkpointing keeps the all-to-alls' outputs: the activations' prediction adds them). Not priced: the
         all-to-all of the counts and its host sync (latency, per layer), and an uneven load."""
         dims = sheet.dims
         if dims.ep == 1 or not sheet.profile.num_experts:
@@ -76,11 +77,12 @@ class ExpertParallel(Technique):
         routed = max(sum(sheet.profile.sections[s].routed_bytes for s in set(sections)) for sections in ranks)
         if not routed:
             return
-        passes = 4 + (2 if sheet.checkpointing != "none" else 0)  # out and back, forward and backward (+ recompute)
         # tensor parallelism leaves the experts whole: every tp rank routes the micro-batch's tokens (its cp chunk)
         nbytes = routed * sheet.token_scale * sheet.activation_scale / dims.cp
-        sheet.transfers.append(Transfer("all_to_all", "ep", "all_to_all", nbytes, passes * sheet.microbatches,
-                                        False))
+        # out and back, in forward and in backward; the recomputed forward sends the first two again under full
+        # checkpointing (selective keeps the all-to-alls' outputs: lightning_par.parallel.recompute.KEPT_OPS)
+        m = sheet.microbatches
+        sheet.transfers.append(Transfer("all_to_all", "ep", "all_to_all", nbytes, 4 * m, False, recomputed_full=2 * m))
 
 
 def _matches_some_module(root: nn.Module, pattern: str) -> bool:

@@ -90,7 +90,11 @@ class TensorParallel(Technique):
         blocks = max(sum(s not in ("first", "last") for s in r) for r in sheet.rank_sections)
         tokens, m = sheet.microbatch_tokens, sheet.microbatches
         residual = tokens * sheet.profile.hidden_bytes * sheet.activation_scale
-        sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, 4 * blocks * m, False))
+        # recomputed forwards send their two again; selective keeps the reduce-scatters of sequence parallelism,
+        # and the all-gathers it sends again cost half an all-reduce each
+        forward = 2 * blocks * m
+        sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, 4 * blocks * m, False, forward,
+                                        forward / 2 if self.sequence_parallel else forward))
         embeddings, heads, whole, head_norms = _planned_modules(sheet.profile, frozenset(sections))
         for _ in range(embeddings):
             sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, m, False))
