@@ -6,7 +6,12 @@ from lightning_par.dims import ParallelDims
 from lightning_par.expert_balance import ExpertBiasBalancer
 from lightning_par.lightning_checkpoints import to_lightning_checkpoint
 from lightning_par.parallel.context_routing import context_positions, local_sequence, whole_sequence
-from lightning_par.parallel.experts import attach_auxiliary_loss, auxiliary_loss_scale, local_experts
+from lightning_par.parallel.experts import (
+    attach_auxiliary_loss,
+    auxiliary_loss_scale,
+    count_dropped_choices,
+    local_experts,
+)
 from lightning_par.planner.search import plan_layouts
 from lightning_par.pretrained import load_hf_weights, save_hf_pretrained
 from lightning_par.strategies.auto import AutoParallelStrategy
@@ -37,6 +42,7 @@ __all__ = [
     "attach_auxiliary_loss",
     "auxiliary_loss_scale",
     "consolidate_checkpoint",
+    "count_dropped_choices",
     "context_positions",
     "full_state_dict",
     "local_experts",

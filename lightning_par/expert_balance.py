@@ -57,13 +57,13 @@ class ExpertBiasBalancer(Callback):
         if self.counter is None:
             return
         dims = getattr(trainer.strategy, "dims", None)  # every rank: the whole global batch's tokens
-        counts = self.counter.summed(dims.mesh("dp_cp").get_group() if dims is not None else None)
+        counts, _, _ = self.counter.summed(dims.mesh("dp_cp").get_group() if dims is not None else None)
         with torch.no_grad():
             for bias, layer in zip(self.biases, counts):
                 layer = layer[: bias.numel()]
                 delta = torch.sign(layer.mean() - layer) * self.update_rate
                 bias.add_((delta - delta.mean()).to(bias.dtype))
-        self.counter.counts.zero_()
+        self.counter.zero_()
 
 
 def _bias_of(root: torch.nn.Module, experts_name: str) -> torch.Tensor:

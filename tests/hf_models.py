@@ -53,6 +53,12 @@ TINY_CONFIGS.update({
                              "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4,
                              "v_head_dim": 8, "qk_head_dim": 8, "pad_token_id": 0, "bos_token_id": 1,
                              "eos_token_id": 2, "index_head_dim": 8, "index_n_heads": 4}),
+    # stacked shared experts (bare 3-D parameters, HF's 'all_reduce' owner), an embedding that normalizes its
+    # lookup, short convolutions and a relative position bias in the attention
+    "inkling_text": ("InklingTextConfig", {"head_dim": 8, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
+                                           "swa_head_dim": 8, "sliding_window_size": 8, "rel_extent": 32,
+                                           "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 2,
+                                           "moe_intermediate_size": 32, "pad_token_id": 0}),
 })
 _EAGER = ("gemma2", "gpt_oss", "granite_swa", "hy_v4")  # no SDPA path in transformers
 

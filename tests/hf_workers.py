@@ -89,6 +89,8 @@ def world2(ckpt_dir: str) -> dict[str, Any]:
     # gathers the sequence), and multi-head latent attention with sinks (HY-V4: the rope part's gradient summed)
     out["tp_sp_lp_attention_sinks"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="granite_swa")
     out["tp_latent_attention_sinks"] = hf_fit(NDParallelStrategy(dp_shard=1, tp=2), 2, 1, arch="hy_v4")
+    # stacked shared experts split on their intermediate dim ('partial_sum': output and input gradients all-reduced)
+    out["tp_stacked_shared_experts"] = hf_fit(NDParallelStrategy(dp_shard=1, tp=2), 2, 1, arch="inkling_text")
     out["errors"]["attention_bias_under_cp"] = error_of(_attention_with_a_bias_under_cp)
     # Apertus's plan leaves its xIELU activation whole on split activations: found after the first backward; with
     # the activation marked 'head_norm' (whole weights, gradients summed over tp) it trains in parity

@@ -22,7 +22,7 @@ from workers import TINY_GPT, assert_parity, error_of, fit, fit_reference, max_w
 from lightning_par import ExpertBiasBalancer, NDParallelStrategy
 from lightning_par.callbacks import ExpertLoadMonitor
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.experts import _group_by_expert
+from lightning_par.parallel.experts import TokenCounter, _group_by_expert
 
 MOE = dict(n_experts=4, moe_top_k=2)
 SHARED_SIGMOID = dict(n_experts=4, moe_top_k=2, moe_shared_expert=True, moe_router="sigmoid")
@@ -108,8 +108,11 @@ def _world2(ckpt_dir: str) -> dict:
     out["ep2_capacity"] = fit(NDParallelStrategy(ep=2), 2, 2, callbacks=[metrics], **CAPACITY, **MOE)
     out["ep2_capacity"]["metrics"] = metrics.metrics
     cp_metrics = LastMetrics()  # cp splits sequences: each capacity is decided on the whole (gathered) sequence
-    out["cp2_capacity"] = fit(NDParallelStrategy(dp_shard=1, cp=2), 2, 1, callbacks=[cp_metrics], **CAPACITY, **MOE)
+    cp_monitor = ExpertLoadMonitor(log_every_n_steps=5, heatmap_every_n_steps=None)
+    out["cp2_capacity"] = fit(NDParallelStrategy(dp_shard=1, cp=2), 2, 1, callbacks=[cp_metrics, cp_monitor],
+                              **CAPACITY, **MOE)
     out["cp2_capacity"]["metrics"] = cp_metrics.metrics
+    out["cp2_capacity"]["expert_load"] = cp_monitor.last
     # each block compiled: the dispatch's host sync breaks the graph, fp32 experts take the loop there
     out["ep2_compiled"] = fit(NDParallelStrategy(ep=2, compile=True), 2, 2, **MOE)
     # LoRA on the experts' own parameters (PEFT's target_parameters): under FSDP2 and under ep, merged and written
@@ -288,18 +291,48 @@ def test_router_auxiliary_losses_under_pipelines_in_parity(world2):
 
 def test_capacity_factor_drops_the_same_tokens_in_every_layout(world2, world4):
     """Capacities count each sequence's choices, so ep2, cp2 (which decides on the gathered sequence), cp2 x ep2
-    and ZBV (above) drop what one process drops; the share dropped is logged as one process logs it."""
+    and ZBV (above) drop what one process drops; the share dropped is logged as one process logs it, by the example
+    and by the expert-load monitor (per layer, over its window and the ranks)."""
     metrics = LastMetrics()
-    reference = fit_reference(callbacks=[metrics], **CAPACITY, **MOE)
+    monitor = ExpertLoadMonitor(log_every_n_steps=5, heatmap_every_n_steps=None)
+    reference = fit_reference(callbacks=[metrics, monitor], **CAPACITY, **MOE)
     for result in (world2["ep2_capacity"], world2["cp2_capacity"]):
         assert_parity(result, reference)
         dropped = result["metrics"]["train/moe_dropped"]
         assert 0.01 < dropped < 0.5 and abs(dropped - metrics.metrics["train/moe_dropped"]) < 1e-6
+    logged = {k: v for k, v in world2["cp2_capacity"]["expert_load"].items() if "dropped" in k}
+    alone = {k: v for k, v in monitor.last.items() if "dropped" in k}
+    assert len(alone) == TINY_GPT["n_layer"] + 3 and 0.01 < alone["moe/dropped/mean"] < 0.5
+    assert logged.keys() == alone.keys() and all(abs(logged[k] - alone[k]) < 1e-12 for k in alone)
     dropless = fit_reference(**MOE)["weights"]
     assert max_weight_diff(reference["weights"], dropless) > 1e-3  # dropping changed it
     by_position = fit_reference(**CAPACITY_POSITION, **MOE)
     assert_parity(world4["cp2_ep2_capacity_position"], by_position)
     assert max_weight_diff(by_position["weights"], reference["weights"]) > 1e-3  # the policies differ
+
+
+def test_the_monitors_counter_sees_what_the_capacity_dropped():
+    """Counted plus dropped choices per expert are the router's choices; a dropless model reports nothing."""
+    from example_projects.gpt.moe import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(16, 4, 2, 32, capacity_factor=0.75).train()
+    counter = TokenCounter([("experts", moe.experts)], torch.device("cpu"))
+    x = torch.randn(3, 8, 16)
+    moe(x)
+    _, chosen, _ = moe.router(x.reshape(-1, 16), sequences=3)
+    counts, dropped, reports = counter.summed(None)
+    assert torch.equal(counts + dropped, torch.bincount(chosen.flatten(), minlength=4).double()[None])
+    assert dropped.sum() == round(float(moe.last_dropped) * chosen.numel()) > 0 and reports.tolist() == [1.0]
+    with torch.no_grad():  # not a training forward
+        moe(x)
+    counter.remove()
+    moe(x)  # no longer watched
+    assert counter.reports.tolist() == [1.0]
+    dropless = MoE(16, 4, 2, 32).train()
+    quiet = TokenCounter([("experts", dropless.experts)], torch.device("cpu"))
+    dropless(x)
+    assert quiet.reports.tolist() == [0.0] and quiet.dropped.sum() == 0 and quiet.counts.sum() == chosen.numel()
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])

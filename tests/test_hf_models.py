@@ -71,7 +71,8 @@ def test_pipeline_uneven_split_and_activation_checkpointing(w2, name):
                                           ("tp_sp_lp_linear_attention", "qwen3_5"),
                                           ("tp_learnable_activation", "apertus"),
                                           ("tp_sp_lp_attention_sinks", "granite_swa"),
-                                          ("tp_latent_attention_sinks", "hy_v4")])
+                                          ("tp_latent_attention_sinks", "hy_v4"),
+                                          ("tp_stacked_shared_experts", "inkling_text")])
 def test_more_architectures(w2, name, arch):
     """gpt-oss's attention sinks under cp; under tp with SP and LP: Qwen3's per-head q/k norms (weights whole,
     gradients summed over tp), Phi-3's projections whose outputs its plan gathers whole (the sequence is gathered
@@ -81,7 +82,10 @@ def test_more_architectures(w2, name, arch):
     parameters under tp (attention sinks: split by head, the attention run on this rank's shards) with SP and LP,
     and multi-head latent attention (HY-V4's kv_a_proj_with_mqa: whole, its rope output's gradient summed over
     tp; without that sum its gradients differ across the tp ranks, which the strategy refuses after the first
-    backward)."""
+    backward). Inkling's stacked shared experts (bare 3-D parameters split on the intermediate dim, HF's
+    'all_reduce' owner: output summed over tp, and the gradients of its hidden states and router weights too;
+    without the latter the ranks' gradients differ, refused after the first backward) and its normalizing
+    embedding (kept whole: a vocabulary split would normalize partial lookups)."""
     sgd = {"optimizer": "sgd"} if arch == "apertus" else {}
     assert_parity(w2[0][name], reference(arch, **sgd), steps=STEPS)
 

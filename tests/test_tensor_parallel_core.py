@@ -95,6 +95,10 @@ class Holder(nn.Module):
         self.model = model
 
 
+#: a stacked MLP's plan (StackedMLP below), as Hugging Face writes it for Inkling's shared experts
+STACKED_PLAN = {"model": "all_reduce", "model.gate": "colwise", "model.down": "rowwise"}
+
+
 def test_resolve_prefers_user_plan_then_attribute():
     holder = Holder(tiny_gpt())
     holder.tp_plan = prefix_plan(GPT_TP_PLAN, "model")
@@ -219,10 +223,46 @@ BAD_PLANS = {
     "bare parameter heads": (lambda: Holder(Sinks(heads=3)), {"model.sinks": "colwise"}, 2, {},
                              ["model.sinks (shape (3,))", "tp=2 cannot divide"]),
     "packed bare parameter": (lambda: Holder(Sinks(packed=True)), {"model.packed": "colwise"}, 2, {},
-                              ["bare parameters of 2 dimensions", "per-head vector"]),
+                              ["bare parameters of 2 dimensions", "mark its owner 'model' 'partial_sum'"]),
+    # stacked bare parameters inside a 'partial_sum' module (HF's 'all_reduce'): every one named, split evenly
+    "partial sum without an entry": (lambda: Holder(StackedMLP()), {"model": "all_reduce", "model.gate": "colwise"},
+                                     2, {}, ["'model.down' (shape (2, 8, 4)) has none", "'rowwise' (dim -1"]),
+    "partial sum of a vector rowwise": (lambda: Holder(StackedMLP(bias=True)),
+                                        {"model": "partial_sum", "model.gate": "colwise", "model.down": "rowwise",
+                                         "model.bias": "rowwise"}, 2, {}, ["'model.bias' (shape (8,))",
+                                                                           "a vector would be summed over tp"]),
+    "partial sum split unevenly": (lambda: Holder(StackedMLP()), STACKED_PLAN, 3, {},
+                                   ["model.gate (shape (2, 4, 8)) splits dim -2 3 ways", "tp=3 cannot divide"]),
+    "partial sum with children": (lambda: Holder(StackedMLP(child=True)), STACKED_PLAN, 2, {},
+                                  ["'model' is 'partial_sum'", "child modules hold parameters", "model.child.weight"]),
+    "partial sum under sequence parallelism": (lambda: Holder(StackedMLP()), STACKED_PLAN, 2,
+                                               {"sequence_parallel": True},
+                                               ["'model' is 'partial_sum'", "sequence_parallel=False"]),
     "latent attention without a rope size": (lambda: Holder(Sinks()), {"model.kv_a": "mla_kv_a_proj"}, 2, {},
                                              ["'model.kv_a' is 'mla_kv_a_proj'", "qk_rope_head_dim"]),
 }
+
+
+class StackedMLP(nn.Module):
+    """Stacked experts as bare 3-D parameters (Inkling's shared experts): gate (experts, hidden, dim) and down
+    (experts, dim, hidden), summed over the experts and the hidden dim."""
+
+    def __init__(self, bias: bool = False, child: bool = False) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(2, 4, 8))
+        self.down = nn.Parameter(torch.zeros(2, 8, 4))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(8))
+        if child:
+            self.child = nn.Linear(8, 8)
+
+
+class NormedEmbedding(nn.Embedding):
+    """Inkling's embedding: its forward normalizes the lookup (a vocabulary split would normalize partial sums)."""
+
+    def __init__(self) -> None:
+        super().__init__(16, 8)
+        self.norm = nn.LayerNorm(8)
 
 
 class Sinks(nn.Module):
@@ -236,6 +276,26 @@ class Sinks(nn.Module):
             self.scale = nn.Parameter(torch.ones(1))
         if packed:
             self.packed = nn.Parameter(torch.zeros(4, 8))
+
+
+def test_stacked_parameters_of_a_partial_sum_module_validate():
+    """HF's 'all_reduce' owner is 'partial_sum': its 'colwise' bare parameters split on dim -2, 'rowwise' on dim -1.
+    Inkling's plan (stacked shared experts; its normalizing embedding's entry left out, the embedding kept whole)."""
+    from hf_models import HFCausalLM
+
+    from lightning_par.parallel.tensor_plan import partial_sum_params
+
+    holder = Holder(StackedMLP())
+    assert validate_tp_plan(holder, STACKED_PLAN, 2) == {"model": "partial_sum"}
+    assert partial_sum_params(holder, STACKED_PLAN, 2) == {"model": {"gate": -2, "down": -1}}
+    inkling = HFCausalLM("inkling_text")
+    plan = resolve_tp_plan(inkling, None)
+    assert plan["model.model.layers.*.mlp.shared_experts"] == "all_reduce"
+    assert not any("embed_tokens" in key for key in plan)
+    resolved = validate_tp_plan(inkling, plan, 2)
+    assert resolved["model.model.layers.3.mlp.shared_experts"] == "partial_sum"
+    assert partial_sum_params(inkling, plan, 2)["model.model.layers.0.mlp.shared_experts"] == {
+        "gate_proj": -2, "up_proj": -2, "down_proj": -1}
 
 
 def test_bare_per_head_parameters_and_latent_attention_validate():
@@ -253,6 +313,9 @@ BAD_TYPES = {
     "embedding style on a linear": (lambda: tiny_gpt(), {"head": "vocab_parallel_embedding"},
                                     ["shards an nn.Embedding", "'head' is a Linear"]),
     "sequence_parallel on a linear": (lambda: tiny_gpt(), {"head": "sequence_parallel"}, ["norms and dropout"]),
+    "embedding that runs more": (lambda: Holder(NormedEmbedding()), {"model": "embedding_rowwise"},
+                                 ["'model' (NormedEmbedding) also runs child modules", "['norm.weight', 'norm.bias']",
+                                  "Drop the entry"]),
 }
 
 
@@ -298,3 +361,31 @@ def test_good_plans_validate():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     validate_tp_plan(model, GPT_TP_PLAN, 2)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "validation changed the model"
+
+
+def test_per_head_norms_a_hugging_face_plan_omits_are_head_norms():
+    """Sarvam-MoE's plan splits the attention's heads but names no entry for its per-head q/k norms (GLM-4-MoE's code
+    with ``use_qk_norm``): they become 'head_norm' (whole weights, gradients summed over tp), as Qwen3's plan says
+    itself; a norm over the whole hidden size is not one."""
+    import transformers
+
+    config = transformers.SarvamMoEConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        use_qk_norm=True, first_k_dense_replace=1)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    plan = resolve_tp_plan(model, None)
+    for layer in range(2):
+        for norm in ("q_norm", "k_norm"):
+            assert plan[f"model.layers.{layer}.self_attn.{norm}"] == "head_norm"
+    assert not any(key.endswith("layernorm") and style == "head_norm" for key, style in plan.items())
+    assert validate_tp_plan(model, plan, 2)["model.layers.1.self_attn.q_norm"] == "head_norm"
+    qwen3 = tiny_hf_plan_of("qwen3")
+    assert qwen3["model.model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    assert not any(style == "head_norm" for style in qwen3.values())  # its own entries cover them
+
+
+def tiny_hf_plan_of(arch: str) -> dict:
+    from hf_models import HFCausalLM
+
+    return resolve_tp_plan(HFCausalLM(arch), None)

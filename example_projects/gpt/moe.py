@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_par import attach_auxiliary_loss, local_experts, local_sequence, whole_sequence
+from lightning_par import (
+    attach_auxiliary_loss,
+    count_dropped_choices,
+    local_experts,
+    local_sequence,
+    whole_sequence,
+)
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 #: the load-balancing loss counts the tokens per expert over the whole global micro-batch (Switch Transformer,
@@ -199,6 +205,7 @@ class MoE(nn.Module):
             keep = self._within_capacity(choices, gates, sequences)
             if self.training and torch.is_grad_enabled():
                 self.last_dropped = 1.0 - keep.float().mean().detach()
+                count_dropped_choices(self.experts, choices[~keep])  # for the ExpertLoadMonitor, per expert
             choices, gates, token_of = choices[keep], gates[keep], token_of[keep]
         order = choices.argsort(stable=True)  # the choices grouped by expert
         counts = torch.histc(choices.float(), bins=self.num_experts, min=0, max=self.num_experts - 1).long()

@@ -3,9 +3,11 @@
 Counts the (token, choice) rows each experts module receives per expert, over the training batches between two
 logging steps and over every data-parallel rank (the routing decisions of the whole global batch), and logs per
 layer the busiest expert's load relative to the mean (``moe/<layer>/max_over_mean``: 1.0 is perfect balance, E means
-one expert took everything) and the share of experts that got no token, plus their worst and mean over layers; and a
-layers x experts heat map of the token shares (PNG, TensorBoard and Weights & Biases image). Expert parallelism
-makes the busiest expert's rank the step's straggler, so ``max_over_mean`` is also its slowdown bound.
+one expert took everything) and the share of experts that got no token, plus their worst and mean over layers; for a
+model that drops choices over a capacity and reports them (:func:`lightning_par.count_dropped_choices`), the share
+dropped per layer (``moe/<layer>/dropped``, its mean and max, and the worst expert's); and a layers x experts heat
+map of the token shares (PNG, TensorBoard and Weights & Biases image). Expert parallelism makes the busiest
+expert's rank the step's straggler, so ``max_over_mean`` is also its slowdown bound.
 
 The experts modules are the ones expert parallelism splits: the strategy's ``ep_plan``, else the LightningModule's
 ``ep_plan`` attribute, else the Hugging Face models' ``base_model_ep_plan``; with or without ``ep > 1``.
@@ -73,8 +75,8 @@ class ExpertLoadMonitor(Callback):
         if self.counter is None or step == 0 or step % every:
             return
         with monitor_overhead():
-            layers, counts = _global_counts(trainer, self.counter)  # collective: every rank
-            self.counter.counts.zero_()
+            layers, counts, dropped, reports = _global_counts(trainer, self.counter)  # collective: every rank
+            self.counter.zero_()
             shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
             load = shares * shares.shape[1]  # 1.0 = an even share
             metrics = {}
@@ -86,6 +88,7 @@ class ExpertLoadMonitor(Callback):
             metrics["moe/max_over_mean/max"] = float(per_layer.max())
             metrics["moe/max_over_mean/mean"] = float(per_layer.mean())
             metrics["moe/idle_experts/mean"] = float((load == 0).double().mean())
+            metrics.update(_dropped_metrics(layers, counts, dropped, reports))
             self.last, self.last_shares = metrics, shares.cpu()
             if trainer.global_rank != 0:
                 return
@@ -137,14 +140,35 @@ def _short_names(names: list[str]) -> list[str]:
     return [".".join(p[head:len(p) - tail]) for p in parts]
 
 
-def _global_counts(trainer: pl.Trainer, counter: TokenCounter) -> tuple[list[str], torch.Tensor]:
-    """Sum over the ranks that read different tokens (data x context parallel; tp ranks see the same tokens; under
-    another strategy every rank reads its own), then gather the layers of every pipeline rank (each holds its
-    stages' layers), in pipeline order."""
+def _dropped_metrics(layers: list[str], counts: torch.Tensor, dropped: torch.Tensor,
+                     reports: torch.Tensor) -> dict[str, float]:
+    """Of the layers whose model reported its capacity's drops (:func:`lightning_par.count_dropped_choices`): the
+    share of routed choices dropped per layer, its mean and maximum over them, and the share of the most-dropping
+    expert's choices (the expert the router overloads most)."""
+    reporting = reports > 0
+    if not bool(reporting.any()):
+        return {}
+    routed = (counts + dropped)[reporting]
+    share = dropped[reporting].sum(dim=1) / routed.sum(dim=1).clamp(min=1)
+    metrics = {f"moe/{name}/dropped": float(v) for name, v in zip(
+        [n for n, r in zip(layers, reporting.tolist()) if r], share)}
+    metrics["moe/dropped/mean"] = float(share.mean())
+    metrics["moe/dropped/max"] = float(share.max())
+    metrics["moe/dropped/worst_expert"] = float((dropped[reporting] / routed.clamp(min=1)).max())
+    return metrics
+
+
+def _global_counts(trainer: pl.Trainer, counter: TokenCounter
+                   ) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(layers, counts, dropped, reports): summed over the ranks that read different tokens (data x context
+    parallel; tp ranks see the same tokens; under another strategy every rank reads its own), then the layers of
+    every pipeline rank gathered (each holds its stages' layers), in pipeline order."""
     dims = getattr(trainer.strategy, "dims", None)
-    layers, total = counter.names, counter.summed(dims.mesh("dp_cp").get_group() if dims is not None else None)
+    totals = counter.summed(dims.mesh("dp_cp").get_group() if dims is not None else None)
     if dims is None or dims.pp == 1:
-        return layers, total
+        return (counter.names, *totals)
     parts: list[Any] = [None] * dims.pp
-    dist.all_gather_object(parts, (layers, total.cpu()), group=dims.mesh("pp").get_group())
-    return [n for names, _ in parts for n in names], torch.cat([c for _, c in parts if len(c)]).to(total)
+    dist.all_gather_object(parts, (counter.names, [t.cpu() for t in totals]), group=dims.mesh("pp").get_group())
+    device = totals[0].device
+    layers = [n for names, _ in parts for n in names]
+    return (layers, *(torch.cat([ts[i] for _, ts in parts if len(ts[i])]).to(device) for i in range(3)))

@@ -26,6 +26,7 @@ FSDP's own divide factor would do the first half, but torch versions divide diff
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -85,38 +86,79 @@ class TokenCounter:
     """Counts the (token, choice) rows each experts module is given per expert, in training forwards (not in
     activation checkpointing's recompute, which runs inside backward), before any expert-parallel dispatch (its hook
     runs first), nor in the forward a pipeline stage runs for its shapes. ``counts``: (modules, experts) float64 on
-    ``device``, this rank's tokens only."""
+    ``device``, this rank's tokens only. ``dropped``: the same for the choices a capacity dropped before they reached
+    the module, as the model reports them (:func:`count_dropped_choices`); ``reports``: how many forwards reported
+    (0 for a model that never drops)."""
 
     def __init__(self, experts: list[tuple[str, nn.Module]], device: torch.device) -> None:
         self.names = [name for name, _ in experts]
         width = max((num_experts_of(m, name) for name, m in experts), default=0)  # DTensor shapes are global
         self.counts = torch.zeros(len(experts), width, dtype=torch.float64, device=device)
+        self.dropped = torch.zeros_like(self.counts)
+        self.reports = torch.zeros(len(experts), dtype=torch.float64, device=device)
         self._hf = [is_hf_experts(module) for _, module in experts]
         self._handles = [
             module.register_forward_pre_hook(lambda m, args, kwargs, i=i: self._count(i, args, kwargs),
                                              with_kwargs=True, prepend=True)
             for i, (_, module) in enumerate(experts)]
+        self._modules = [module for _, module in experts]
+        for i, module in enumerate(self._modules):
+            _DROP_COUNTERS.setdefault(module, []).append((self, i))
 
     def _count(self, layer: int, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled() or in_backward() or in_pipeline_metadata_inference():
+        if not _counted_forward():
             return
         second = (list(args) + list(kwargs.values()))[1].detach()
         if self._hf[layer]:  # the routed expert of every (token, choice)
             second = torch.bincount(second.reshape(-1), minlength=self.counts.shape[1])
         self.counts[layer, : second.numel()] += second.to(self.counts)
 
-    def summed(self, group: dist.ProcessGroup | None) -> torch.Tensor:
-        """The counts summed over the ranks of ``group`` (collective; ``None``: the world, or no process group at
-        all): the ranks that read different tokens."""
-        total = self.counts.clone()
+    def count_dropped(self, layer: int, choices: torch.Tensor) -> None:
+        self.dropped[layer] += torch.bincount(choices.detach().reshape(-1).long(),
+                                              minlength=self.dropped.shape[1]).to(self.dropped)
+        self.reports[layer] += 1
+
+    def zero_(self) -> None:
+        for t in (self.counts, self.dropped, self.reports):
+            t.zero_()
+
+    def summed(self, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(counts, dropped, reports) summed over the ranks of ``group`` (one collective; ``None``: the world, or no
+        process group at all): the ranks that read different tokens."""
+        width = self.counts.shape[1]
+        total = torch.cat([self.counts, self.dropped, self.reports.unsqueeze(1)], dim=1)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(total, group=group)
-        return total
+        return total[:, :width], total[:, width:2 * width], total[:, -1]
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for module in self._modules:
+            _DROP_COUNTERS[module] = [(c, i) for c, i in _DROP_COUNTERS.get(module, []) if c is not self]
+
+
+#: the counters watching each experts module (weak: a finished fit's model is not kept alive)
+_DROP_COUNTERS: weakref.WeakKeyDictionary[nn.Module, list[tuple[TokenCounter, int]]] = weakref.WeakKeyDictionary()
+
+
+def _counted_forward() -> bool:
+    """A training forward that routes tokens: not a recompute in backward, not a pipeline's shape inference."""
+    return torch.is_grad_enabled() and not in_backward() and not in_pipeline_metadata_inference()
+
+
+def count_dropped_choices(experts: nn.Module, choices: torch.Tensor) -> None:
+    """Tell the expert-load monitor which (token, choice) rows a capacity dropped before they reached ``experts``
+    (the experts module the ``ep_plan`` names): ``choices`` holds the expert index of each dropped row (any shape,
+    this rank's rows). Call it in every training forward that applies a capacity, also when nothing was dropped
+    (an empty tensor), so that the monitor logs the share dropped per layer and per expert. Does nothing when no
+    :class:`~lightning_par.callbacks.ExpertLoadMonitor` watches ``experts``."""
+    watchers = _DROP_COUNTERS.get(experts)
+    if not watchers or not _counted_forward():
+        return
+    for counter, layer in watchers:
+        counter.count_dropped(layer, choices)
 
 
 def experts_core(module: nn.Module) -> nn.Module:

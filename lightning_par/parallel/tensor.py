@@ -38,6 +38,7 @@ from lightning_par.parallel.tensor_plan import (
     check_tp_size,
     head_params,
     mla_rope_dim,
+    partial_sum_params,
     prefix_plan,
     resolve_tp_plan,
     validate_tp_plan,
@@ -100,12 +101,15 @@ def apply_tp(
         is not None
     }
     by_head = head_params(module, plan, tp_mesh.size())  # their owners may have a style too: applied on their own
-    if styles or by_head:
+    summed = partial_sum_params(module, plan, tp_mesh.size())
+    if styles or by_head or summed:
         frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
         if styles:
             parallelize_module(module, tp_mesh, styles)
         for owner, names in by_head.items():
             parallelize_module(module.get_submodule(owner), tp_mesh, _HeadParams(names))
+        for owner, dims in summed.items():
+            parallelize_module(module.get_submodule(owner), tp_mesh, _PartialSum(dims))
         # torch's SequenceParallel re-creates parameters without their requires_grad (torch 2.11-2.13): a frozen
         # norm would start training. Put every flag back by name.
         for name, p in module.named_parameters():
@@ -160,6 +164,8 @@ def build_style(
         return SequenceParallel(sequence_dim=0, use_local_output=True)
     if style == "mla_kv_a_proj":
         return _SumRopeGradient(rope_dim)
+    if style == "partial_sum":  # its bare parameters' split dims come from the plan: apply_tp applies it
+        return None
     if style == "split_sequence":
         return _FirstInput(_split_sequence, shrinks=True) if sp else None
     if style == "gather_sequence":
@@ -268,6 +274,45 @@ class _HeadParams(ParallelStyle):
         def forward(*args: Any, **kwargs: Any) -> Any:
             with local_parameters(module):
                 return inner(*args, **kwargs)
+
+        module.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) call it
+        return module
+
+
+class _PartialSum(ParallelStyle):
+    """'partial_sum' on a module whose own parameters ``dims`` (name -> split dim) are split over tp and whose output
+    sums over that split (Inkling's stacked shared experts: gate/up split on the intermediate dim, down on it too).
+    Its forward runs on this rank's shards; the output, a partial sum, is all-reduced (backward: identity); each
+    floating-point tensor input is whole on every rank, but its gradient from this rank's shards is partial, so it
+    is all-reduced in backward (Megatron's f and g around a column- then row-parallel MLP)."""
+
+    def __init__(self, dims: dict[str, int]) -> None:
+        super().__init__()
+        self.dims = dims
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, dim in self.dims.items():
+            p = module.get_parameter(name)
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(p.data, device_mesh, [Shard(dim % p.dim())]), requires_grad=p.requires_grad))
+        inner = module.forward
+
+        def whole_with_partial_gradient(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or not x.is_floating_point():
+                return x
+            return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(
+                grad_placements=[Partial()])
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            args = tuple(whole_with_partial_gradient(a) for a in args)
+            kwargs = {k: whole_with_partial_gradient(v) for k, v in kwargs.items()}
+            with local_parameters(module):
+                out = inner(*args, **kwargs)
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"'partial_sum' all-reduces a module's output tensor, but {type(module).__name__} "
+                                f"returned {type(out).__name__}; give it another style.")
+            return DTensor.from_local(out, device_mesh, [Partial()], run_check=False).redistribute(
+                device_mesh, [Replicate()]).to_local()
 
         module.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) call it
         return module

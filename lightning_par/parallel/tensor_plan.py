@@ -11,6 +11,7 @@ import difflib
 import re
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
@@ -44,6 +45,10 @@ STYLES: dict[str, str] = {
     "head_params": "for a bare parameter indexed by attention head (sinks, a per-head gate bias; 'colwise' on a "
     "parameter means the same): split on dim 0 like the heads of its module's 'colwise' projections; the module's "
     "forward runs with this rank's shards (Hugging Face's 'colwise' parameter with a 'local_params' owner)",
+    "partial_sum": "a module whose output sums over a dimension its own bare parameters are split on (Hugging "
+    "Face's 'all_reduce' owner: Inkling's stacked shared experts, gate/up 'colwise' on dim -2, down 'rowwise' on dim "
+    "-1): its forward runs on this rank's shards, its output is all-reduced over tp and so are its floating-point "
+    "inputs' gradients (Megatron's column- then row-parallel MLP as one module). Not under sequence parallelism",
     "mla_kv_a_proj": "multi-head latent attention's kv_a_proj_with_mqa (nn.Linear): whole on every rank; the rope "
     "part of its output (config.qk_rope_head_dim, shared by every head) gets its gradient summed over tp, since each "
     "rank's heads give only their share (the latent part reaches the 'colwise' kv_b_proj, which sums it already)",
@@ -61,11 +66,12 @@ HF_ALIASES: dict[str, str | None] = {
     "gather": None,
     "local": None,
     "local_params": None,  # the owner of 'colwise' bare parameters: 'head_params' runs it on local shards
+    "all_reduce": "partial_sum",
 }
 #: Hugging Face styles that need HF's own forward hooks or packed weights.
 HF_UNSUPPORTED = (
     "packed_colwise", "packed_rowwise", "local_packed_rowwise", "moe_tp_experts",
-    "moe_identity_expert", "all_reduce", "grouped_gemm",
+    "moe_identity_expert", "grouped_gemm",
     "ep_router", "isolated",
 )
 _HF_NOOP_IN_HF_PLANS = ("replicate", "local", "gather")  # HF "replicate" = keep the full parameter: the default
@@ -167,6 +173,11 @@ def _hf_plan(root: nn.Module, loss_parallel: bool = False) -> dict[str, str]:
         # configs whose every layer is a mixture of experts): the model's own plan, not a user's typo. Entries
         # naming bare parameters (attention sinks) stay: validate_tp_plan splits them or says why not
         own = {k: v for k, v in own.items() if any(fqn_matches(name, k) for name in names)}
+        # a linear or embedding that also runs child modules on its output (Inkling's normed embedding): HF's
+        # split would hand them partial values; it stays whole
+        own = {k: v for k, v in own.items() if not any(
+            fqn_matches(name, k) and _computes_more(m) for name, m in sub.named_modules() if name)}
+        own.update(_missing_head_norms(sub, own))
         if loss_parallel:
             own = _head_keeps_vocab_shards(sub, own)
         if own:
@@ -181,6 +192,33 @@ def _inside_experts(model: nn.Module, key: str) -> bool:
     for HF's ``moe_tp_experts``/``packed_colwise`` styles (torchtitan dropped expert tensor parallelism: skinny
     matmuls and a duplicated all-to-all)."""
     return any(key == e or key.startswith(e + ".") for e in hf_ep_plan(model))
+
+
+#: the names transformers gives per-head query/key norms (a latent's norm, e.g. MLA's ``q_a_layernorm``, is not one:
+#: it normalizes whole, replicated activations)
+_QK_NORM = re.compile(r"(q|k|query|key)_(norm|layernorm)")
+
+
+def _missing_head_norms(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """'head_norm' for the per-head query/key norms (``_QK_NORM``, a weight of ``head_dim``) of attentions whose
+    projections the plan splits 'colwise' when the plan names none of them: Qwen3's plan marks its q/k norms,
+    Sarvam-MoE's (GLM-4-MoE's code with ``use_qk_norm``) does not, and each tp rank would then train its norms on
+    its own heads only."""
+    entries = {}
+    for name, attention in model.named_modules():
+        head_dim = getattr(attention, "head_dim", None)
+        if not isinstance(head_dim, int) or not any(
+                isinstance(child, nn.Linear) and HF_ALIASES.get(style, style) == "colwise"
+                for child_name, child in attention.named_children()
+                for key, style in plan.items() if fqn_matches(f"{name}.{child_name}" if name else child_name, key)):
+            continue
+        for child_name, child in attention.named_children():
+            fqn = f"{name}.{child_name}" if name else child_name
+            weight = getattr(child, "weight", None)
+            if (_QK_NORM.fullmatch(child_name) and isinstance(weight, torch.Tensor) and weight.shape == (head_dim,)
+                    and not any(fqn_matches(fqn, key) for key in plan)):
+                entries[fqn] = "head_norm"
+    return entries
 
 
 def _head_keeps_vocab_shards(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -311,6 +349,13 @@ def validate_tp_plan(
                 )
             resolved[name], source[name] = style, key
     styles = set(resolved.values())  # the plan's own styles, before LoRA adapters add theirs
+    if "partial_sum" in styles:
+        if sequence_parallel:
+            owner = next(n for n, st in resolved.items() if st == "partial_sum")
+            raise ValueError(
+                f"sequence_parallel=True: {owner!r} is 'partial_sum', which runs on the whole sequence of every tp "
+                f"rank (its inputs are not gathered nor its output reduce-scattered). Pass sequence_parallel=False.")
+        partial_sum_params(module, plan, tp_size)
     resolved = _follow_adapters(module, resolved, sequence_parallel)
     for name, style in resolved.items():
         _check_module(name, module.get_submodule(name), style, tp_size, module)
@@ -404,9 +449,10 @@ def head_params(root: nn.Module, plan: Plan, tp: int, all_entries: Plan | None =
         return [p for p in params if fqn_matches(p, key)]
 
     named = {p for k, s in entries.items() if HF_ALIASES.get(s, s) in ("colwise", "head_params") for p in bare(k)}
+    summed = _partial_sum_owners(root, entries)
     out: dict[str, list[str]] = {}
     for key, style in plan.items():
-        hits = bare(key)
+        hits = [p for p in bare(key) if p.rpartition(".")[0] not in summed]  # split by partial_sum_params
         if not hits or canonical_style(style, key) is None:
             continue
         if HF_ALIASES.get(style, style) not in ("colwise", "head_params"):
@@ -418,9 +464,10 @@ def head_params(root: nn.Module, plan: Plan, tp: int, all_entries: Plan | None =
         if packed:
             raise ValueError(
                 f"tp_plan[{key!r}] = {style!r} names bare parameters of {root.get_parameter(packed[0]).dim()} "
-                f"dimensions ({packed[:2]}: packed or stacked weights, which need Hugging Face's own hooks). "
-                f"lightning_par splits a bare parameter only as a per-head vector (1-D). Drop the entry to keep it "
-                f"whole on every tp rank, or name a module.")
+                f"dimensions ({packed[:2]}). lightning_par splits a stacked bare parameter only inside a module "
+                f"whose output sums over the split dimension: mark its owner "
+                f"{packed[0].rpartition('.')[0]!r} 'partial_sum' (Hugging Face's 'all_reduce'). Otherwise drop the "
+                f"entry to keep it whole on every tp rank, or name a module.")
         for fqn in hits:
             owner, _, name = fqn.rpartition(".")
             own = [f"{owner}.{n}" for n, _ in root.get_submodule(owner).named_parameters(recurse=False)]
@@ -436,6 +483,58 @@ def head_params(root: nn.Module, plan: Plan, tp: int, all_entries: Plan | None =
                     f"tp_plan[{key!r}]: {fqn} (shape ({heads},)) is split by head, which tp={tp} cannot divide. "
                     f"Choose a tp that divides {heads}, or drop the entry.")
             out.setdefault(owner, []).append(name)
+    return out
+
+
+def _partial_sum_owners(root: nn.Module, entries: Plan) -> set[str]:
+    names = [name for name, _ in root.named_modules() if name]
+    return {name for key, style in entries.items() if not isinstance(style, ParallelStyle)
+            and HF_ALIASES.get(style, style) == "partial_sum" for name in names if fqn_matches(name, key)}
+
+
+def partial_sum_params(root: nn.Module, plan: Plan, tp: int, all_entries: Plan | None = None
+                       ) -> dict[str, dict[str, int]]:
+    """``{owner FQN: {parameter name: dim}}`` for the modules ``plan`` marks 'partial_sum' (HF's 'all_reduce'):
+    each of the owner's own parameters is split on the dim its bare entry in the plan (``all_entries``) says:
+    'colwise' on dim -2 (dim 0 for a vector: a bias of the split dimension), 'rowwise' on dim -1. The owner's
+    output is then a partial sum on every rank, as its style assumes. Raises a ValueError saying what to do when a
+    parameter has no entry, the owner has child modules with parameters, or tp does not divide a split dim."""
+    entries = all_entries if all_entries is not None else plan
+    out: dict[str, dict[str, int]] = {}
+    for owner in sorted(_partial_sum_owners(root, plan)):
+        module = root.get_submodule(owner)
+        children = [f"{owner}.{n}" for n, p in module.named_parameters() if "." in n]
+        if children:
+            raise ValueError(
+                f"tp_plan: {owner!r} is 'partial_sum', whose forward runs on this rank's shards of its own bare "
+                f"parameters, but its child modules hold parameters too ({children[:2]}), which would be summed "
+                f"over tp ranks whole. Drop the 'partial_sum' entry (and give the children styles of their own, e.g. "
+                f"'colwise'/'rowwise' linears).")
+        dims = {}
+        for name, param in module.named_parameters(recurse=False):
+            fqn = f"{owner}.{name}"
+            styles = {HF_ALIASES.get(st, st) for k, st in entries.items() if not isinstance(st, ParallelStyle)
+                      and fqn_matches(fqn, k)}
+            if styles == {"colwise"}:
+                dim = -2 if param.dim() > 1 else 0
+            elif styles == {"rowwise"} and param.dim() > 1:
+                dim = -1
+            else:
+                raise ValueError(
+                    f"tp_plan: {owner!r} is 'partial_sum', so each of its parameters needs a bare entry saying how "
+                    f"it splits: {fqn!r} (shape {tuple(param.shape)}) has {sorted(map(str, styles)) or 'none'}. "
+                    f"Give it 'colwise' (split on dim -2, or dim 0 of a vector) or 'rowwise' (dim -1; a vector "
+                    f"would be summed over tp), or drop the 'partial_sum' entry to keep the module whole.")
+            if param.shape[dim] % tp:
+                raise ValueError(
+                    f"tp_plan: {fqn} (shape {tuple(param.shape)}) splits dim {dim} {tp} ways, which tp={tp} cannot "
+                    f"divide. Choose a tp that divides {param.shape[dim]}, or drop the 'partial_sum' entry of "
+                    f"{owner!r}.")
+            dims[name] = dim
+        if not dims:
+            raise ValueError(f"tp_plan: {owner!r} is 'partial_sum' but has no parameters of its own to split; "
+                             f"drop the entry.")
+        out[owner] = dims
     return out
 
 
@@ -475,6 +574,11 @@ def _check_module(name: str, mod: nn.Module, style: str | ParallelStyle, tp: int
         raise TypeError(f"tp_plan: '{kind}' shards an nn.Linear, but {name!r} is a {type(mod).__name__}.")
     if kind in _ON_EMBEDDING and not isinstance(mod, nn.Embedding):
         raise TypeError(f"tp_plan: '{kind}' shards an nn.Embedding, but {name!r} is a {type(mod).__name__}.")
+    if kind in _ON_LINEAR + _ON_EMBEDDING and _computes_more(mod):
+        raise TypeError(
+            f"tp_plan: '{kind}' splits one {type(mod).__mro__[1].__name__}'s weight, but {name!r} "
+            f"({type(mod).__name__}) also runs child modules with parameters ({_computes_more(mod)[:2]}) on the "
+            f"split result, which would see partial values. Drop the entry to keep it whole on every tp rank.")
     if kind in ("sequence_parallel", "head_norm") and isinstance(mod, (nn.Linear, nn.Embedding)):
         what = "norms and dropout" if kind == "sequence_parallel" else "norms (and other modules on split activations)"
         raise TypeError(f"tp_plan: '{kind}' is for {what}, but {name!r} is a {type(mod).__name__}.")
@@ -491,6 +595,12 @@ def _check_module(name: str, mod: nn.Module, style: str | ParallelStyle, tp: int
         _check_heads(name, mod, tp, root)
 
 
+def _computes_more(mod: nn.Module) -> list[str]:
+    """The parameters of a linear or embedding's child modules (Inkling's embedding normalizes its lookup inside
+    its own forward): a split of the weight would hand them partial values."""
+    return [n for n, _ in mod.named_parameters() if "." in n] if isinstance(mod, (nn.Linear, nn.Embedding)) else []
+
+
 def _check_tied(root: nn.Module, resolved: Mapping[str, str | ParallelStyle], sequence_parallel: bool) -> None:
     """A parallelized module's parameters are replaced by DTensors: a weight it shares (tied embeddings) would
     silently become two independent copies."""
@@ -500,7 +610,7 @@ def _check_tied(root: nn.Module, resolved: Mapping[str, str | ParallelStyle], se
             if p is not None:
                 owners.setdefault(id(p), []).append(f"{name}.{p_name}" if name else p_name)
     for name, style in resolved.items():
-        replaces = isinstance(style, ParallelStyle) or style in _SHARDED_SIZE or (
+        replaces = isinstance(style, ParallelStyle) or style in _SHARDED_SIZE or style == "partial_sum" or (
             style == "sequence_parallel" and sequence_parallel
         )
         for p in root.get_submodule(name)._parameters.values() if replaces else ():
