@@ -12,7 +12,8 @@ One launch of 4 processes (tests/launch.py). Per model, every rank:
 2. plans (rank 0 plans, the layouts to measure are broadcast): the whole ranking (``plan_layouts``), its first
    layout, and again under a memory budget below one full replica's model state (``--budget-fraction`` of it);
 3. trains every layout of ``WANTED`` (FSDP2, HSDP, tp, dp x tp, cp, dp x cp, pp 1F1B and interleaved, pp x dp,
-   pp x tp, with and without activation checkpointing; the planner's own flags, e.g. sequence parallelism), plus the
+   pp x tp, with and without activation checkpointing, FSDP2 with 2 micro-batches of gradient accumulation; the
+   planner's own flags, e.g. sequence parallelism), plus the
    planner's two picks when they are not among them. All layouts train at once, one step each in turn
    (``benchmarks.common.Lockstep``: one Trainer per layout in its own thread, only the one whose turn it is runs), so
    that neighbouring steps of every layout see the same load of the shared machine; ``--rounds`` times, odd rounds
@@ -78,6 +79,7 @@ WANTED: list[tuple[str, dict[str, Any]]] = [
     ("fsdp", dict(dp_shard=4)),
     ("fsdp_ac", dict(dp_shard=4, activation_checkpointing=True)),
     ("fsdp_sac", dict(dp_shard=4, activation_checkpointing="selective")),
+    ("fsdp_accumulate2", dict(dp_shard=4, accumulate_grad_batches=2)),  # each rank's batch in 2 micro-batches
     ("hsdp", dict(dp_replicate=2, dp_shard=2)),
     ("tp4", dict(tp=4)),
     ("dp2_tp2", dict(dp_shard=2, tp=2)),
@@ -151,7 +153,8 @@ def layouts_to_measure(full: Any, budgeted: Any, keys: list[str]) -> dict[str, A
                   and all(getattr(p.layout, k) == 1 for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
                           if k not in fields)
                   and (p.layout.activation_checkpointing == fields.get("activation_checkpointing", False))
-                  and p.layout.pp_stages_per_rank == fields.get("pp_stages_per_rank")]
+                  and p.layout.pp_stages_per_rank == fields.get("pp_stages_per_rank")
+                  and p.layout.accumulate_grad_batches == fields.get("accumulate_grad_batches", 1)]
         out[key] = listed[0] if listed else Layout(**fields)
     for key, layout in (("pick", full.best.layout), ("budget_pick", budgeted.best.layout)):
         if layout not in out.values():
@@ -191,13 +194,15 @@ def run_one(cfg: dict[str, Any], model: str, layout: Any, yield_turn: Callable[[
     trainer = pl.Trainer(
         accelerator="cpu", devices=WORLD, strategy=NDParallelStrategy(**kwargs), max_steps=total_steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0, callbacks=[timer, probe, HandOn()],
+        limit_val_batches=0, callbacks=[timer, probe, HandOn()], **layout.trainer_kwargs(),
     )
     torch.manual_seed(SEED)
     module = build_module(cfg, model, total_steps)
-    loader = DataLoader(token_data(cfg, total_steps), batch_size=cfg["global_batch"] // dp_size(kwargs))
+    micro = layout.accumulate_grad_batches  # the loader's batch is one micro-batch; a step is that many batches
+    loader = DataLoader(token_data(cfg, total_steps), batch_size=cfg["global_batch"] // dp_size(kwargs) // micro)
     trainer.fit(module, loader)
-    return {"step_times_s": timer.times, "activation_bytes": probe.live_bytes if live else probe.activation_bytes,
+    steps = [sum(timer.times[i:i + micro]) for i in range(0, len(timer.times) - micro + 1, micro)]
+    return {"step_times_s": steps, "activation_bytes": probe.live_bytes if live else probe.activation_bytes,
             "state_bytes": probe.state}
 
 

@@ -22,6 +22,7 @@ from workers import GLOBAL_BATCH, TINY_GPT
 from example_projects.gpt.lit import GPTModule
 from lightning_par import AutoParallelStrategy, NDParallelStrategy, plan_layouts
 from lightning_par.costs.profile import profile_model
+from lightning_par.costs.sheet import CostSheet
 from lightning_par.devices import Hardware, known_hardware
 from lightning_par.planner.predict import Layout, account, predict
 from lightning_par.planner.search import SPEED_RESOLUTION, _dimensions
@@ -196,6 +197,56 @@ def test_zero2_like_twins_are_weighed_where_they_can_matter():
         assert twin.buffers > original.buffers
     zero3_only = plan_layouts(gpt(), batch(), 4, CPU, reshard_after_forward=(True,))
     assert all(p.layout.reshard_after_forward for p in zero3_only.predictions)
+
+
+def test_gradient_accumulation_is_weighed_where_the_batch_does_not_fit():
+    """A layout without a pipeline whose batch does not fit is weighed with its batch in micro-batches, the fewest
+    that fit: activations of one micro-batch, FSDP's collectives once per micro-batch, the same compute; the Trainer
+    gets the count. ``gradient_accumulation=False`` (what auto_parallel plans with) weighs none."""
+    profile = profile_model(gpt(), batch())
+    one = predict(Layout(dp_shard=4), profile, CPU, GLOBAL_BATCH // 4, 16)
+    two = predict(Layout(dp_shard=4, accumulate_grad_batches=2), profile, CPU, GLOBAL_BATCH // 4, 16)
+    assert two.activations == pytest.approx(one.activations / 2) and two.compute_s == pytest.approx(one.compute_s)
+    assert two.comm_total_s["fsdp_all_gather"] == pytest.approx(2 * one.comm_total_s["fsdp_all_gather"])
+    assert two.tokens_per_s < one.tokens_per_s and two.layout.trainer_kwargs() == {"accumulate_grad_batches": 2}
+    assert one.layout.trainer_kwargs() == {} and "accumulate 2" in str(two.layout)
+    budget = (one.memory + two.memory) / 2  # the whole batch does not fit, half of it does
+    plan = plan_layouts(profile, None, 4, CPU, memory_budget=budget, restrict={"dp_shard": [4]},
+                        activation_checkpointing=(False,), reshard_after_forward=(True,))
+    assert plan.best.layout == Layout(dp_shard=4, accumulate_grad_batches=2)
+    assert {p.layout.accumulate_grad_batches for p in plan.predictions} == {1, 2}  # 4 micro-batches: not needed
+    assert plan.as_dict()["layouts"][0]["trainer_kwargs"] == {"accumulate_grad_batches": 2}
+    without = plan_layouts(profile, None, 4, CPU, memory_budget=budget, restrict={"dp_shard": [4]},
+                           activation_checkpointing=(False,), reshard_after_forward=(True,),
+                           gradient_accumulation=False)
+    assert {p.layout.accumulate_grad_batches for p in without.predictions} == {1}
+    assert without.best.layout.cpu_offload  # nothing else fits: offload is the last resort
+
+
+def test_the_context_parallel_ring_hides_only_behind_attention():
+    """The ring's next hop is in flight while a block's attention runs: its transfers hide behind the attention
+    kernels' time, not the whole step's; the all-gather variant, which the engine waits for, is exposed."""
+    profile = profile_model(gpt(), batch())
+    gpu = Hardware("GPU", 1e14, None, 4, 2e9, 2e-5, 2e9, 2e-5, "a stand-in that overlaps")
+    sheet = account(Layout(dp_shard=1, cp=4), profile, GLOBAL_BATCH, 16, "32-true")
+    ring = [t for t in sheet.transfers if t.kind == "cp"]
+    assert ring and all(t.overlappable and t.hides_behind == "attention" for t in ring)
+    p = predict(Layout(dp_shard=1, cp=4), profile, gpu, GLOBAL_BATCH, 16)
+    attention = predict_attention_seconds(sheet, gpu)
+    assert 0 < attention < p.compute_s / 4
+    assert p.comm_s["cp"] == pytest.approx(max(0.0, p.comm_total_s["cp"] - 0.8 * attention))
+    assert p.comm_s["cp"] > 0  # the tiny model's attention is short: most of the ring shows
+    allgather = CostSheet(Layout(dp_shard=1, cp=4).dims(), profile, GLOBAL_BATCH, 16)
+    for technique in build_recipe(cp_algorithm="allgather"):
+        technique.account(allgather)
+    gathered = [t for t in allgather.transfers if t.kind == "cp"]
+    assert gathered and not any(t.overlappable for t in gathered)
+
+
+def predict_attention_seconds(sheet: CostSheet, hardware: Hardware) -> float:
+    from lightning_par.planner.predict import _rank_costs
+
+    return max(r[6] for r in _rank_costs(sheet, hardware.matmul_share)) / hardware.matmul_flops
 
 
 def test_interleaved_schedules_weigh_every_stage_count_that_cuts_the_blocks_evenly():

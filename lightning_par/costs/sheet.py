@@ -30,6 +30,9 @@ class Transfer:
     # again: all of them under full checkpointing, those whose outputs the selective policy does not keep
     recomputed_full: float = 0.0
     recomputed_selective: float = 0.0
+    # what an overlappable transfer hides behind: any compute ("compute": FSDP's prefetch runs beside every kernel),
+    # or only the attention kernels' ("attention": the ring's next hop is in flight while a block is computed)
+    hides_behind: str = "compute"
 
 
 @dataclass

@@ -110,10 +110,10 @@ def live_storages() -> dict[int, tuple[int, StorageWeakRef]]:
         if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and obj.device.type != "meta":
             try:
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage of its own
-                continue
-            if storage.nbytes():
-                out[storage.data_ptr()] = (storage.nbytes(), StorageWeakRef(storage))
+                if storage.nbytes():
+                    out[storage.data_ptr()] = (storage.nbytes(), StorageWeakRef(storage))
+            except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage of its own, or one
+                continue  # freed under it (gc.get_objects can still list a tensor whose storage is gone)
     return out
 
 

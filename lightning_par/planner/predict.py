@@ -8,7 +8,8 @@ pipeline rank holds at once), and transient buffers (FSDP's gathered units).
 Step time is compute (the rank's forward FLOPs x 3, plus what activation checkpointing recomputes, over the
 hardware's achievable FLOP/s) plus the communication compute does not hide, stretched by the pipeline's bubble. A
 transfer takes the ring model's time on the link its mesh dimension spans (within a node or across nodes); an
-overlappable one hides behind compute up to ``OVERLAP`` of it.
+overlappable one hides behind compute up to ``OVERLAP`` of it (the context-parallel ring only behind the attention
+kernels it overlaps with).
 
 Ranks on one CPU (``Hardware.device`` "cpu ...", as ``planner.probe`` names them) differ in two ways, both
 measured at world 4 on 2 cores (benchmarks/bench_planner.py): gloo moves and reduces the bytes on the same cores
@@ -76,6 +77,10 @@ class Layout:
     #: backward; every unit's whole parameters in memory at the peak)
     reshard_after_forward: bool = True
     ep: int = 1  # expert parallelism, within dp_shard x cp
+    #: without a pipeline: the Trainer's ``accumulate_grad_batches`` (each step's batch in that many micro-batches,
+    #: activations of one at a time; every FSDP collective once per micro-batch, as the engine runs it). A pipeline
+    #: splits its batch into ``pp_microbatches`` instead
+    accumulate_grad_batches: int = 1
 
     @property
     def world_size(self) -> int:
@@ -103,6 +108,11 @@ class Layout:
             out["reshard_after_forward"] = False
         return out
 
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """What ``lightning.Trainer`` takes besides the strategy (each data loader batch is then one micro-batch:
+        the step's batch divided by ``accumulate_grad_batches``)."""
+        return {"accumulate_grad_batches": self.accumulate_grad_batches} if self.accumulate_grad_batches > 1 else {}
+
     def __str__(self) -> str:
         sizes = " x ".join(f"{n}{getattr(self, n)}" for n in MESH_DIM_NAMES if getattr(self, n) > 1) or "1 rank"
         if self.ep > 1:
@@ -116,6 +126,8 @@ class Layout:
                    if getattr(self, flag)]
         if not self.reshard_after_forward:
             extras.append("ZeRO-2")
+        if self.accumulate_grad_batches > 1:
+            extras.append(f"accumulate {self.accumulate_grad_batches}")
         if self.activation_checkpointing == "selective":
             extras[extras.index("AC")] = "SAC"
         return sizes + (f" ({', '.join(extras)})" if extras else "")
@@ -165,7 +177,8 @@ class Prediction:
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k != "layout"}
-        out.update(layout=str(self.layout), strategy_kwargs=self.layout.strategy_kwargs(), model_state=self.model_state,
+        out.update(layout=str(self.layout), strategy_kwargs=self.layout.strategy_kwargs(),
+                   trainer_kwargs=self.layout.trainer_kwargs(), model_state=self.model_state,
                    memory=self.memory, fits=self.fits, over_by=self.over_by, margin=self.margin)
         return out
 
@@ -174,7 +187,7 @@ def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, pre
     """Every technique of the engine's recipe writes its share into one sheet, in the engine's order."""
     act, gather, grad = _PRECISION.get(precision, (1.0, 1.0, 1.0))
     sheet = CostSheet(layout.dims(), profile, batch, seq_len, activation_scale=act, gather_scale=gather,
-                      grad_scale=grad)
+                      grad_scale=grad, microbatches=layout.accumulate_grad_batches)
     recipe = build_recipe(pp_schedule=layout.pp_schedule, pp_microbatches=layout.pp_microbatches,
                           pp_stages_per_rank=layout.pp_stages_per_rank,
                           sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel,
@@ -196,9 +209,11 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     host = 0.0
     if sheet.offload:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
-    compute = max(r[5] for r in ranks) / hardware.matmul_flops
+    busiest = max(ranks, key=lambda r: r[5])
+    compute, attention = busiest[5] / hardware.matmul_flops, busiest[6] / hardware.matmul_flops
     total = {t.kind: 0.0 for t in sheet.transfers}
-    hidden = {t.kind: 0.0 for t in sheet.transfers}
+    hidden = {t.kind: 0.0 for t in sheet.transfers}  # behind any compute
+    behind_attention = {t.kind: 0.0 for t in sheet.transfers}  # behind the attention kernels only
     links: dict[str, tuple[int, float, float]] = {}  # per mesh dimension: its group size and link
     for t in sheet.transfers:
         if t.dim not in links:
@@ -206,14 +221,19 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
         seconds = _transfer_time(t, *links[t.dim])
         total[t.kind] += seconds
         if t.overlappable:
-            hidden[t.kind] += seconds
+            (behind_attention if t.hides_behind == "attention" else hidden)[t.kind] += seconds
     shared = shares_cores(hardware)
-    hideable = (0.0 if shared else OVERLAP) * compute
+    overlap = 0.0 if shared else OVERLAP
+    # what hides behind attention first (up to OVERLAP of the attention kernels' time), the rest of the compute
+    # for the others
+    exposed = {kind: max(0.0, seconds - overlap * attention) if seconds else 0.0
+               for kind, seconds in behind_attention.items()}
+    hideable = overlap * compute - sum(behind_attention.values()) + sum(exposed.values())
     overlapped = sum(hidden.values())
-    exposed = {}
     for kind in total:
         share = hidden[kind] / overlapped if overlapped else 0.0
-        exposed[kind] = total[kind] - hidden[kind] + share * max(0.0, overlapped - hideable)
+        exposed[kind] += total[kind] - hidden[kind] - behind_attention[kind] + share * max(0.0,
+                                                                                           overlapped - hideable)
     busy = compute + sum(exposed.values())
     step = busy if shared else busy / (1.0 - sheet.bubble)
     budget = memory_budget if memory_budget is not None else (
@@ -232,11 +252,11 @@ def shares_cores(hardware: Hardware) -> bool:
     return hardware.device.lower().startswith("cpu")
 
 
-def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float, float, float, float, float, float]]:
+def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float, ...]]:
     """Per pipeline rank: (parameters, gradients, optimizer state, saved activations, transient activations,
-    FLOPs, in time at the hardware's matmul throughput). Ranks holding equal sections (blocks alike in parameters
-    and costs) are worked out once: planning thousands of layouts of an 80-layer model asks the same few questions
-    again and again."""
+    FLOPs and of them the attention kernels', in time at the hardware's matmul throughput). Ranks holding equal
+    sections (blocks alike in parameters and costs) are worked out once: planning thousands of layouts of an
+    80-layer model asks the same few questions again and again."""
     kinds = _section_kinds(sheet.profile)
     memo = sheet.profile.__dict__.setdefault("_rank_memo", {})  # across layouts: their ranks repeat
     if len(memo) > 200_000:
@@ -265,9 +285,9 @@ def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float
             if flops_key not in memo:
                 memo[flops_key] = _rank_flops(sheet, rank, matmul_share)
             costs[key] = (memo[state_key], memo[act_key], memo[flops_key])
-        (params, grads, optimizer), (kept, transient), flops = costs[key]
+        (params, grads, optimizer), (kept, transient), (flops, attention) = costs[key]
         inflight = sheet.inflight[rank] if sheet.inflight else 1.0  # micro-batches whose activations it holds
-        out.append((params, grads, optimizer, kept * inflight, transient, flops))
+        out.append((params, grads, optimizer, kept * inflight, transient, flops, attention))
     return out
 
 
@@ -361,26 +381,29 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float]:
 
 
 # ---- time ------------------------------------------------------------------------------------------------------
-def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0) -> float:
-    """The rank's FLOPs in one step: forward x 3 (backward = 2 forward), + the blocks' forward again with full
-    activation checkpointing (up to where torch stops the recomputation). Selective checkpointing recomputes the
-    matmuls its policy does not keep and all the non-matmul work: the latter counted as the ``1 - matmul_share``
-    of a forward's time it takes."""
-    forward = recomputed = 0.0
+def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0) -> tuple[float, float]:
+    """The rank's FLOPs in one step, and of them its attention kernels' (what the cp ring hides behind): forward
+    x 3 (backward = 2 forward), + the blocks' forward again with full activation checkpointing (up to where torch
+    stops the recomputation). Selective checkpointing recomputes the matmuls its policy does not keep and all the
+    non-matmul work: the latter counted as the ``1 - matmul_share`` of a forward's time it takes."""
+    forward = recomputed = attentions = 0.0
     for name in sheet.rank_sections[rank]:
         section = sheet.profile.sections[name]
         # in matmul-time units: the kernel's FLOPs at its own rate (ATTENTION_RATE)
         attention = section.attention_work(sheet.seq_len) * sheet.token_scale * sheet.sequence_scale / ATTENTION_RATE
         flops = section.flops * sheet.token_scale + attention
         forward += flops
+        attentions += 3 * attention
         if name in ("first", "last"):
             continue
         if sheet.checkpointing == "full":
             recomputed += section.full_recompute_flops * sheet.token_scale + attention
+            attentions += attention
         elif sheet.checkpointing == "selective":
             recomputed += (matmul_share * section.selective_recompute_flops * sheet.token_scale
                            + (1 - matmul_share) * flops)
-    return (3 * forward + recomputed) / (sheet.tp * sheet.cp) * sheet.microbatches
+    per_step = sheet.microbatches / (sheet.tp * sheet.cp)
+    return (3 * forward + recomputed) * per_step, attentions * per_step
 
 
 def _cached_link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float]:

@@ -7,7 +7,7 @@ names is one ``NDParallelStrategy(**layout.strategy_kwargs())`` accepts.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cache
 from itertools import product
@@ -108,7 +108,8 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
                  activation_checkpointing: Iterable[bool | str] = CHECKPOINTING,
                  schedules: Iterable[str] = PIPELINE_SCHEDULES, allow_offload: bool = False,
                  block_list: str | None = None, sequence_parallel: Iterable[bool] = (True, False),
-                 reshard_after_forward: Iterable[bool] = (True, False), memory_reserve: float = RESERVE) -> Plan:
+                 reshard_after_forward: Iterable[bool] = (True, False), memory_reserve: float = RESERVE,
+                 gradient_accumulation: bool = True) -> Plan:
     """Predict and rank every valid layout of ``module`` on ``world_size`` devices of ``hardware``.
 
     Args:
@@ -127,6 +128,10 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
         reshard_after_forward: with FSDP, weigh resharding after forward (``True``, ZeRO-3), keeping units gathered
             until their backward (``False``, ZeRO-2-like: no all-gather in backward, more memory) or both (the
             ZeRO-2-like twins of the layouts that could come near the fastest: ``zero2_twins``).
+        gradient_accumulation: for a layout without a pipeline whose batch does not fit, also weigh splitting each
+            rank's batch into micro-batches (the Trainer's ``accumulate_grad_batches``, in the layout's
+            ``trainer_kwargs()``; the fewest that fit: ``accumulated_variants``), as Megatron's and DeepSpeed's
+            published runs did. ``auto_parallel`` passes ``False``: the Trainer's own setting stands.
     """
     profile = module if isinstance(module, ModelProfile) else profile_model(module, example_batch,
                                                                             block_list=block_list)
@@ -147,13 +152,18 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
     if not 0 <= memory_reserve < 1:
         raise ValueError(f"memory_reserve={memory_reserve!r} must be a share of device memory in [0, 1), e.g. 0.1.")
 
+    def local(layout: Layout) -> int:
+        return batch // layout.dp if batch_is_global else batch
+
     def run(layouts: list[Layout]) -> list[Prediction]:
-        return [predict(layout, profile, hardware, batch // layout.dp if batch_is_global else batch, seq_len,
-                        precision, memory_budget, memory_reserve) for layout in layouts]
+        return [predict(layout, profile, hardware, local(layout), seq_len, precision, memory_budget, memory_reserve)
+                for layout in layouts]
 
     predictions = run(candidates)
     if twins:
         predictions += run(zero2_twins(predictions))
+    if gradient_accumulation:
+        predictions += accumulated_variants(predictions, local, run)
     if allow_offload or not any(p.fits for p in predictions):
         predictions += run([replace(layout, cpu_offload=True) for layout in candidates
                             if layout.dp_shard * layout.dp_replicate * layout.cp > 1])
@@ -204,6 +214,31 @@ def zero2_twins(predictions: list[Prediction]) -> list[Layout]:
         if best_case >= floor:
             out.append(replace(p.layout, reshard_after_forward=False))
     return out
+
+
+def accumulated_variants(predictions: list[Prediction], local_batch: Callable[[Layout], int],
+                         run: Callable[[list[Layout]], list[Prediction]]) -> list[Prediction]:
+    """For each layout without a pipeline whose batch does not fit: the same with the batch split into 2, 4, 8 ...
+    micro-batches (and one sample each), up to the first that fits. More micro-batches only add collectives (FSDP
+    gathers once per micro-batch), so the fewest that fit is the one worth ranking; checkpointing and accumulation
+    are weighed together (each checkpointing option is a layout of its own)."""
+    out = []
+    for p in predictions:
+        layout = p.layout
+        if p.fits or layout.pp > 1 or layout.cpu_offload or layout.accumulate_grad_batches > 1:
+            continue
+        for count in _accumulations(local_batch(layout)):
+            variant = run([replace(layout, accumulate_grad_batches=count)])[0]
+            out.append(variant)
+            if variant.fits:
+                break
+    return out
+
+
+def _accumulations(local_batch: int) -> list[int]:
+    """Micro-batch counts that divide a rank's batch: the powers of two, and one sample per micro-batch."""
+    counts = {2**k for k in range(1, local_batch.bit_length()) if local_batch % 2**k == 0} | {local_batch}
+    return sorted(c for c in counts if c > 1)
 
 
 def _dimensions(layout: Layout) -> int:

@@ -125,7 +125,8 @@ class AutoParallelStrategy(NDParallelStrategy):
                             self.num_nodes * self.num_processes, hardware, precision=precision,
                             batch_is_global=False, memory_budget=self.memory_budget, restrict=self.restrict,
                             activation_checkpointing=checkpointing, block_list=self.block_list,
-                            sequence_parallel=sequence_parallel, reshard_after_forward=reshard)
+                            sequence_parallel=sequence_parallel, reshard_after_forward=reshard,
+                            gradient_accumulation=False)  # each loader batch is one micro-batch already
 
     def _agree(self, layout: Layout) -> Layout:
         """Rank 0's choice on every rank (every rank plans alike, but measured numbers may differ in the last

@@ -46,8 +46,10 @@ class ContextParallel(Technique):
     def account(self, sheet: CostSheet) -> None:
         """Every activation split over cp (each rank holds its share of the sequence); per attention and
         micro-batch the keys and values go around the ring (cp - 1 hops forward, again in backward with their
-        gradients in fp32) or are all-gathered, hidden behind the attention's own compute as far as it lasts. Each
-        block's attention sends its own messages (their count sets the latency paid)."""
+        gradients in fp32), hidden behind the attention's own compute as far as it lasts (the next hop is in flight
+        while a block is computed: at short sequences the blocks are short and the ring shows), or are
+        all-gathered and their gradients reduce-scattered, exposed (the engine waits for them). Each block's
+        attention sends its own messages (their count sets the latency paid)."""
         cp = sheet.dims.cp
         if cp == 1:
             return
@@ -65,10 +67,10 @@ class ContextParallel(Technique):
             if self.algorithm == "ring":  # forward: cp-1 hops of K/V; backward: again, plus cp hops of dK/dV
                 forward = (cp - 1) * m * k
                 sheet.transfers.append(Transfer("cp", "cp", "send_recv", kv, (2 * (cp - 1) + cp * grad) * m * k, True,
-                                                forward, forward))
+                                                forward, forward, hides_behind="attention"))
             else:
-                sheet.transfers.append(Transfer("cp", "cp", "all_gather", kv * cp, 2 * m * k, True, m * k, m * k))
-                sheet.transfers.append(Transfer("cp", "cp", "reduce_scatter", grad * kv * cp, m * k, True))
+                sheet.transfers.append(Transfer("cp", "cp", "all_gather", kv * cp, 2 * m * k, False, m * k, m * k))
+                sheet.transfers.append(Transfer("cp", "cp", "reduce_scatter", grad * kv * cp, m * k, False))
 
     def describe(self, dims: ParallelDims) -> str | None:
         if dims.cp == 1:

@@ -98,8 +98,8 @@ class PipelineParallel(Technique):
         schedule's bubble, and the stage-to-stage sends (activations forward, their gradients backward)."""
         blocks = sheet.profile.blocks
         p = sheet.dims.pp
-        if p == 1:
-            sheet.rank_sections, sheet.microbatches, sheet.inflight = whole_model(tuple(blocks)), 1, (1.0,)
+        if p == 1:  # sheet.microbatches: gradient accumulation's, one micro-batch's activations at a time
+            sheet.rank_sections, sheet.inflight = whole_model(tuple(blocks)), (1.0,)
             return
         v = SCHEDULES[self.schedule].stages_per_rank or self.stages_per_rank or 2
         m = self.microbatches or p * v
