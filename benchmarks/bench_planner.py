@@ -368,19 +368,28 @@ def report(res: dict[str, Any]) -> str:
     ])
 
 
-def published_report() -> tuple[str, list[dict[str, Any]]]:
-    """The published cases of tests/test_planner_published.py, planned from the device table."""
-    from test_planner_published import CASES, plan_case  # tests/ is on sys.path (benchmarks.common)
+def plan_published(cases: list[Any], title: str = "published case") -> tuple[str, list[dict[str, Any]]]:
+    """Published runs (tests/test_planner_published.py's ``PublishedCase``), planned from the device table: the
+    table of predicted against published tokens/s per GPU and the published layout's rank, and the records."""
+    from test_planner_published import plan_case  # tests/ is on sys.path (benchmarks.common)
 
     rows, records = [], []
-    for case in CASES:
+    for case in cases:
         result = plan_case(case)
         records.append(result)
         rows.append([case.name, f"{result['published_tokens_per_s']:,.0f}", f"{result['predicted_tokens_per_s']:,.0f}",
                      f"{result['ratio']:.2f}", result["published_rank"], result["best"]])
-    headers = ["published case", "published tok/s/GPU", "predicted", "ratio", "rank of its layout", "planner's first"]
+    headers = [title, "published tok/s/GPU", "predicted", "ratio", "rank of its layout", "planner's first"]
+    return format_table(headers, rows), records
+
+
+def published_report() -> tuple[str, list[dict[str, Any]]]:
+    """The published cases of tests/test_planner_published.py, planned from the device table."""
+    from test_planner_published import CASES
+
+    table, records = plan_published(CASES)
     sources = "\n".join(f"  {c.name}: {c.source}; {c.config}" for c in CASES)
-    return format_table(headers, rows) + "\nSources:\n" + sources, records
+    return table + "\nSources:\n" + sources, records
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
