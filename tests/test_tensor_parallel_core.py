@@ -389,3 +389,16 @@ def tiny_hf_plan_of(arch: str) -> dict:
     from hf_models import HFCausalLM
 
     return resolve_tp_plan(HFCausalLM(arch), None)
+
+
+def test_experts_a_plan_marks_moe_tp_experts_stay_whole_without_an_ep_plan():
+    """LongCat-Flash's config has no ep plan, but its tp plan marks the experts module 'moe_tp_experts': its entries
+    (packed experts, the identity experts) are left out, the experts stay whole, the rest of the plan stands (its
+    tp2 run is in parity in benchmarks/hf_architectures.py)."""
+    from benchmarks.hf_architectures import build
+
+    model = build("longcat_flash")
+    plan = resolve_tp_plan(model, None)
+    assert not any(".experts" in key for key in plan)
+    assert "mla_kv_a_proj" in plan.values() and "colwise" in plan.values()
+    assert validate_tp_plan(model, plan, 2)["model.layers.0.self_attn.0.kv_a_proj_with_mqa"] == "mla_kv_a_proj"

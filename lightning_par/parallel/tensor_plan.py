@@ -167,7 +167,7 @@ def _hf_plan(root: nn.Module, loss_parallel: bool = False) -> dict[str, str]:
         if not isinstance(own, Mapping) or not own:
             own = dict(getattr(type(sub), "_tp_plan", None) or {})
             own.update(prefix_plan(sub.config.base_model_tp_plan or {}, base_fqn))
-        own = {k: v for k, v in own.items() if v not in _HF_NOOP_IN_HF_PLANS and not _inside_experts(sub, k)}
+        own = {k: v for k, v in own.items() if v not in _HF_NOOP_IN_HF_PLANS and not _inside_experts(sub, k, own)}
         names = [name for name, _ in sub.named_modules() if name] + [name for name, _ in sub.named_parameters()]
         # a config family's plan names modules some of its models lack (Qwen3-MoE's dense MLP entries, for
         # configs whose every layer is a mixture of experts): the model's own plan, not a user's typo. Entries
@@ -185,13 +185,15 @@ def _hf_plan(root: nn.Module, loss_parallel: bool = False) -> dict[str, str]:
     return plan
 
 
-def _inside_experts(model: nn.Module, key: str) -> bool:
-    """Whether a plan entry names an experts module of the model's ``base_model_ep_plan`` or a parameter in it.
+def _inside_experts(model: nn.Module, key: str, plan: Mapping[str, str]) -> bool:
+    """Whether a plan entry names an experts module or a parameter in it: a module of the model's
+    ``base_model_ep_plan``, or one its tp plan marks ``moe_tp_experts`` (LongCat-Flash's config has no ep plan).
     Those entries are left out: the experts stay whole on every tp rank (expert parallelism, ``ep``, splits them
     instead; attention under tp and experts under ep is Megatron's "parallel folding"), rather than being refused
     for HF's ``moe_tp_experts``/``packed_colwise`` styles (torchtitan dropped expert tensor parallelism: skinny
     matmuls and a duplicated all-to-all)."""
-    return any(key == e or key.startswith(e + ".") for e in hf_ep_plan(model))
+    experts = [*hf_ep_plan(model), *(k for k, style in plan.items() if style == "moe_tp_experts")]
+    return any(key == e or key.startswith(e + ".") for e in experts)
 
 
 #: the names transformers gives per-head query/key norms (a latent's norm, e.g. MLA's ``q_a_layernorm``, is not one:
