@@ -255,36 +255,9 @@ class _GatherSequence(_FirstInput):
         return module
 
 
-class _HeadParams(ParallelStyle):
-    """'head_params' on the owner of bare parameters ``names``: they become DTensors split on dim 0 (by head), and
-    its forward runs with this rank's shards, plain tensors its code can index and broadcast against its local
-    heads."""
-
-    def __init__(self, names: list[str]) -> None:
-        super().__init__()
-        self.names = names
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name in self.names:
-            p = module.get_parameter(name)
-            module.register_parameter(
-                name, nn.Parameter(distribute_tensor(p.data, device_mesh, [Shard(0)]), requires_grad=p.requires_grad))
-        inner = module.forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with local_parameters(module):
-                return inner(*args, **kwargs)
-
-        module.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) call it
-        return module
-
-
-class _PartialSum(ParallelStyle):
-    """'partial_sum' on a module whose own parameters ``dims`` (name -> split dim) are split over tp and whose output
-    sums over that split (Inkling's stacked shared experts: gate/up split on the intermediate dim, down on it too).
-    Its forward runs on this rank's shards; the output, a partial sum, is all-reduced (backward: identity); each
-    floating-point tensor input is whole on every rank, but its gradient from this rank's shards is partial, so it
-    is all-reduced in backward (Megatron's f and g around a column- then row-parallel MLP)."""
+class _OwnShards(ParallelStyle):
+    """A module's own bare parameters ``dims`` (name -> split dim) become DTensors split over tp, and its forward runs
+    with this rank's shards: plain tensors its code can index and broadcast against (``_run``)."""
 
     def __init__(self, dims: dict[str, int]) -> None:
         super().__init__()
@@ -297,25 +270,48 @@ class _PartialSum(ParallelStyle):
                 distribute_tensor(p.data, device_mesh, [Shard(dim % p.dim())]), requires_grad=p.requires_grad))
         inner = module.forward
 
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self._run(module, device_mesh, inner, args, kwargs)
+
+        module.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) call it
+        return module
+
+    def _run(self, module: nn.Module, device_mesh: DeviceMesh, inner: Callable[..., Any], args: tuple,
+             kwargs: dict) -> Any:
+        with local_parameters(module):
+            return inner(*args, **kwargs)
+
+
+class _HeadParams(_OwnShards):
+    """'head_params' on the owner of bare parameters ``names``: split on dim 0 (by head), so that its code indexes
+    and broadcasts them against its local heads."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(dict.fromkeys(names, 0))
+
+
+class _PartialSum(_OwnShards):
+    """'partial_sum' on a module whose own parameters are split over tp (``dims``) and whose output sums over that
+    split (Inkling's stacked shared experts: gate/up split on the intermediate dim, down on it too). Its output, a
+    partial sum, is all-reduced (backward: identity); each floating-point tensor input is whole on every rank, but
+    its gradient from this rank's shards is partial, so it is all-reduced in backward (Megatron's f and g around a
+    column- then row-parallel MLP)."""
+
+    def _run(self, module: nn.Module, device_mesh: DeviceMesh, inner: Callable[..., Any], args: tuple,
+             kwargs: dict) -> Any:
         def whole_with_partial_gradient(x: Any) -> Any:
             if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or not x.is_floating_point():
                 return x
             return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(
                 grad_placements=[Partial()])
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            args = tuple(whole_with_partial_gradient(a) for a in args)
-            kwargs = {k: whole_with_partial_gradient(v) for k, v in kwargs.items()}
-            with local_parameters(module):
-                out = inner(*args, **kwargs)
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"'partial_sum' all-reduces a module's output tensor, but {type(module).__name__} "
-                                f"returned {type(out).__name__}; give it another style.")
-            return DTensor.from_local(out, device_mesh, [Partial()], run_check=False).redistribute(
-                device_mesh, [Replicate()]).to_local()
-
-        module.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) call it
-        return module
+        out = super()._run(module, device_mesh, inner, tuple(map(whole_with_partial_gradient, args)),
+                           {k: whole_with_partial_gradient(v) for k, v in kwargs.items()})
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"'partial_sum' all-reduces a module's output tensor, but {type(module).__name__} "
+                            f"returned {type(out).__name__}; give it another style.")
+        return DTensor.from_local(out, device_mesh, [Partial()], run_check=False).redistribute(
+            device_mesh, [Replicate()]).to_local()
 
 
 class _SumRopeGradient(ParallelStyle):
