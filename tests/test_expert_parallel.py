@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 from workers import TINY_GPT, assert_parity, error_of, fit, fit_reference, max_weight_diff
 
-from lightning_par import ExpertBiasBalancer, NDParallelStrategy
+from lightning_par import ExpertBiasBalancer, NDParallelStrategy, count_dropped_choices
 from lightning_par.callbacks import ExpertLoadMonitor
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.experts import TokenCounter, _group_by_expert
@@ -333,6 +333,9 @@ def test_the_monitors_counter_sees_what_the_capacity_dropped():
     quiet = TokenCounter([("experts", dropless.experts)], torch.device("cpu"))
     dropless(x)
     assert quiet.reports.tolist() == [0.0] and quiet.dropped.sum() == 0 and quiet.counts.sum() == chosen.numel()
+    with pytest.raises(TypeError, match="choices must be an integer tensor of expert indices .* got Tensor of "
+                                        "torch.float32"):
+        count_dropped_choices(dropless.experts, torch.zeros(3))
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])

@@ -221,6 +221,8 @@ def test_gradient_accumulation_is_weighed_where_the_batch_does_not_fit():
                            gradient_accumulation=False)
     assert {p.layout.accumulate_grad_batches for p in without.predictions} == {1}
     assert without.best.layout.cpu_offload  # nothing else fits: offload is the last resort
+    with pytest.raises(TypeError, match="gradient_accumulation='no' must be True"):
+        plan_layouts(profile, None, 4, CPU, gradient_accumulation="no")
 
 
 def test_the_context_parallel_ring_hides_only_behind_attention():

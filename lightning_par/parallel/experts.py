@@ -154,6 +154,10 @@ def count_dropped_choices(experts: nn.Module, choices: torch.Tensor) -> None:
     this rank's rows). Call it in every training forward that applies a capacity, also when nothing was dropped
     (an empty tensor), so that the monitor logs the share dropped per layer and per expert. Does nothing when no
     :class:`~lightning_par.callbacks.ExpertLoadMonitor` watches ``experts``."""
+    if not isinstance(choices, torch.Tensor) or choices.is_floating_point():
+        raise TypeError(f"count_dropped_choices: choices must be an integer tensor of expert indices (one per dropped "
+                        f"choice), got {type(choices).__name__}"
+                        f"{f' of {choices.dtype}' if isinstance(choices, torch.Tensor) else ''}.")
     watchers = _DROP_COUNTERS.get(experts)
     if not watchers or not _counted_forward():
         return

@@ -141,6 +141,9 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
         options[name] = tuple(dict.fromkeys(bool(x) for x in given))
         if not options[name]:
             raise ValueError(f"{name}=() leaves nothing to weigh; pass (True,), (False,) or (True, False).")
+    if not isinstance(gradient_accumulation, bool):
+        raise TypeError(f"gradient_accumulation={gradient_accumulation!r} must be True (weigh micro-batches for "
+                        f"layouts whose batch does not fit) or False.")
     twins = len(options["reshard_after_forward"]) == 2  # ZeRO-2 variants weighed where they can matter, below
     candidates, skipped = enumerate_layouts(profile, world_size, hardware.gpus_per_node, batch, batch_is_global,
                                             restrict or {}, tuple(activation_checkpointing), tuple(schedules),
