@@ -12,6 +12,7 @@ from lightning_par.parallel.experts import (
     count_dropped_choices,
     local_experts,
 )
+from lightning_par.parallel.fault_tolerance import FaultTolerance
 from lightning_par.planner.search import plan_layouts
 from lightning_par.pretrained import load_hf_weights, save_hf_pretrained
 from lightning_par.strategies.auto import AutoParallelStrategy
@@ -34,6 +35,7 @@ __all__ = [
     "ContextParallelStrategy",
     "ExpertBiasBalancer",
     "FSDP2Strategy",
+    "FaultTolerance",
     "ModelParallelStrategy",
     "NDParallelStrategy",
     "ParallelDims",

@@ -28,15 +28,21 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_par.checks import check_optional_str
 from lightning_par.dims import ParallelDims
+from lightning_par.parallel.fault_tolerance import FaultTolerance
 from lightning_par.parallel.pipeline_live import LivePipeline
 from lightning_par.parallel.tensor_check import check_whole_parameters_agree
 from lightning_par.strategies.base import BaseParallelStrategy
+from lightning_par.strategies.fault_tolerant import CHECKPOINT_KEY, FaultTolerantTraining
 from lightning_par.strategies.startup_summary import describe_hand_parallelization
 from lightning_par.techniques import Target, Technique, build_recipe
 from lightning_par.techniques.fully_sharded import register_step_methods
@@ -90,6 +96,9 @@ class NDParallelStrategy(BaseParallelStrategy):
         pp_split_points: FQNs of the blocks that begin stages 1..S-1 (uneven splits); default: an even cut.
         pp_loss_method: the LightningModule's method ``(outputs, targets) -> loss`` that the steps call as
             ``self.<name>(self(inputs), targets)``; the last stage runs it per micro-batch.
+        fault_tolerance: make ``dp_replicate`` torchft replica groups (:class:`FaultTolerance`): each group is its
+            own job of ``dp_shard x cp x tp x pp`` processes, launched with its ``replica_id``; the others go on
+            training while a group is down, and it rejoins without a restart (``strategies/fault_tolerant.py``).
         process_group_backend, timeout, pretrained, save_trainable_only: see :class:`BaseParallelStrategy`.
     """
 
@@ -124,8 +133,20 @@ class NDParallelStrategy(BaseParallelStrategy):
         timeout: float | timedelta = 1800.0,
         pretrained: str | None = None,
         save_trainable_only: bool = False,
+        fault_tolerance: FaultTolerance | None = None,
         **lightning_kwargs: Any,
     ) -> None:
+        self.fault_tolerant: FaultTolerantTraining | None = None
+        if fault_tolerance is not None:
+            if not isinstance(fault_tolerance, FaultTolerance):
+                raise TypeError(f"fault_tolerance={fault_tolerance!r} must be a lightning_par.FaultTolerance, e.g. "
+                                f"FaultTolerance(replica_id=0, lighthouse='http://host:29510').")
+            if dp_replicate == -1:
+                raise ValueError("dp_replicate=-1 with fault_tolerance: dp_replicate is the number of replica groups, "
+                                 "each its own job; give it explicitly, e.g. dp_replicate=2.")
+            ParallelDims(dp_replicate=dp_replicate)  # the same checks of the size as without torchft
+            self.fault_tolerant = FaultTolerantTraining(fault_tolerance, dp_replicate)
+            dp_replicate = 1  # inside a group; the groups are torchft's
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep)
         # the recipe, in the order it is applied (see the module docstring)
         self.techniques: tuple[Technique, ...] = build_recipe(
@@ -236,3 +257,60 @@ class NDParallelStrategy(BaseParallelStrategy):
 
     def _materialization_device(self) -> torch.device:
         return torch.device("cpu") if self.fully_sharded.cpu_offload else self.root_device
+
+    # ---- fault-tolerant replica groups (no-ops without them) ------------------------------------------------
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self.fault_tolerant is None:
+            return super().distributed_sampler_kwargs
+        return self.fault_tolerant.sampler_kwargs(self.dims)
+
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()
+        if self.fault_tolerant is not None:  # loggers write on replica group 0's rank 0 only
+            rank_zero_only.rank = utils_rank_zero_only.rank = (
+                self.fault_tolerant.replica_id * self.world_size + self.global_rank)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if self.fault_tolerant is not None and trainer.state.fn == TrainerFn.FITTING:
+            layout = {"strategy": self.describe(), "processes": self.world_size}
+            self.fault_tolerant.start(trainer, self, layout)
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        if self.fault_tolerant is not None and self.lightning_module.trainer.training:
+            self.fault_tolerant.join()  # before the sampler is told which batches are done
+        return super().process_dataloader(dataloader)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.fault_tolerant is not None:
+            self.fault_tolerant.before_batch()
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.fault_tolerant is not None:
+            plain = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            closure = self.fault_tolerant.wrap_closure(closure, plain)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.fault_tolerant is not None:
+            if not self.fault_tolerant.writes_checkpoints:
+                return
+            assert self.fault_tolerant.groups is not None
+            checkpoint[CHECKPOINT_KEY] = self.fault_tolerant.groups.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.fault_tolerant is None or self.fault_tolerant.writes_checkpoints:
+            super().remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        meta = super().load_checkpoint(checkpoint_path, weights_only)
+        if self.fault_tolerant is not None and self.fault_tolerant.groups is not None and CHECKPOINT_KEY in meta:
+            self.fault_tolerant.groups.load_state_dict(meta[CHECKPOINT_KEY])
+        return meta
+
+    def teardown(self) -> None:
+        if self.fault_tolerant is not None:
+            self.fault_tolerant.teardown()
+        super().teardown()

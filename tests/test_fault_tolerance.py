@@ -1,0 +1,258 @@
+"""Fault-tolerant replica groups (torchft): a group dies mid-training and rejoins while the other trains on.
+
+Two replica groups of two processes each (FSDP inside a group), each its own ``torchrun`` job as in production,
+meeting at a Lighthouse run by the test. Group 1 loses a process to SIGKILL, its torchrun ends the group, and the
+test starts it again (as a scheduler would): it rejoins and recovers its state from group 0 over the network.
+Parity: a single process replaying the same steps with the same live groups per step (read from the run's own
+records) gives every loss and the final weights within 1e-5 (fp32; the groups average gradients in a different
+order than the replay sums them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from launch import free_port
+from torch.utils.data import DistributedSampler
+
+torchft = pytest.importorskip("torchft", reason="needs the ft extra (torchft)")
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import ft_group  # noqa: E402
+
+from lightning_par import FaultTolerance  # noqa: E402
+
+KILL_AT, WAIT_FOR_REJOIN = 4, 9
+TOLERANCE = 1e-5
+
+
+_lighthouse = ft_group.start_lighthouse
+
+
+def _group(out: Path, group: int, lighthouse: str, restart: int = 0, processes: int = 2,
+           **extra: str) -> subprocess.Popen:
+    return ft_group.start_group(out, group, lighthouse, restart, processes, FT_KILL_AT=str(KILL_AT),
+                                FT_WAIT_FOR_REJOIN=str(WAIT_FOR_REJOIN), **extra)
+
+
+@pytest.fixture(scope="module")
+def killed_and_rejoined(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ft")
+    lighthouse = _lighthouse()
+    try:
+        timeout = int(os.environ.get("FT_TEST_TIMEOUT", 240))
+        survivor, killed = _group(out, 0, lighthouse.address()), _group(out, 1, lighthouse.address())
+        jobs = [survivor, killed]
+        try:
+            killed.wait(timeout=timeout)
+            assert killed.returncode != 0, (out / "group1_0.log").read_text()[-4000:]
+            jobs.append(_group(out, 1, lighthouse.address(), restart=1))
+            for job in jobs:
+                job.wait(timeout=timeout)
+        finally:
+            for job in jobs:
+                job.kill()
+        logs = {name: (out / f"{name}.log").read_text() for name in ("group0_0", "group1_1")}
+        for job, name in zip((survivor, jobs[-1]), logs):
+            assert job.returncode == 0, logs[name][-6000:]
+    finally:
+        lighthouse.shutdown()
+    return out, logs
+
+
+def _records(out: Path, group: int, rank: int, restart: int) -> list[dict]:
+    return json.loads((out / f"record_g{group}_r{rank}_{restart}.json").read_text())
+
+
+def _replay(steps: list[dict]) -> tuple[dict[tuple[int, int], float], dict[str, torch.Tensor]]:
+    """One process: per step, the mean gradient over the live groups' batches (each group's 2 ranks' batches)."""
+    data = ft_group.dataset()
+    model = ft_group.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    samplers = [DistributedSampler(data, num_replicas=4, rank=k, shuffle=True, seed=0) for k in range(4)]
+    per_epoch = len(samplers[0]) // ft_group.BATCH
+    losses = {}
+    for entry in steps:
+        step, live = entry["step"], entry["live"]
+        epoch, index = divmod(step, per_epoch)
+        optimizer.zero_grad()
+        total = 0.0
+        for group in (0, 1):
+            for rank in (0, 1):
+                sampler = samplers[group * 2 + rank]
+                sampler.set_epoch(epoch)
+                idx = list(sampler)[index * ft_group.BATCH:(index + 1) * ft_group.BATCH]
+                x, y = data[idx]
+                loss = F.mse_loss(ft_group.run(model, x), y)
+                losses[(group, rank, step)] = loss.item()
+                if entry["committed"] and group in live:
+                    total = total + loss / (2 * len(live))
+        if entry["committed"]:
+            total.backward()
+            optimizer.step()
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+RECORDS = [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 1)]  # (group, rank, restart)
+
+
+def _schedule(out: Path) -> list[dict]:
+    """What each step was, from the records of every group's rank 0: which groups trained it and whether it was
+    committed (all of them must agree; on a committed step, with the number of groups torchft counted)."""
+    by_step: dict[int, list[tuple[int, dict]]] = {}
+    for group, rank, restart in RECORDS:
+        if rank == 0:
+            for r in _records(out, group, rank, restart):
+                if "committed_steps" in r:  # finished (a step cut short by the kill has no outcome)
+                    by_step.setdefault(r["step"], []).append((group, r))
+    steps = []
+    for step in range(ft_group.STEPS):
+        entries = by_step[step]
+        outcomes = {r["committed_steps"] > r["committed_before"] for _, r in entries}
+        assert len(outcomes) == 1, entries
+        committed = outcomes.pop()
+        assert not committed or {r["participants"] for _, r in entries} == {len(entries)}, entries
+        steps.append({"step": step, "committed": committed, "live": tuple(sorted(g for g, _ in entries))})
+    return steps
+
+
+def test_killed_group_rejoins_and_matches_a_replay(killed_and_rejoined):
+    out, _ = killed_and_rejoined
+    survivor = [r["step"] for r in _records(out, 0, 0, 0)]
+    assert survivor == list(range(survivor[0], ft_group.STEPS)) and survivor[0] <= 1, "group 0 never restarted"
+    steps = _schedule(out)
+    alone = [s["step"] for s in steps if s["live"] == (0,) and s["step"] > KILL_AT]
+    assert alone and max(alone) < ft_group.STEPS - 1, steps  # group 0 trained alone, then with group 1 again
+    assert not steps[KILL_AT]["committed"] and sum(not s["committed"] for s in steps) == 1, steps
+    losses, weights = _replay(steps)
+    for group, rank, restart in RECORDS:
+        for r in _records(out, group, rank, restart):
+            assert abs(r["loss"] - losses[(group, rank, r["step"])]) <= TOLERANCE, (group, rank, restart, r)
+    rejoined = _records(out, 1, 0, 1)
+    assert rejoined[0]["step"] > KILL_AT and rejoined[-1]["step"] == ft_group.STEPS - 1, "it rejoined mid-run"
+    for group in (0, 1):
+        final = torch.load(out / f"weights_g{group}.pt")
+        for name, value in weights.items():
+            key = f"blocks.{name}"
+            torch.testing.assert_close(final[key], value, atol=TOLERANCE, rtol=0, msg=f"group {group} {key}")
+
+
+def test_checkpoints_and_logs_come_from_one_group(killed_and_rejoined):
+    """The live group of lowest index writes every checkpoint (complete, with torchft's committed step); the
+    loggers run on group 0's rank 0 only: one log with every step, however the groups came and went."""
+    from lightning_par import consolidate_checkpoint
+
+    out, _ = killed_and_rejoined
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == [f"epoch={e}-step={s}.ckpt" for e, s in ((0, 6), (1, 12), (2, 18), (3, 24))], names
+    last = consolidate_checkpoint(out / "checkpoints" / names[-1])
+    assert last["global_step"] == ft_group.STEPS and last["fault_tolerance"]["step"] == ft_group.STEPS - 1
+    final = torch.load(out / "weights_g0.pt")
+    for key, value in final.items():
+        torch.testing.assert_close(last["state_dict"][key], value, atol=0, rtol=0)
+    versions = list((out / "logs").iterdir())
+    assert [v.name for v in versions] == ["version_0"], versions
+    logged = (versions[0] / "metrics.csv").read_text().splitlines()[1:]
+    assert len(logged) == len(_records(out, 0, 0, 0)), logged  # every step group 0 trained (from step 0 or 1)
+
+
+def test_a_group_with_another_model_is_refused_and_the_other_trains_on(tmp_path):
+    """Two one-process groups whose models differ: whichever receives the other's state refuses it with the
+    parameter names and shapes; the first group trains to the end alone."""
+    lighthouse = _lighthouse()
+    try:
+        jobs = [_group(tmp_path, 0, lighthouse.address(), processes=1, FT_STEP_SLEEP="0.2", FT_WAIT_FOR_REJOIN="-1"),
+                _group(tmp_path, 1, lighthouse.address(), processes=1, FT_HIDDEN="48", FT_STEP_SLEEP="0.2",
+                       FT_KILL_AT="-1", FT_WAIT_FOR_REJOIN="-1")]
+        try:
+            for job in jobs:
+                job.wait(timeout=120)
+        finally:
+            for job in jobs:
+                job.kill()
+    finally:
+        lighthouse.shutdown()
+    logs = [(tmp_path / f"group{g}_0.log").read_text() for g in (0, 1)]
+    failed = [g for g, job in enumerate(jobs) if job.returncode != 0]
+    assert len(failed) == 1, [log[-3000:] for log in logs]
+    assert "FaultTolerance: the live replica groups hold tensors of other shapes" in logs[failed[0]]
+    assert "blocks.0.0.weight: (48, 16) there, (32, 16) here" in logs[failed[0]] or \
+        "blocks.0.0.weight: (32, 16) there, (48, 16) here" in logs[failed[0]]
+    assert len(_records(tmp_path, 1 - failed[0], 0, 0)) == ft_group.STEPS
+
+
+def _fit_without_lighthouse(port: int) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_par import FaultTolerance, NDParallelStrategy
+
+    strategy = NDParallelStrategy(dp_replicate=2, fault_tolerance=FaultTolerance(
+        replica_id=0, lighthouse=f"http://127.0.0.1:{port}", timeout=3))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False)
+    module = ft_group.Regression(Path("."), 0, 0)
+    trainer.fit(module, torch.utils.data.DataLoader(ft_group.dataset(), batch_size=4))
+
+
+def test_an_unreachable_lighthouse_is_a_clear_error_not_a_hang():
+    from launch import WorkerError, launch
+
+    with pytest.raises(WorkerError, match=r"could not reach the Lighthouse at lighthouse='http://127.0.0.1:\d+' "
+                                          r"within timeout=3 s"):
+        launch(1, _fit_without_lighthouse, free_port(), timeout=60)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: FaultTolerance(replica_id=2, lighthouse="http://h:1"),
+     r"replica_id=2 must be an int in \[0, dp_replicate=2\)"),
+    (lambda: FaultTolerance(replica_id=0), r"lighthouse is not set and neither is TORCHFT_LIGHTHOUSE"),
+    (lambda: FaultTolerance(replica_id=0, lighthouse="h:29510"), r"lighthouse='h:29510' must be an address like"),
+    (lambda: FaultTolerance(replica_id=0, lighthouse="http://h:1", min_replicas=3), r"min_replicas=3 exceeds"),
+    (lambda: FaultTolerance(lighthouse="http://h:1"), r"replica_id is not set and neither is the REPLICA_GROUP_ID"),
+    (lambda: FaultTolerance(replica_id=0, lighthouse="http://h:1", timeout=0), r"timeout=0 must be a positive"),
+])
+def test_bad_options_are_refused_at_construction(make, match, monkeypatch):
+    from lightning_par import NDParallelStrategy
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    with pytest.raises(ValueError, match=match):
+        NDParallelStrategy(dp_replicate=2, fault_tolerance=make())
+
+
+def test_bad_strategy_arguments_are_refused():
+    from lightning_par import NDParallelStrategy
+
+    with pytest.raises(ValueError, match=r"dp_replicate=-1 with fault_tolerance: dp_replicate is the number"):
+        NDParallelStrategy(dp_replicate=-1, fault_tolerance=FaultTolerance(replica_id=0, lighthouse="http://h:1"))
+    with pytest.raises(TypeError, match=r"fault_tolerance=\{'replica_id': 0\} must be a lightning_par.FaultTolerance"):
+        NDParallelStrategy(dp_replicate=2, fault_tolerance={"replica_id": 0})
+
+
+def test_the_environment_fills_in_the_group_and_the_lighthouse(monkeypatch):
+    monkeypatch.setenv("REPLICA_GROUP_ID", "1")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
+    resolved = FaultTolerance().resolve(2)
+    assert (resolved.replica_id, resolved.lighthouse) == (1, "http://lighthouse:29510")
+
+
+def test_lightning_cli_sets_it_from_a_dict():
+    """LightningCLI's parser (jsonargparse) builds the FaultTolerance from a flag's JSON, as the docs show."""
+    from jsonargparse import ArgumentParser
+
+    from lightning_par import NDParallelStrategy
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(NDParallelStrategy, "strategy")
+    config = parser.parse_args(["--strategy.dp_replicate=2", '--strategy.fault_tolerance={"replica_id": 1, '
+                                '"lighthouse": "http://h:29510", "min_replicas": 2}'])
+    strategy = parser.instantiate(config).strategy
+    assert strategy.fault_tolerant.options == FaultTolerance(1, "http://h:29510", 2, 60.0, 60.0)
+    assert strategy.fault_tolerant.num_groups == 2 and strategy.dims.dp_replicate == 1
