@@ -4,9 +4,10 @@ restarting the whole job from its last checkpoint.
 All runs train the test suite's replica-group job (``tests/scripts/ft_group.py``: a small MLP, FSDP over each group's
 2 processes, steps that sleep ``--step-sleep`` seconds to stand for compute), each group its own torchrun job:
 
-1. **quorum cost**: the median step time of the same 2 x 2 layout (HSDP: 2 replicas of a 2-rank FSDP group) as one
-   job without torchft, and as two replica groups with it (every step forms a quorum with the Lighthouse, averages
-   the gradients across groups over torchft's process group and votes to commit);
+1. **quorum cost** (``--rounds`` alternating rounds, their median): the median step time of the same 2 x 2 layout
+   (HSDP: 2 replicas of a 2-rank FSDP group) as one job without torchft, and as two replica groups with it (every
+   step forms a quorum with the Lighthouse, averages the gradients across groups over torchft's process group and
+   votes to commit);
 2. **a group dies** (one process SIGKILLed at step ``--kill-at``): the time from the kill to the surviving group's
    next committed step, then the time from relaunching the dead group to its first trained step (its state comes
    from the survivor over the network);
@@ -52,25 +53,31 @@ def _step_time(records: list[dict], sleep: float) -> float:
     return statistics.median(b - a for a, b in zip(starts, starts[1:])) - sleep
 
 
-def quorum_cost(steps: int, sleep: float) -> dict:
+def quorum_cost(steps: int, sleep: float, rounds: int) -> dict:
+    """Alternating rounds of both configurations (this machine's load drifts); the median over rounds."""
     env = {"FT_STEPS": str(steps), "FT_STEP_SLEEP": str(sleep), "FT_CKPT_EVERY": "100000"}
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d)
-        _wait([ft_group.start_group(out, 0, "http://unused:0", processes=4, FT_DISABLE="1", FT_REPLICATE="2", **env)])
-        plain = _step_time(_records(out, 0), sleep)
-    with tempfile.TemporaryDirectory() as d:
-        out, lighthouse = Path(d), ft_group.start_lighthouse()
-        try:
-            _wait([ft_group.start_group(out, g, lighthouse.address(), **env) for g in (0, 1)])
-        finally:
-            lighthouse.shutdown()
-        with_ft = _step_time(_records(out, 0), sleep)
-    return {"step_s_without_torchft": plain, "step_s_with_torchft": with_ft, "ratio": with_ft / plain}
+    plain, with_ft = [], []
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory() as d:
+            out = Path(d)
+            _wait([ft_group.start_group(out, 0, "http://unused:0", processes=4, FT_DISABLE="1", FT_REPLICATE="2",
+                                        **env)])
+            plain.append(_step_time(_records(out, 0), sleep))
+        with tempfile.TemporaryDirectory() as d:
+            out, lighthouse = Path(d), ft_group.start_lighthouse()
+            try:
+                _wait([ft_group.start_group(out, g, lighthouse.address(), FT_SYNC_START="1", **env) for g in (0, 1)])
+            finally:
+                lighthouse.shutdown()
+            with_ft.append(_step_time(_records(out, 0), sleep))
+    a, b = statistics.median(plain), statistics.median(with_ft)
+    return {"step_s_without_torchft": a, "step_s_with_torchft": b, "ratio": b / a,
+            "rounds_without_torchft": plain, "rounds_with_torchft": with_ft}
 
 
 def group_failure(steps: int, sleep: float, kill_at: int) -> dict:
     env = {"FT_STEPS": str(steps), "FT_STEP_SLEEP": str(sleep), "FT_KILL_AT": str(kill_at),
-           "FT_WAIT_FOR_REJOIN": str(kill_at + 5), "FT_CKPT_EVERY": "100000"}
+           "FT_WAIT_FOR_REJOIN": str(kill_at + 5), "FT_SYNC_START": "1", "FT_CKPT_EVERY": "100000"}
     with tempfile.TemporaryDirectory() as d:
         out, lighthouse = Path(d), ft_group.start_lighthouse()
         try:
@@ -91,14 +98,15 @@ def group_failure(steps: int, sleep: float, kill_at: int) -> dict:
 
 def checkpoint_restart(steps: int, sleep: float, kill_at: int, every: int) -> dict:
     env = {"FT_STEPS": str(steps), "FT_STEP_SLEEP": str(sleep), "FT_DISABLE": "1", "FT_CKPT_EVERY": str(every)}
+    same_size = {"processes": 4, "FT_REPLICATE": "2"}  # the 2 x 2 HSDP job, as one job without torchft
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
-        # group 1 of a torchft-less job: its last rank kills itself at kill_at, as in group_failure
-        _wait([ft_group.start_group(out, 1, "http://unused:0", FT_KILL_AT=str(kill_at), **env)])
+        # a torchft-less job of the same 4 processes: its last rank kills itself at kill_at, as in group_failure
+        _wait([ft_group.start_group(out, 1, "http://unused:0", FT_KILL_AT=str(kill_at), **env, **same_size)])
         killed_at = float((out / "killed_at").read_text())
         last = max((out / "checkpoints").iterdir(), key=lambda p: int(p.name.split("step=")[1].split(".")[0]))
         relaunched_at = time.time()
-        _wait([ft_group.start_group(out, 1, "http://unused:0", restart=1, FT_RESUME=str(last), **env)])
+        _wait([ft_group.start_group(out, 1, "http://unused:0", restart=1, FT_RESUME=str(last), **env, **same_size)])
         resumed = _records(out, 1, restart=1)
     redone = kill_at - resumed[0]["step"]
     return {"kill_to_relaunch_s": relaunched_at - killed_at,
@@ -111,8 +119,9 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.1)
     parser.add_argument("--kill-at", type=int, default=10)
     parser.add_argument("--ckpt-every", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the quorum-cost comparison")
     args = parser.parse_args()
-    cost = quorum_cost(args.steps, 0.0)
+    cost = quorum_cost(args.steps, 0.0, args.rounds)
     failure = group_failure(args.steps, args.step_sleep, args.kill_at)
     restart = checkpoint_restart(args.steps, args.step_sleep, args.kill_at, args.ckpt_every)
     step = args.step_sleep + cost["step_s_without_torchft"]

@@ -5,9 +5,11 @@ the step was committed, how many groups took part) in ``<out>/record_g<group>_r<
 weights of rank 0 in ``<out>/weights_g<group>.pt``; logs to ``<out>/logs`` and checkpoints every 6 steps to
 ``<out>/checkpoints`` (from whichever groups the strategy lets write). Options come from the environment:
 
-* ``FT_KILL_AT``: group 1's rank 1 SIGKILLs itself at this step on its first start (its torchrun then ends the
-  group; the test starts it again with ``FT_RESTART=1`` and it rejoins the running job);
-* ``FT_WAIT_FOR_REJOIN``: group 0 waits at this step until the restarted group has started its Trainer, so the
+* ``FT_KILL_AT``: group 1's last rank SIGKILLs itself at this step (or the first one after it that its group
+  trains) on its first start; its torchrun then ends the group; the test starts it again with ``FT_RESTART=1`` and
+  it rejoins the running job;
+* ``FT_SYNC_START``: group 0 waits for group 1 to be set up before its first quorum;
+* ``FT_WAIT_FOR_REJOIN``: after the kill, group 0 waits at this step until the restarted group is set up, so the
   rejoin happens while it trains, however slow the machine;
 * ``FT_HIDDEN``: the model's hidden width (a group with another one is a group with the wrong model);
 * ``FT_STEP_SLEEP``: seconds each step sleeps (default 0.1, so that a death is noticed while the others train);
@@ -72,22 +74,31 @@ class Regression(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         step = self.trainer.global_step
-        kill_at = int(os.environ.get("FT_KILL_AT", -1))
-        if self.group == 1 and self.restart == 0 and self.global_rank == self.trainer.world_size - 1 and \
-                step == kill_at:
+        kill_at = int(os.environ.get("FT_KILL_AT", -1))  # the first step at or after it (the start is a race)
+        last_rank = self.global_rank == self.trainer.world_size - 1
+        if self.group == 1 and self.restart == 0 and last_rank and 0 <= kill_at <= step:
             self.save_records()
             (self.out / "killed_at").write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.group == 0 and step == int(os.environ.get("FT_WAIT_FOR_REJOIN", -1)):
-            deadline = time.monotonic() + 120
-            while not (self.out / "rejoining").exists() and time.monotonic() < deadline:
-                time.sleep(0.1)
+        if self.group == 0 and step == int(os.environ.get("FT_WAIT_FOR_REJOIN", -1)) and \
+                (self.out / "killed_at").exists():
+            self._wait_for("started_g1_1")
         loss = F.mse_loss(self(x), y)
         self.records.append({"step": step, "loss": loss.item(), "start": time.time()})
         if self.ft is not None:  # after this step's quorum (and any recovery)
             self.records[-1]["committed_before"] = self.ft.groups.step
         self.log("loss", loss)
         return loss
+
+    def on_fit_start(self) -> None:
+        (self.out / f"started_g{self.group}_{self.restart}").touch()  # the strategy is set up, the quorum is next
+        if self.group == 0 and os.environ.get("FT_SYNC_START"):
+            self._wait_for("started_g1_0")  # both groups in the first quorum, so that group 1 reaches FT_KILL_AT
+
+    def _wait_for(self, flag: str) -> None:
+        deadline = time.monotonic() + 120
+        while not (self.out / flag).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     @property
     def ft(self):
@@ -118,7 +129,8 @@ def start_lighthouse(join_timeout_ms: int = 2000, heartbeat_timeout_ms: int = 10
 def start_group(out: Path, group: int, lighthouse: str, restart: int = 0, processes: int = 2,
                 **extra: str) -> subprocess.Popen:
     """Launch one replica group as its own torchrun job; its output goes to ``<out>/group<group>_<restart>.log``."""
-    env = {**os.environ, **extra, "FT_RESTART": str(restart), "REPLICA_GROUP_ID": str(group),
+    # PL_GLOBAL_SEED seeds the DistributedSampler Lightning injects: the replays assume 0, whatever the caller set
+    env = {**os.environ, **extra, "FT_RESTART": str(restart), "REPLICA_GROUP_ID": str(group), "PL_GLOBAL_SEED": "0",
            "TORCHFT_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
            "PYTHONPATH": os.pathsep.join(sys.path)}
     with socket.socket() as s:
@@ -134,8 +146,6 @@ def main() -> None:
     out, group = Path(sys.argv[1]), int(os.environ["REPLICA_GROUP_ID"])
     restart = int(os.environ.get("FT_RESTART", "0"))
     rank = int(os.environ["RANK"])
-    if restart and rank == 0:
-        (out / "rejoining").touch()
     module = Regression(out, group, restart)
     processes = int(os.environ["WORLD_SIZE"])
     if os.environ.get("FT_DISABLE"):  # the same job without torchft (benchmarks/bench_fault_tolerance.py)
