@@ -10,6 +10,7 @@ order than the replay sums them).
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -71,12 +72,15 @@ def _records(out: Path, group: int, rank: int, restart: int) -> list[dict]:
     return json.loads((out / f"record_g{group}_r{rank}_{restart}.json").read_text())
 
 
-def _replay(steps: list[dict]) -> tuple[dict[tuple[int, int], float], dict[str, torch.Tensor]]:
-    """One process: per step, the mean gradient over the live groups' batches (each group's 2 ranks' batches)."""
+def _replay(steps: list[dict], data_ranks: int = 2) -> tuple[dict[tuple[int, int, int], float],
+                                                            dict[str, torch.Tensor]]:
+    """One process: per step, the mean gradient over the live groups' batches (each group's ``data_ranks`` data
+    ranks' batches). Returns every (group, data rank, step)'s loss and the final weights."""
     data = ft_group.dataset()
     model = ft_group.build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
-    samplers = [DistributedSampler(data, num_replicas=4, rank=k, shuffle=True, seed=0) for k in range(4)]
+    samplers = [DistributedSampler(data, num_replicas=2 * data_ranks, rank=k, shuffle=True, seed=0)
+                for k in range(2 * data_ranks)]
     per_epoch = len(samplers[0]) // ft_group.BATCH
     losses = {}
     for entry in steps:
@@ -85,15 +89,15 @@ def _replay(steps: list[dict]) -> tuple[dict[tuple[int, int], float], dict[str, 
         optimizer.zero_grad()
         total = 0.0
         for group in (0, 1):
-            for rank in (0, 1):
-                sampler = samplers[group * 2 + rank]
+            for rank in range(data_ranks):
+                sampler = samplers[group * data_ranks + rank]
                 sampler.set_epoch(epoch)
                 idx = list(sampler)[index * ft_group.BATCH:(index + 1) * ft_group.BATCH]
                 x, y = data[idx]
                 loss = F.mse_loss(ft_group.run(model, x), y)
                 losses[(group, rank, step)] = loss.item()
                 if entry["committed"] and group in live:
-                    total = total + loss / (2 * len(live))
+                    total = total + loss / (data_ranks * len(live))
         if entry["committed"]:
             total.backward()
             optimizer.step()
@@ -103,17 +107,17 @@ def _replay(steps: list[dict]) -> tuple[dict[tuple[int, int], float], dict[str, 
 RECORDS = [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 1)]  # (group, rank, restart)
 
 
-def _schedule(out: Path) -> list[dict]:
+def _schedule(out: Path, records: list[tuple[int, int, int]] = RECORDS, count: int = ft_group.STEPS) -> list[dict]:
     """What each step was, from the records of every group's rank 0: which groups trained it and whether it was
     committed (all of them must agree; on a committed step, with the number of groups torchft counted)."""
     by_step: dict[int, list[tuple[int, dict]]] = {}
-    for group, rank, restart in RECORDS:
+    for group, rank, restart in records:
         if rank == 0:
             for r in _records(out, group, rank, restart):
                 if "committed_steps" in r:  # finished (a step cut short by the kill has no outcome)
                     by_step.setdefault(r["step"], []).append((group, r))
     steps = []
-    for step in range(ft_group.STEPS):
+    for step in range(count):
         entries = by_step[step]
         outcomes = {r["committed_steps"] > r["committed_before"] for _, r in entries}
         assert len(outcomes) == 1, entries
@@ -147,7 +151,8 @@ def test_killed_group_rejoins_and_matches_a_replay(killed_and_rejoined):
 
 def test_checkpoints_and_logs_come_from_one_group(killed_and_rejoined):
     """The live group of lowest index writes every checkpoint (complete, with torchft's committed step); the
-    loggers run on group 0's rank 0 only: one log with every step, however the groups came and went."""
+    loggers and the monitors' logging run on group 0's rank 0 only: one log with every step, however the groups came
+    and went."""
     from lightning_par import consolidate_checkpoint
 
     out, _ = killed_and_rejoined
@@ -160,8 +165,11 @@ def test_checkpoints_and_logs_come_from_one_group(killed_and_rejoined):
         torch.testing.assert_close(last["state_dict"][key], value, atol=0, rtol=0)
     versions = list((out / "logs").iterdir())
     assert [v.name for v in versions] == ["version_0"], versions
-    logged = (versions[0] / "metrics.csv").read_text().splitlines()[1:]
-    assert len(logged) == len(_records(out, 0, 0, 0)), logged  # every step group 0 trained (from step 0 or 1)
+    rows = list(csv.DictReader((versions[0] / "metrics.csv").open()))
+    trained = len(_records(out, 0, 0, 0))  # every step group 0 trained (from step 0 or 1)
+    assert len([r for r in rows if r["loss"]]) == trained, rows
+    memory = [float(r["mem/rss_bytes/max"]) for r in rows if r["mem/rss_bytes/max"]]  # group 0's ranks, summarized
+    assert len(memory) == trained and min(memory) > 0, rows
 
 
 def test_a_group_with_another_model_is_refused_and_the_other_trains_on(tmp_path):
@@ -266,3 +274,32 @@ def test_without_torchft_the_error_names_the_extra(monkeypatch):
     with pytest.raises(ImportError, match=r"needs torchft, which is not installed. Install the extra: pip install "
                                           r"'lightning_par\[ft\]'"):
         import_torchft()
+
+
+def test_pipeline_stages_inside_groups_match_a_replay(tmp_path):
+    """Each group's 2 processes are 2 pipeline stages (1F1B, 2 micro-batches): the gradients averaged across groups
+    live in the stages' own parameters. No failure here; every loss and the final weights match the replay."""
+    lighthouse = _lighthouse()
+    try:
+        options = {"FT_PP": "2", "FT_STEPS": "8", "FT_KILL_AT": "-1", "FT_STEP_SLEEP": "0"}
+        jobs = [_group(tmp_path, g, lighthouse.address(), **options) for g in (0, 1)]
+        try:
+            for job in jobs:
+                job.wait(timeout=120)
+        finally:
+            for job in jobs:
+                job.kill()
+    finally:
+        lighthouse.shutdown()
+    for g, job in enumerate(jobs):
+        assert job.returncode == 0, (tmp_path / f"group{g}_0.log").read_text()[-4000:]
+    steps = _schedule(tmp_path, [(0, 0, 0), (1, 0, 0)], count=8)
+    assert all(s["committed"] for s in steps) and steps[-1]["live"] == (0, 1), steps
+    losses, weights = _replay(steps, data_ranks=1)
+    for group in (0, 1):
+        for rank in (0, 1):  # both stages report the group's mean loss
+            for r in _records(tmp_path, group, rank, 0):
+                assert abs(r["loss"] - losses[(group, 0, r["step"])]) <= TOLERANCE, (group, rank, r)
+        final = torch.load(tmp_path / f"weights_g{group}.pt")
+        for name, value in weights.items():
+            torch.testing.assert_close(final[f"blocks.{name}"], value, atol=TOLERANCE, rtol=0)

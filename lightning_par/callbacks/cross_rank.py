@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_par.callbacks.trace import MONITOR_MARK
 
@@ -74,9 +75,15 @@ def summarize_across_ranks(values: Mapping[str, float], names: Sequence[str]) ->
     return summarize(names, gather_values(row))
 
 
+def writes_logs(trainer: Any) -> bool:
+    """Whether this rank writes the run's logs: global rank 0, and the rank Lightning's loggers write on (these
+    differ under fault-tolerant replica groups, where only group 0's rank 0 logs)."""
+    return bool(trainer.is_global_zero) and rank_zero_only.rank == 0
+
+
 def log_on_rank_zero(trainer: Any, metrics: Mapping[str, float]) -> None:
     """Write ``metrics`` through each of the Trainer's loggers at ``trainer.global_step``, on global rank 0 only."""
-    if not metrics or not trainer.is_global_zero:
+    if not metrics or not writes_logs(trainer):
         return
     for logger in trainer.loggers:
         logger.log_metrics(dict(metrics), step=trainer.global_step)
@@ -87,7 +94,7 @@ def log_figure_on_rank_zero(trainer: Any, name: str, figure: Any) -> list[str]:
 
     Returns where it went (for tests and messages). Rank 0 only; other ranks return ``[]``.
     """
-    if not trainer.is_global_zero:
+    if not writes_logs(trainer):
         return []
     import os
 

@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from lightning_par.callbacks._base import check_positive_int, monitor_overhead
+from lightning_par.callbacks.cross_rank import writes_logs
 from lightning_par.parallel.experts import TokenCounter, find_experts
 
 
@@ -90,7 +91,7 @@ class ExpertLoadMonitor(Callback):
             metrics["moe/idle_experts/mean"] = float((load == 0).double().mean())
             metrics.update(_dropped_metrics(layers, counts, dropped, reports))
             self.last, self.last_shares = metrics, shares.cpu()
-            if trainer.global_rank != 0:
+            if not writes_logs(trainer):
                 return
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)

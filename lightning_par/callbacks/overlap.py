@@ -40,7 +40,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_par.callbacks import intervals as iv
 from lightning_par.callbacks._base import RankSummaryCallback, check_positive_int, monitor_overhead
-from lightning_par.callbacks.cross_rank import log_figure_on_rank_zero, log_on_rank_zero, summarize_across_ranks
+from lightning_par.callbacks.cross_rank import (
+    log_figure_on_rank_zero,
+    log_on_rank_zero,
+    summarize_across_ranks,
+    writes_logs,
+)
 from lightning_par.callbacks.trace import (
     _MARK,
     COMM_KINDS,
@@ -276,7 +281,7 @@ class CommOverlapMonitor(RankSummaryCallback):
                 dist.all_gather_object(ranks, mine)
         else:
             ranks = [mine]
-        if trainer.is_global_zero:
+        if writes_logs(trainer):
             fig = timeline_figure(ranks)
             self.last_figure_targets = log_figure_on_rank_zero(trainer, "comm/timeline", fig)
 

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
+from lightning_par.callbacks.cross_rank import writes_logs
 from lightning_par.parallel.schedule_recorder import (
     draw_timeline,
     figure_to_array,
@@ -72,7 +73,7 @@ class PipelineTimelineMonitor(Callback):
             return
         recording, pipeline.last_recording = pipeline.last_recording, None
         timelines = self.timelines = gather_timelines(recording, group=pipeline.group)  # collective over pp
-        if trainer.global_rank != 0:
+        if not writes_logs(trainer):
             return
         step = self._step
         title = (f"{pipeline.name}: pp={pipeline.pp}, {pipeline.n_microbatches} micro-batches, "

@@ -159,8 +159,11 @@ class FaultTolerantTraining:
 
     @property
     def writes_checkpoints(self) -> bool:
-        """Only the live group of lowest index writes (every group holds the same state)."""
-        return self.groups is None or self.groups.group_index == 0
+        """Only the live group of lowest index writes (every group holds the same state); outside training (no
+        quorum any more), group 0."""
+        if self.groups is None:
+            return self.replica_id == 0
+        return self.groups.group_index == 0
 
     def teardown(self) -> None:
         if self.groups is not None:

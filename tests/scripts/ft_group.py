@@ -2,15 +2,17 @@
 
 Trains a small MLP with FSDP over the group's 2 processes; records, per step, what every rank saw (loss, whether
 the step was committed, how many groups took part) in ``<out>/record_g<group>_r<rank>_<restart>.json`` and the final
-weights of rank 0 in ``<out>/weights_g<group>.pt``; logs to ``<out>/logs`` and checkpoints every 6 steps to
-``<out>/checkpoints`` (from whichever groups the strategy lets write). Options come from the environment:
+weights of rank 0 in ``<out>/weights_g<group>.pt``; logs (with a memory monitor) to ``<out>/logs`` and checkpoints
+every 6 steps to ``<out>/checkpoints`` (from whichever groups the strategy lets write). Options come from the
+environment:
 
 * ``FT_KILL_AT``: group 1's last rank SIGKILLs itself at this step (or the first one after it that its group
   trains) on its first start; its torchrun then ends the group; the test starts it again with ``FT_RESTART=1`` and
   it rejoins the running job;
-* ``FT_SYNC_START``: group 0 waits for group 1 to be set up before its first quorum;
+* ``FT_SYNC_START``: each group waits for the other to be set up before its first quorum;
 * ``FT_WAIT_FOR_REJOIN``: after the kill, group 0 waits at this step until the restarted group is set up, so the
   rejoin happens while it trains, however slow the machine;
+* ``FT_PP``: pipeline stages inside each group (2: each group's two processes are its two stages, 1F1B);
 * ``FT_HIDDEN``: the model's hidden width (a group with another one is a group with the wrong model);
 * ``FT_STEP_SLEEP``: seconds each step sleeps (default 0.1, so that a death is noticed while the others train);
 * for ``benchmarks/bench_fault_tolerance.py``: ``FT_DISABLE`` (the same job without torchft, with ``FT_REPLICATE``
@@ -39,6 +41,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import FaultTolerance, NDParallelStrategy, full_state_dict
+from lightning_par.callbacks import MemoryMonitor
 
 STEPS, BATCH, SAMPLES, WIDTH = 24, 4, 96, 16  # 96 samples / (2 groups x 2 ranks x 4) = 6 steps an epoch
 STEPS = int(os.environ.get("FT_STEPS", STEPS))
@@ -83,17 +86,20 @@ class Regression(pl.LightningModule):
         if self.group == 0 and step == int(os.environ.get("FT_WAIT_FOR_REJOIN", -1)) and \
                 (self.out / "killed_at").exists():
             self._wait_for("started_g1_1")
-        loss = F.mse_loss(self(x), y)
+        loss = self.loss(self(x), y)  # the pipeline contract (FT_PP): outputs straight into the loss method
         self.records.append({"step": step, "loss": loss.item(), "start": time.time()})
         if self.ft is not None:  # after this step's quorum (and any recovery)
             self.records[-1]["committed_before"] = self.ft.groups.step
         self.log("loss", loss)
         return loss
 
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(outputs, targets)
+
     def on_fit_start(self) -> None:
         (self.out / f"started_g{self.group}_{self.restart}").touch()  # the strategy is set up, the quorum is next
-        if self.group == 0 and os.environ.get("FT_SYNC_START"):
-            self._wait_for("started_g1_0")  # both groups in the first quorum, so that group 1 reaches FT_KILL_AT
+        if os.environ.get("FT_SYNC_START") and self.restart == 0:
+            self._wait_for(f"started_g{1 - self.group}_0")  # both groups in the first quorum
 
     def _wait_for(self, flag: str) -> None:
         deadline = time.monotonic() + 120
@@ -152,11 +158,14 @@ def main() -> None:
         replicas = int(os.environ.get("FT_REPLICATE", 1))
         strategy = NDParallelStrategy(dp_replicate=replicas, dp_shard=processes // replicas)
     else:
-        strategy = NDParallelStrategy(dp_replicate=2, dp_shard=processes, fault_tolerance=FaultTolerance(timeout=20))
+        pp = int(os.environ.get("FT_PP", 1))  # pipeline stages inside each group (one block each)
+        strategy = NDParallelStrategy(dp_replicate=2, dp_shard=processes // pp, pp=pp, pp_schedule="1f1b",
+                                      pp_microbatches=2, fault_tolerance=FaultTolerance(timeout=20))
     every = ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=int(os.environ.get("FT_CKPT_EVERY", 6)),
                             save_top_k=-1)
     trainer = pl.Trainer(accelerator="cpu", devices=processes, strategy=strategy, max_steps=STEPS,
-                         logger=CSVLogger(out, name="logs"), callbacks=[every], log_every_n_steps=1,
+                         logger=CSVLogger(out, name="logs"), callbacks=[every, MemoryMonitor(log_every_n_steps=1)],
+                         log_every_n_steps=1,
                          enable_progress_bar=False, enable_model_summary=False)
     loader = DataLoader(dataset(), batch_size=BATCH, shuffle=True)
     try:
