@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -172,14 +173,18 @@ def test_checkpoints_and_logs_come_from_one_group(killed_and_rejoined):
     assert len(memory) == trained and min(memory) > 0, rows
 
 
-def test_a_group_with_another_model_is_refused_and_the_other_trains_on(tmp_path):
-    """Two one-process groups whose models differ: whichever receives the other's state refuses it with the
-    parameter names and shapes; the first group trains to the end alone."""
+def test_a_group_with_another_layout_is_refused_and_the_others_train_on(tmp_path):
+    """Group 0 shards its model with FSDP over its 2 processes and trains; group 1 joins later with its model cut
+    into 2 pipeline stages. It refuses the state it receives, naming both layouts, and group 0 trains to the end.
+    (At a common start both groups receive state, spread over the peers rank by rank, and both refuse.)"""
     lighthouse = _lighthouse()
     try:
-        options = {"processes": 1, "FT_STEPS": "8", "FT_KILL_AT": "-1", "FT_WAIT_FOR_REJOIN": "-1"}
-        jobs = [_group(tmp_path, 0, lighthouse.address(), **options),
-                _group(tmp_path, 1, lighthouse.address(), FT_HIDDEN="48", **options)]
+        options = {"FT_STEPS": "8", "FT_KILL_AT": "-1", "FT_SYNC_START": "", "FT_STEP_SLEEP": "0.05"}
+        jobs = [_group(tmp_path, 0, lighthouse.address(), FT_WAIT_FOR_LATE_GROUP="2", **options)]
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "started_g0_0").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        jobs.append(_group(tmp_path, 1, lighthouse.address(), FT_PP="2", **options))
         try:
             for job in jobs:
                 job.wait(timeout=120)
@@ -189,12 +194,23 @@ def test_a_group_with_another_model_is_refused_and_the_other_trains_on(tmp_path)
     finally:
         lighthouse.shutdown()
     logs = [(tmp_path / f"group{g}_0.log").read_text() for g in (0, 1)]
-    failed = [g for g, job in enumerate(jobs) if job.returncode != 0]
-    assert len(failed) == 1, [log[-3000:] for log in logs]
-    assert "FaultTolerance: the live replica groups hold tensors of other shapes" in logs[failed[0]]
-    assert "blocks.0.0.weight: (48, 16) there, (32, 16) here" in logs[failed[0]] or \
-        "blocks.0.0.weight: (32, 16) there, (48, 16) here" in logs[failed[0]]
-    assert [r["step"] for r in _records(tmp_path, 1 - failed[0], 0, 0)][-1] == 7  # it trained to the end
+    assert jobs[0].returncode == 0 and jobs[1].returncode != 0, [log[-3000:] for log in logs]
+    assert ("FaultTolerance: replica group 1 has the layout {'strategy': \"pipeline (1f1b, 2 micro-batches, 2 stages"
+            in logs[1] and "but the live groups have {'strategy': 'FSDP2 (ZeRO-3)', 'processes': 2}" in logs[1]), \
+        logs[1][-3000:]
+    assert [r["step"] for r in _records(tmp_path, 0, 0, 0)] == list(range(8))  # group 0 trained every step
+
+
+def test_a_peer_state_of_another_model_is_refused_with_the_shapes():
+    from torch import nn
+
+    from lightning_par.parallel.fault_tolerance import load_module_state, module_state
+
+    with pytest.raises(ValueError, match=r"tensors of other shapes \(\['weight: \(32, 16\) there, \(48, 16\) here', "
+                                         r"'bias: \(32,\) there, \(48,\) here'\]\)"):
+        load_module_state(nn.Linear(16, 48), module_state(nn.Linear(16, 32)))
+    with pytest.raises(ValueError, match=r"lacks \['bias'\]: the groups run different models"):
+        load_module_state(nn.Linear(16, 32), module_state(nn.Linear(16, 32, bias=False)))
 
 
 def _fit_without_lighthouse(port: int) -> None:

@@ -12,8 +12,9 @@ environment:
 * ``FT_SYNC_START``: each group waits for the other to be set up before its first quorum;
 * ``FT_WAIT_FOR_REJOIN``: after the kill, group 0 waits at this step until the restarted group is set up, so the
   rejoin happens while it trains, however slow the machine;
+* ``FT_WAIT_FOR_LATE_GROUP``: group 0 waits at this step until group 1 (started later) is set up, so that it
+  joins a running job;
 * ``FT_PP``: pipeline stages inside each group (2: each group's two processes are its two stages, 1F1B);
-* ``FT_HIDDEN``: the model's hidden width (a group with another one is a group with the wrong model);
 * ``FT_STEP_SLEEP``: seconds each step sleeps (default 0.1, so that a death is noticed while the others train);
 * for ``benchmarks/bench_fault_tolerance.py``: ``FT_DISABLE`` (the same job without torchft, with ``FT_REPLICATE``
   replicas of the FSDP group), ``FT_STEPS``,
@@ -67,7 +68,7 @@ def run(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
 class Regression(pl.LightningModule):
     def __init__(self, out: Path, group: int, restart: int) -> None:
         super().__init__()
-        self.blocks = build_model(int(os.environ.get("FT_HIDDEN", 32)))
+        self.blocks = build_model()
         self.out, self.group, self.restart = out, group, restart
         self.records: list[dict] = []
 
@@ -86,6 +87,8 @@ class Regression(pl.LightningModule):
         if self.group == 0 and step == int(os.environ.get("FT_WAIT_FOR_REJOIN", -1)) and \
                 (self.out / "killed_at").exists():
             self._wait_for("started_g1_1")
+        if self.group == 0 and step == int(os.environ.get("FT_WAIT_FOR_LATE_GROUP", -1)):
+            self._wait_for("started_g1_0")
         loss = self.loss(self(x), y)  # the pipeline contract (FT_PP): outputs straight into the loss method
         self.records.append({"step": step, "loss": loss.item(), "start": time.time()})
         if self.ft is not None:  # after this step's quorum (and any recovery)
