@@ -35,12 +35,7 @@ import ft_group  # noqa: E402
 
 
 def _wait(jobs, timeout: float = 300) -> None:
-    try:
-        for job in jobs:
-            job.wait(timeout=timeout)
-    finally:
-        for job in jobs:
-            job.kill()
+    ft_group.wait_all(list(jobs), timeout)
 
 
 def _records(out: Path, group: int, restart: int = 0) -> list[dict]:

@@ -185,12 +185,7 @@ def test_a_group_with_another_layout_is_refused_and_the_others_train_on(tmp_path
         while not (tmp_path / "started_g0_0").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         jobs.append(_group(tmp_path, 1, lighthouse.address(), FT_PP="2", **options))
-        try:
-            for job in jobs:
-                job.wait(timeout=120)
-        finally:
-            for job in jobs:
-                job.kill()
+        ft_group.wait_all(jobs)
     finally:
         lighthouse.shutdown()
     logs = [(tmp_path / f"group{g}_0.log").read_text() for g in (0, 1)]
@@ -299,12 +294,7 @@ def test_pipeline_stages_inside_groups_match_a_replay(tmp_path):
     try:
         options = {"FT_PP": "2", "FT_STEPS": "8", "FT_KILL_AT": "-1", "FT_STEP_SLEEP": "0"}
         jobs = [_group(tmp_path, g, lighthouse.address(), **options) for g in (0, 1)]
-        try:
-            for job in jobs:
-                job.wait(timeout=120)
-        finally:
-            for job in jobs:
-                job.kill()
+        ft_group.wait_all(jobs)
     finally:
         lighthouse.shutdown()
     for g, job in enumerate(jobs):

@@ -522,10 +522,10 @@ class BaseParallelStrategy(ParallelStrategy):
         checkpoint[ckpt.TRAINABLE_ONLY] = self.save_trainable_only
         assert self.model is not None  # the groups let to_lightning_checkpoint write Lightning's layout offline
         checkpoint[lightning_ckpt.PARAM_GROUPS] = lightning_ckpt.param_group_names(
-            self.model, self._plain_optimizers(), self.dims.pp > 1)
+            self.model, self.plain_optimizers(), self.dims.pp > 1)
         ckpt.save_sharded(tensors, checkpoint, path)
 
-    def _plain_optimizers(self) -> list[Optimizer]:
+    def plain_optimizers(self) -> list[Optimizer]:
         """The torch optimizers inside Lightning's ``LightningOptimizer`` wrappers."""
         return [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
 
@@ -541,7 +541,7 @@ class BaseParallelStrategy(ParallelStrategy):
         path = self.broadcast(os.fspath(checkpoint_path))
         assert self.model is not None
         if os.path.isfile(path):  # single-file Lightning checkpoint: one process's save, or consolidate_checkpoint
-            return ckpt.load_single_file(self.model, self._plain_optimizers(), path, _OPTIMIZER_OPTIONS,
+            return ckpt.load_single_file(self.model, self.plain_optimizers(), path, _OPTIMIZER_OPTIONS,
                                          self.dims.pp > 1, weights_only)
         path = ckpt.check_complete(path)
         model_sd = get_model_state_dict(self.model)
@@ -557,7 +557,7 @@ class BaseParallelStrategy(ParallelStrategy):
         stored = ckpt.stored_shapes(path, "state_dict.")
         (ckpt.check_same_trainable if trainable_only else ckpt.compare_shapes)(path, stored, shapes)
         tensors: dict[str, Any] = {"state_dict": model_sd}
-        optimizers = self._plain_optimizers()
+        optimizers = self.plain_optimizers()
         nested: dict[str, list[dict[str, Any]]] = {}  # param groups stored in Lightning's layout, by optimizer key
         for i, optimizer in enumerate(optimizers):
             key = f"optimizer_{i}"

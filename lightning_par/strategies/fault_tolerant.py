@@ -78,7 +78,7 @@ class FaultTolerantTraining:
 
     def start(self, trainer: pl.Trainer, strategy: Any, layout: dict[str, Any]) -> None:
         """Create the torchft manager; the model and the optimizers exist (``setup``)."""
-        optimizers = strategy._plain_optimizers()
+        optimizers = strategy.plain_optimizers()
         if len(optimizers) > 1:
             raise ValueError(f"fault_tolerance works with one optimizer; configure_optimizers returned "
                              f"{len(optimizers)}. Combine their parameter groups into one optimizer.")
@@ -96,7 +96,7 @@ class FaultTolerantTraining:
         return {
             "layout": self._layout,
             "model": module_state(trainer.lightning_module),
-            "optimizers": [optimizer_state(o) for o in trainer.strategy._plain_optimizers()],
+            "optimizers": [optimizer_state(o) for o in trainer.strategy.plain_optimizers()],
             "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             "loops": self._snapshot.loops,
         }
@@ -110,7 +110,7 @@ class FaultTolerantTraining:
                 f"have {state['layout']}. Every replica group must run the same model with the same strategy "
                 f"sizes and the same number of processes; relaunch this group with theirs.")
         load_module_state(trainer.lightning_module, state["model"])
-        for optimizer, sent in zip(trainer.strategy._plain_optimizers(), state["optimizers"]):
+        for optimizer, sent in zip(trainer.strategy.plain_optimizers(), state["optimizers"]):
             load_optimizer_state(optimizer, sent)
         for config, sent in zip(trainer.lr_scheduler_configs, state["schedulers"]):
             config.scheduler.load_state_dict(sent)

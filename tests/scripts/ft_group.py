@@ -151,6 +151,16 @@ def start_group(out: Path, group: int, lighthouse: str, restart: int = 0, proces
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
+def wait_all(jobs: list[subprocess.Popen], timeout: float = 120) -> None:
+    """Wait for every job; whatever is still running after ``timeout`` seconds (or an error) is killed."""
+    try:
+        for job in jobs:
+            job.wait(timeout=timeout)
+    finally:
+        for job in jobs:
+            job.kill()
+
+
 def main() -> None:
     out, group = Path(sys.argv[1]), int(os.environ["REPLICA_GROUP_ID"])
     restart = int(os.environ.get("FT_RESTART", "0"))
