@@ -278,11 +278,20 @@ class Hardware:
     #: whose groups have a measured shape uses its figures; any other the intra- or inter-node link
     group_links: tuple[tuple[int, int, float, float], ...] = ()
 
-    def link(self, size: int, stride: int, within_node: bool, by_shape: bool = True) -> tuple[float, float]:
+    def link(self, size: int, stride: int, within_node: bool, by_shape: bool = True,
+             members_per_node: int = 1) -> tuple[float, float]:
         """(bandwidth, latency) of the groups of ``size`` ranks ``stride`` apart; ``by_shape=False``: the node's
-        link whatever the shape."""
+        link whatever the shape.
+
+        A group across nodes with ``members_per_node`` of its ranks in each node runs its ring collectives over
+        that many NICs at once: NCCL's ring enters and leaves a node once per channel and spreads its channels over
+        the node's NICs (one per GPU, each GPU's own), so the bytes that cross between nodes are one rank's share,
+        carried by ``members_per_node`` NICs, up to the node-internal link that joins them. Multi-node nccl-tests on
+        DGX H100 (8 x NDR 400 Gb/s) reach 400-450 GB/s all-reduce bus bandwidth, 8 x 50 GB/s, not one NIC's 50
+        (saturncloud.io/blog/crusoe-nccl-cluster-validation, "Expected Performance"). Point-to-point sends and
+        all-to-alls, whose bytes each rank sends over its own NIC, pass ``members_per_node=1``."""
         if not within_node:
-            return self.inter_bandwidth, self.inter_latency
+            return min(self.intra_bandwidth, self.inter_bandwidth * max(1, members_per_node)), self.inter_latency
         for n, s, bandwidth, latency in self.group_links if by_shape else ():
             if (n, s) == (size, stride):
                 return bandwidth, latency

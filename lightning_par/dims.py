@@ -152,6 +152,14 @@ class ParallelDims:
         outermost = MESH_DIM_NAMES.index(FLAT_MESHES.get(name, (name,))[0])
         return math.prod(getattr(self, d) for d in MESH_DIM_NAMES[outermost:]) <= ranks_per_node
 
+    def members_per_node(self, name: str, ranks_per_node: int) -> int:
+        """How many ranks of one group of mesh dimension ``name`` share a node of ``ranks_per_node`` consecutive
+        ranks: all of them within a node, else those ``group_stride`` apart that one node holds (at least one)."""
+        size, stride = self.mesh_size(name), self.group_stride(name)
+        if self.within_node(name, ranks_per_node):
+            return size
+        return max(1, min(size, ranks_per_node // stride))
+
     def group_stride(self, name: str) -> int:
         """How many ranks apart the members of a group of mesh dimension ``name`` are: the product of the sizes of
         every dimension inside it (the mesh is row-major over MESH_DIM_NAMES, the experts' over

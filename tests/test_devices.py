@@ -165,10 +165,10 @@ def test_measured_group_links_serve_the_mesh_dimensions_of_their_shape():
     # dp_shard 2 x tp 2 on one node of 4: FSDP's groups are 2 apart, TP's adjacent
     dims = ParallelDims(dp_shard=2, tp=2).resolve(4)
     assert (dims.group_stride("dp_shard"), dims.group_stride("tp"), dims.group_stride("dp_shard_cp")) == (2, 1, 2)
-    assert _link("dp_shard", dims, hw) == (2, 5e10, 4e-6) and _link("tp", dims, hw) == (2, 1e11, 2e-6)
-    assert _link("dp_shard", dims, replace(hw, gpus_per_node=2)) == (2, 1e10, 1e-5)  # across two nodes
+    assert _link("dp_shard", dims, hw) == (2, 5e10, 4e-6, 5e10) and _link("tp", dims, hw) == (2, 1e11, 2e-6, 1e11)
+    assert _link("dp_shard", dims, replace(hw, gpus_per_node=2)) == (2, 1e10, 1e-5, 1e10)  # across two nodes
     # ranks sharing CPU cores: the node's all-reduce prices every group (see predict._link)
-    assert _link("dp_shard", dims, replace(hw, device="cpu (x86_64, 1 threads)")) == (2, 1e11, 2e-6)
+    assert _link("dp_shard", dims, replace(hw, device="cpu (x86_64, 1 threads)")) == (2, 1e11, 2e-6, 1e11)
     assert ParallelDims(pp=2, dp_replicate=2, cp=2).resolve(8).group_stride("dp_cp") == 1
     assert ParallelDims(pp=2, dp_replicate=2, cp=2).resolve(8).group_stride("pp") == 4
     for bad in [(2,), (0, 1, 1e9, 0.0), (2, 1, -1.0, 0.0)]:
@@ -306,3 +306,30 @@ def test_probe_on_gloo_is_the_same_on_every_rank(world_size, gpus_per_node):
             {"2x1": [0, 1], "2x2": [0, 2]}, {"2x1": [0, 1], "2x2": [1, 3]},
             {"2x1": [2, 3], "2x2": [0, 2]}, {"2x1": [2, 3], "2x2": [1, 3]}]
     assert max(r["took"] for r in results) < 6.0  # 0.4 s matmul + 0.6 s collectives + group set-up, on busy cores
+
+
+def test_a_group_across_nodes_rings_over_as_many_nics_as_it_has_ranks_in_a_node():
+    """NCCL spreads a ring's channels over the NICs of the group's ranks in a node: FSDP over 64 GPUs of 8 nodes
+    moves its cross-node bytes through 8 NICs per node (8 x 50 GB/s, capped by NVLink's 450), a data-parallel group
+    one rank per node (TP 8 inside) through one; all-to-alls and pipeline sends go through a rank's own NIC."""
+    hw = known_hardware("H100-SXM", gpus_per_node=8, inter_link="ib-ndr400")
+    fsdp = ParallelDims(dp_shard=64).resolve(64)
+    assert fsdp.members_per_node("dp_shard", 8) == 8
+    assert _link("dp_shard", fsdp, hw) == (64, 400e9, hw.inter_latency, 50e9)
+    over_tp = ParallelDims(dp_shard=8, tp=8).resolve(64)
+    assert over_tp.members_per_node("dp_shard", 8) == 1
+    assert _link("dp_shard", over_tp, hw)[1] == 50e9
+    half = ParallelDims(dp_shard=32, tp=2).resolve(64)  # 4 ranks of each FSDP group per node
+    assert _link("dp_shard", half, hw)[1] == 200e9
+    assert ParallelDims(dp_shard=8).resolve(8).members_per_node("dp_shard", 8) == 8  # within one node: all
+    # capped by the node-internal link, which joins the ranks that share the NICs
+    slow_node = Hardware("mine", 1e14, None, 8, 100e9, 3e-6, 50e9, 1e-5, "by hand")
+    assert slow_node.link(64, 1, within_node=False, members_per_node=8) == (100e9, 1e-5)
+    # the time model: a ring collective at the group's bandwidth, an all-to-all at the rank's own NIC
+    from lightning_par.costs.sheet import Transfer
+    from lightning_par.planner.predict import _transfer_time
+    gather = Transfer("fsdp_all_gather", "dp_shard", "all_gather", 64e9, 1, True)
+    to_all = Transfer("ep_all_to_all", "dp_shard", "all_to_all", 64e9, 1, False)
+    link = _link("dp_shard", fsdp, hw)
+    assert _transfer_time(gather, *link) == pytest.approx(63 / 64 * 64e9 / 400e9 + 63 * hw.inter_latency)
+    assert _transfer_time(to_all, *link) == pytest.approx(63 / 64 * 64e9 / 50e9 + 63 * hw.inter_latency)

@@ -406,40 +406,51 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0) -> tuple
     return (3 * forward + recomputed) * per_step, attentions * per_step
 
 
-def _cached_link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float]:
+def _cached_link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float, float]:
     """``_link``, remembered across layouts (the same few mesh shapes recur in thousands of them)."""
     return _link_of_sizes(dim, (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp, dims.ep), hw)
 
 
 @lru_cache(maxsize=4096)
-def _link_of_sizes(dim: str, sizes: tuple[int, ...], hw: Hardware) -> tuple[int, float, float]:
+def _link_of_sizes(dim: str, sizes: tuple[int, ...], hw: Hardware) -> tuple[int, float, float, float]:
     return _link(dim, ParallelDims(*sizes), hw)
 
 
-def _link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float]:
-    """The group size of mesh dimension ``dim`` and the (bandwidth, latency) of the link its groups use: measured for
-    groups of that shape when the probe measured it, else the node's or the inter-node link.
+def _link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float, float]:
+    """The group size of mesh dimension ``dim``, the bandwidth and latency of the link its groups' ring collectives
+    use (measured for groups of that shape when the probe measured it, else the node's or the inter-node link, whose
+    NICs a group across nodes uses as many of as it has ranks in a node: ``Hardware.link``), and the bandwidth one
+    rank's own sends get (point-to-point and all-to-all: its own NIC across nodes).
 
     Not on ranks that share CPU cores: there a pair of ranks measured on its own gets the cores between its hops,
     while in training the other ranks compute meanwhile, and the all-reduce over the whole node, which waits for
     every rank, prices training's collectives better. Measured (benchmarks/bench_planner.py, world 4 on 2 cores):
     with the pairs' figures the rank correlation of predicted against measured step times fell from 0.84 to 0.32
     (GPT) and from 0.87 to 0.60 (Llama)."""
-    size = dims.mesh_size(dim)
+    size, stride = dims.mesh_size(dim), dims.group_stride(dim)
     within = dims.within_node(dim, hw.gpus_per_node)
-    return size, *hw.link(size, dims.group_stride(dim), within, by_shape=not shares_cores(hw))
+    by_shape = not shares_cores(hw)
+    ring, latency = hw.link(size, stride, within, by_shape=by_shape,
+                            members_per_node=dims.members_per_node(dim, hw.gpus_per_node))
+    own, _ = hw.link(size, stride, within, by_shape=by_shape)
+    return size, ring, latency, own
 
 
-def _transfer_time(t: Transfer, n: int, bandwidth: float, latency: float) -> float:
-    """The ring model of one transfer over a group of ``n`` ranks, ``t.count`` times."""
+def _transfer_time(t: Transfer, n: int, bandwidth: float, latency: float, own_bandwidth: float | None = None) -> float:
+    """The ring model of one transfer over a group of ``n`` ranks, ``t.count`` times: ring collectives at the
+    group's ``bandwidth``, all-to-alls and point-to-point messages at a rank's ``own_bandwidth`` (default: the
+    same)."""
     if n <= 1:
         return 0.0
+    own = bandwidth if own_bandwidth is None else own_bandwidth
     if t.collective == "all_reduce":
         one = 2 * (n - 1) / n * t.nbytes / bandwidth + 2 * (n - 1) * latency
-    elif t.collective in ("all_gather", "reduce_scatter", "all_to_all"):  # (n - 1) / n of the bytes leave
+    elif t.collective in ("all_gather", "reduce_scatter"):  # (n - 1) / n of the bytes leave
         one = (n - 1) / n * t.nbytes / bandwidth + (n - 1) * latency
+    elif t.collective == "all_to_all":
+        one = (n - 1) / n * t.nbytes / own + (n - 1) * latency
     else:  # one point-to-point message
-        one = t.nbytes / bandwidth + latency
+        one = t.nbytes / own + latency
     return one * t.count
 
 
