@@ -80,6 +80,9 @@ WANTED: list[tuple[str, dict[str, Any]]] = [
     ("fsdp_ac", dict(dp_shard=4, activation_checkpointing=True)),
     ("fsdp_sac", dict(dp_shard=4, activation_checkpointing="selective")),
     ("fsdp_accumulate2", dict(dp_shard=4, accumulate_grad_batches=2)),  # each rank's batch in 2 micro-batches
+    # the same reducing once per step, units gathered once (ZeRO-1-like: accumulate_unsharded)
+    ("fsdp_accumulate2_zero1", dict(dp_shard=4, accumulate_grad_batches=2, reshard_after_forward=False,
+                                    accumulate_unsharded=True)),
     ("hsdp", dict(dp_replicate=2, dp_shard=2)),
     ("tp4", dict(tp=4)),
     ("dp2_tp2", dict(dp_shard=2, tp=2)),
@@ -90,6 +93,7 @@ WANTED: list[tuple[str, dict[str, Any]]] = [
     ("pp4_1f1b", dict(pp=4, pp_schedule="1f1b", pp_microbatches=4)),
     ("pp2_interleaved", dict(pp=2, dp_shard=2, pp_schedule="interleaved_1f1b", pp_microbatches=4)),
     ("pp2_dp2", dict(pp=2, dp_shard=2, pp_schedule="1f1b", pp_microbatches=2)),
+    ("pp2_dp2_once", dict(pp=2, dp_shard=2, pp_schedule="1f1b", pp_microbatches=2, accumulate_unsharded=True)),
     ("pp2_tp2", dict(pp=2, tp=2, pp_schedule="1f1b", pp_microbatches=4)),
 ]
 
@@ -154,7 +158,9 @@ def layouts_to_measure(full: Any, budgeted: Any, keys: list[str]) -> dict[str, A
                           if k not in fields)
                   and (p.layout.activation_checkpointing == fields.get("activation_checkpointing", False))
                   and p.layout.pp_stages_per_rank == fields.get("pp_stages_per_rank")
-                  and p.layout.accumulate_grad_batches == fields.get("accumulate_grad_batches", 1)]
+                  and p.layout.accumulate_grad_batches == fields.get("accumulate_grad_batches", 1)
+                  and p.layout.reshard_after_forward == fields.get("reshard_after_forward", True)
+                  and p.layout.accumulate_unsharded == fields.get("accumulate_unsharded", False)]
         out[key] = listed[0] if listed else Layout(**fields)
     for key, layout in (("pick", full.best.layout), ("budget_pick", budgeted.best.layout)):
         if layout not in out.values():

@@ -95,19 +95,39 @@ _INFERENCE_METHODS = ("_forward_metadata_inference", "_shape_inference")
 
 
 def pipeline_stage_class() -> type:
-    """``PipelineStage`` whose warm-up sends skip the stage's own rank, and whose shape-inference forward is flagged
-    (:func:`in_pipeline_metadata_inference`). torch 2.11's schedules warm the p2p
-    connections up by sending to each neighbouring stage, also when it is on the same rank (the V-shaped schedule puts
-    stages 1 and 2 on one rank), which gloo cannot do ("Pair is not connected"); those stages hand activations on
-    locally anyway. Overrides the private ``_get_init_p2p_neighbors_ops`` (torch 2.11-2.13; 2.13 no longer calls it
-    by default)."""
+    """``PipelineStage`` whose warm-up sends skip the stage's own rank, whose shape-inference forward is flagged
+    (:func:`in_pipeline_metadata_inference`), and whose FSDP units marked ``accumulate_unsharded`` reduce their
+    gradients once per step, in the last micro-batch's backward (overrides ``backward_maybe_with_nosync``, which
+    every backward of a micro-batch calls, and reads ``chunks``, the step's micro-batches: torch 2.11-2.13).
+    torch 2.11's schedules warm the p2p connections up by sending to each neighbouring stage, also when it is on the
+    same rank (the V-shaped schedule puts stages 1 and 2 on one rank), which gloo cannot do ("Pair is not
+    connected"); those stages hand activations on locally anyway. Overrides the private
+    ``_get_init_p2p_neighbors_ops`` (torch 2.11-2.13; 2.13 no longer calls it by default)."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
     class Stage(PipelineStage):
+        _weight_backwards = 0  # of this step's micro-batches, those whose weight gradients are computed
+
         def _get_init_p2p_neighbors_ops(self) -> list:
             me = dist.get_rank(self.group)
             return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != me]
+
+        def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
+                                       last_backward: bool = False) -> Any:
+            # torch reduces FSDP gradients once per step only where the stage's module is itself an FSDP module
+            # (its REDUCE_GRAD action); the engine shards the units inside it, each its own root, so with
+            # ``accumulate_unsharded`` the last micro-batch's weight backward (counted against ``chunks``) is the one
+            # that reduces theirs
+            from lightning_par.parallel.fsdp import sync_gradients
+
+            if backward_type != "input":
+                self._weight_backwards += 1
+            last = self._weight_backwards >= (self.chunks or 1)
+            if last:
+                self._weight_backwards = 0
+            with sync_gradients(self.submod, last and backward_type != "input"):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
     for name in _INFERENCE_METHODS:
         if hasattr(PipelineStage, name):

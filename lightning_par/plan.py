@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="with tp > 1: weigh sequence parallelism on, off or both (default)")
     where.add_argument("--reshard-after-forward", choices=("both", "on", "off"), default="both",
                        help="with FSDP: weigh resharding after forward (ZeRO-3) on, off (ZeRO-2-like) or both")
+    where.add_argument("--accumulate-unsharded", choices=("both", "on", "off"), default="both",
+                       help="with FSDP and several micro-batches per step: weigh reducing gradients once per step "
+                       "(units kept gathered, gradients unsharded meanwhile) on, off or both (default)")
     where.add_argument("--gradient-accumulation", choices=("on", "off"), default="on",
                        help="for layouts without a pipeline whose batch does not fit: weigh splitting it into "
                        "micro-batches (the Trainer's accumulate_grad_batches; default on)")
@@ -97,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                         activation_checkpointing=[_CHECKPOINTING[c] for c in args.activation_checkpointing],
                         sequence_parallel=_CHOICES[args.sequence_parallel],
                         reshard_after_forward=_CHOICES[args.reshard_after_forward],
+                        accumulate_unsharded=_CHOICES[args.accumulate_unsharded],
                         gradient_accumulation=args.gradient_accumulation == "on")
     seconds = time.perf_counter() - start
     print(f"{profile.name}: {sum(p.numel for p in profile.params) / 1e9:.3f} B parameters, global batch "

@@ -52,6 +52,13 @@ def test_stage_warm_up_skips_its_own_rank():
     # the shape-inference forward that token counters must not count: one of its names exists
     assert any(callable(getattr(PipelineStage, name, None)) for name in _compat._INFERENCE_METHODS)
     assert not _compat.in_pipeline_metadata_inference()
+    # FSDP units reduce once per step: every micro-batch's backward goes through this method, and ``chunks`` (set
+    # when the schedule prepares the stage) is the step's micro-batch count
+    import inspect
+
+    params = inspect.signature(PipelineStage.backward_maybe_with_nosync).parameters
+    assert list(params)[:3] == ["self", "backward_type", "bwd_kwargs"] and "last_backward" in params
+    assert "self.chunks = num_microbatches" in inspect.getsource(inspect.getmodule(PipelineStage))
 
 
 def test_graph_device_rewrite():

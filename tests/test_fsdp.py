@@ -13,6 +13,7 @@ from torch.utils.data import DistributedSampler
 from workers import (
     SEED,
     SGDGPT,
+    CollectiveCounts,
     GPTModule,
     RareTokenExpertGPT,
     assert_parity,
@@ -56,6 +57,10 @@ WORLD2_CONFIGS = {
     "units_by_glob": dict(shard_units=["model.blocks.*", "model.head"]),
     "cpu_offload": dict(cpu_offload=True),
 }
+#: with Trainer(accumulate_grad_batches=2): ZeRO-3 reducing per micro-batch, and ZeRO-1-like (gathered once per
+#: step, gradients kept unsharded until the step's last micro-batch)
+ACCUMULATED = {"zero3_accumulated": dict(),
+               "zero1_accumulated": dict(reshard_after_forward=False, accumulate_unsharded=True)}
 WORLD4_CONFIGS = {
     "zero3_dp4": dict(),
     "hsdp_2x2": dict(dp_replicate=2, dp_shard=2),
@@ -87,6 +92,14 @@ def _run_configs(world_size: int, configs: dict) -> dict:
         out["rare_token_expert"] = fit(FSDP2Strategy(), devices=2, dp_size=2, module_cls=RareTokenExpertGPT,
                                        rare_token=RARE_TOKEN, callbacks=[routed_hooks])
         out["rare_token_expert"]["hooks_kept"] = routed_hooks.kept
+        for name, kw in ACCUMULATED.items():  # gradient accumulation, with and without one reduction per step
+            counts = CollectiveCounts()
+            out[name] = fit(FSDP2Strategy(**kw), devices=2, dp_size=2, accumulate_grad_batches=2,
+                            callbacks=[counts])
+            out[name]["per_batch"], out[name]["fsdp_units"] = counts.per_batch, counts.fsdp_units
+        out["rare_token_expert_zero1"] = fit(FSDP2Strategy(**ACCUMULATED["zero1_accumulated"]), devices=2, dp_size=2,
+                                             module_cls=RareTokenExpertGPT, rare_token=RARE_TOKEN,
+                                             accumulate_grad_batches=2)
     return out
 
 
@@ -146,6 +159,35 @@ def test_only_units_that_route_keep_the_unused_gradient_hook(world, request):
         if world == "world2":
             routed = run["rare_token_expert"]["hooks_kept"]
             assert routed and all(routed), routed
+
+
+@pytest.mark.parametrize("name", list(ACCUMULATED))
+def test_gradient_accumulation_reduces_per_micro_batch_or_once_per_step(world2, name):
+    """Both in parity with one process accumulating 2 batches; ZeRO-3 gathers and reduces in every micro-batch,
+    ``accumulate_unsharded`` with ``reshard_after_forward=False`` (ZeRO-1-like) gathers each unit once and
+    reduce-scatters it once per optimizer step, in the last micro-batch. The first step's first micro-batch is left
+    out (FSDP's lazy initialization runs its own collectives there)."""
+    assert_parity(world2[0][name], fit_reference(accumulate_grad_batches=2), steps=20)
+    for rank in world2:
+        units, batches = rank[name]["fsdp_units"], rank[name]["per_batch"]
+        assert units >= 2 and len(batches) == 20
+        gathers = [b.get("_allgather_base_", 0) for b in batches[1:]]
+        scatters = [b.get("_reduce_scatter_base_", 0) for b in batches[1:]]
+        if name == "zero1_accumulated":  # micro-batches 2 and 1 of each step: the reduction, then the gathers
+            assert scatters == [units, 0] * 9 + [units], scatters
+            # the blocks stay gathered from the first micro-batch to the step's end; the root unit (embeddings,
+            # norm and head: 2,624 elements) is gathered again in each micro-batch (measured, FSDP2's own doing)
+            assert gathers == [1, units + 1] * 9 + [1], gathers
+        else:  # each unit gathered for forward and (but the last) again for backward, reduced each micro-batch
+            assert scatters == [units] * 19, scatters
+            assert gathers == [2 * units - 1] * 19, gathers
+
+
+def test_unused_parameters_taken_back_once_per_accumulated_step(world2):
+    """Gradients kept unsharded across an accumulation: a routed layer unused in one micro-batch but used in the
+    other keeps its gradient, one unused in every micro-batch of every rank has none (as in one process)."""
+    reference = fit_reference(module_cls=RareTokenExpertGPT, rare_token=RARE_TOKEN, accumulate_grad_batches=2)
+    assert_parity(world2[0]["rare_token_expert_zero1"], reference, steps=20)
 
 
 @pytest.mark.parametrize("name", list(WORLD4_CONFIGS))

@@ -21,6 +21,7 @@ from workers import (
     SEED,
     SGDGPT,
     TINY_GPT,
+    CollectiveCounts,
     assert_parity,
     assert_raised_on_every_rank,
     error_of,
@@ -42,6 +43,8 @@ PP2 = {f"{s}/m{m}": (s, m) for s, m in
 PP4 = {f"{s}/m{m}": (s, m) for s, m in
        [("gpipe", 4), ("1f1b", 4), ("interleaved_1f1b", 4), ("interleaved_zb", 4), ("zbv", 8)]}
 PP2_DP2 = {"1f1b/m2": ("1f1b", 2), "interleaved_1f1b/m4": ("interleaved_1f1b", 4)}
+#: FSDP inside the stages reducing per micro-batch (the default) or once per step
+PP2_DP2_OPTIONS = {"1f1b/m2": dict(), "interleaved_1f1b/m4": dict(accumulate_unsharded=True)}
 
 
 class CrossEntropyOnOutputs(GPTModule):
@@ -108,8 +111,12 @@ def _world2(ckpt_dir: str, log_dir: str) -> dict:
 
 def _world4() -> dict:
     out = {"pp4": {name: fit(pp(s, m), 4, 1, n_layer=8) for name, (s, m) in PP4.items()}}
-    out["pp2_x_dp_shard2"] = {name: fit(pp(s, m, pp=2, dp_shard=2), 4, 2, n_layer=4)
+    counts = {name: CollectiveCounts() for name in PP2_DP2}
+    out["pp2_x_dp_shard2"] = {name: fit(pp(s, m, pp=2, dp_shard=2, **PP2_DP2_OPTIONS[name]), 4, 2, n_layer=4,
+                                        callbacks=[counts[name]])
                               for name, (s, m) in PP2_DP2.items()}
+    out["pp2_x_dp_shard2_collectives"] = {name: {"per_batch": c.per_batch, "fsdp_units": c.fsdp_units}
+                                          for name, c in counts.items()}
     return out
 
 
@@ -150,6 +157,21 @@ def test_pp4_every_schedule_matches_one_process(world4, ref8, name):
 @pytest.mark.parametrize("name", list(PP2_DP2))
 def test_pp2_x_dp_shard2_matches_one_process(world4, ref4, name):
     assert_parity(world4[0]["pp2_x_dp_shard2"][name], ref4)
+
+
+@pytest.mark.parametrize("name", list(PP2_DP2))
+def test_pp_x_fsdp_reduces_per_micro_batch_or_once_per_step(world4, name):
+    """By default each FSDP unit inside the stages reduce-scatters in every micro-batch's backward; with
+    ``accumulate_unsharded`` once per step, in the last one, as torch's schedules do for a stage that is an FSDP
+    module (the engine's units are each their own root). The first step is left out: there torch infers the
+    backward's shapes with one more backward through the stage, outside the schedule."""
+    microbatches = PP2_DP2[name][1]
+    per_step = 1 if PP2_DP2_OPTIONS[name].get("accumulate_unsharded") else microbatches
+    for rank in world4:
+        counts = rank["pp2_x_dp_shard2_collectives"][name]
+        assert counts["fsdp_units"] >= 2 and len(counts["per_batch"]) == 10
+        reduce_scatters = [batch.get("_reduce_scatter_base_") for batch in counts["per_batch"][1:]]
+        assert reduce_scatters == [per_step * counts["fsdp_units"]] * 9, (reduce_scatters, counts["fsdp_units"])
 
 
 @pytest.mark.parametrize("name", ["uneven_split", "activation_checkpointing", "selective_activation_checkpointing"])

@@ -194,9 +194,46 @@ def test_zero2_like_twins_are_weighed_where_they_can_matter():
     for twin in twins:
         _, original = plan.find(**{**vars(twin.layout), "reshard_after_forward": True})
         assert sum(twin.comm_total_s.values()) < sum(original.comm_total_s.values())
-        assert twin.buffers > original.buffers
+        # reducing once per step keeps every unit gathered anyway: then the twin only moves less
+        assert twin.buffers > original.buffers or (twin.layout.accumulate_unsharded
+                                                   and twin.buffers == original.buffers)
     zero3_only = plan_layouts(gpt(), batch(), 4, CPU, reshard_after_forward=(True,))
     assert all(p.layout.reshard_after_forward for p in zero3_only.predictions)
+
+
+def test_reducing_once_per_step_is_weighed_for_fsdp_with_micro_batches():
+    """FSDP over a pipeline's micro-batches: by default every micro-batch gathers and reduce-scatters each unit; the
+    ``accumulate_unsharded`` twin reduces once per step and gathers once more than the micro-batches (once in all
+    without resharding after forward), for every unit gathered and its unsharded gradients in memory. Priced
+    against the engine's counts (tests/test_pipeline_strategy.py, tests/test_fsdp.py), weighed where it can
+    matter, and fixed by the option."""
+    plan = plan_layouts(gpt(), batch(), 4, CPU, restrict={"pp": [2], "dp_shard": [2]})
+    once = [p for p in plan.predictions if p.layout.accumulate_unsharded]
+    assert once and all(p.layout.pp_microbatches > 1 for p in once)
+    for twin in once:
+        _, default = plan.find(**{**vars(twin.layout), "accumulate_unsharded": False})
+        m = twin.layout.pp_microbatches
+
+        def count(prediction, kind):
+            return {t.collective: t.count for t in _sheet(prediction).transfers if t.kind == kind}
+
+        assert count(default, "fsdp_reduce_scatter")["reduce_scatter"] == m * count(twin, "fsdp_reduce_scatter")[
+            "reduce_scatter"]
+        gathers = m + 1 if twin.layout.reshard_after_forward else 1
+        per_microbatch = 2 if twin.layout.reshard_after_forward else 1
+        assert count(default, "fsdp_all_gather")["all_gather"] * gathers == count(twin, "fsdp_all_gather")[
+            "all_gather"] * m * per_microbatch
+        assert twin.buffers > default.buffers
+        assert sum(twin.comm_total_s.values()) < sum(default.comm_total_s.values())
+    fixed = plan_layouts(gpt(), batch(), 4, CPU, restrict={"pp": [2], "dp_shard": [2]},
+                         accumulate_unsharded=(True,))
+    assert all(p.layout.accumulate_unsharded for p in fixed.predictions if p.layout.pp_microbatches > 1)
+    assert {"accumulate_unsharded": True}.items() <= once[0].layout.strategy_kwargs().items()
+
+
+def _sheet(prediction):
+    profile = profile_model(gpt(), batch())
+    return account(prediction.layout, profile, GLOBAL_BATCH // prediction.layout.dp, profile.seq_len, "32-true")
 
 
 def test_gradient_accumulation_is_weighed_where_the_batch_does_not_fit():

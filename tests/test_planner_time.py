@@ -43,13 +43,19 @@ def counts(layout: Layout, profile: ModelProfile, kind: str) -> list[tuple[str, 
     return [(t.collective, t.count) for t in sheet.transfers if t.kind == kind]
 
 
-def test_fsdp_under_a_pipeline_reduces_once_per_step(gpt):
-    """torch's PipelineStage defers FSDP's gradient reduction to after the last micro-batch (perform_reduce_grad)
-    and keeps a unit gathered from a micro-batch's backward to the next forward."""
+def test_fsdp_under_a_pipeline_reduces_per_micro_batch_or_once_per_step(gpt):
+    """By default the engine's FSDP units gather and reduce in every micro-batch of the schedule; with
+    ``accumulate_unsharded`` the reduction waits for the last micro-batch's backward and a unit stays gathered from
+    a micro-batch's backward to the next forward (the counts tests/test_pipeline_strategy.py measures)."""
     piped = Layout(dp_shard=2, pp=2, pp_schedule="1f1b", pp_microbatches=4)
     # the busiest pp rank: two blocks (one Transfer, their counts summed) and the embeddings (or the head)
-    assert sorted(counts(piped, gpt, "fsdp_reduce_scatter")) == [("reduce_scatter", 1), ("reduce_scatter", 2)]
-    assert sorted(counts(piped, gpt, "fsdp_all_gather")) == [("all_gather", 4 + 1), ("all_gather", 2 * (4 + 1))]
+    assert sorted(counts(piped, gpt, "fsdp_reduce_scatter")) == [("reduce_scatter", 4), ("reduce_scatter", 2 * 4)]
+    assert sorted(counts(piped, gpt, "fsdp_all_gather")) == [("all_gather", 4 * 2), ("all_gather", 2 * 4 * 2)]
+    once = replace(piped, accumulate_unsharded=True)
+    assert sorted(counts(once, gpt, "fsdp_reduce_scatter")) == [("reduce_scatter", 1), ("reduce_scatter", 2)]
+    assert sorted(counts(once, gpt, "fsdp_all_gather")) == [("all_gather", 4 + 1), ("all_gather", 2 * (4 + 1))]
+    zero1 = replace(once, reshard_after_forward=False)
+    assert sorted(counts(zero1, gpt, "fsdp_all_gather")) == [("all_gather", 1), ("all_gather", 2)]
     flat = Layout(dp_shard=4)  # without a pipeline: one micro-batch, gathered again for backward; 4 blocks + root
     assert sorted(counts(flat, gpt, "fsdp_all_gather")) == [("all_gather", 2), ("all_gather", 4 * 2)]
     assert sorted(counts(flat, gpt, "fsdp_reduce_scatter")) == [("reduce_scatter", 1), ("reduce_scatter", 4)]

@@ -82,6 +82,43 @@ class RareTokenExpertGPT(GPTModule):
         return super().forward(idx)
 
 
+class CollectiveCounts(Callback):
+    """The c10d collectives each training batch issued on this rank (the real collectives run; a dispatch mode only
+    counts the ``c10d`` ops it sees, as torch's ``CommDebugMode`` does without its module tracker, whose gradient
+    hooks the pipeline's ``autograd.grad`` shape inference cannot take), and the FSDP units this rank holds."""
+
+    def __init__(self) -> None:
+        self.per_batch: list[dict[str, int]] = []
+        self.fsdp_units = 0
+        self._mode: Any = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        from lightning_par._compat import torch_dispatch_mode
+
+        counts: dict[str, int] = {}
+        self.per_batch.append(counts)
+
+        class Count(torch_dispatch_mode()):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                if func.namespace == "c10d":
+                    name = func._overloadpacket.__name__
+                    counts[name] = counts.get(name, 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Count()
+        self._mode.__enter__()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._mode.__exit__(None, None, None)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.fsdp_units = sum(isinstance(m, FSDPModule) for m in pl_module.modules())
+
+
 class RecordLoss(Callback):
     """The training loss of every step, averaged over ranks (equal per-rank batches: the global-batch loss)."""
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_par.parallel.unused_parameters import UnusedParameterGuard
 
@@ -57,3 +59,34 @@ def apply_fsdp(
         fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                     offload_policy=offload_policy)
     return guard
+
+
+#: FSDP modules whose gradients stay unsharded across the micro-batches of a step (``mark_accumulate_unsharded``)
+_ACCUMULATE_UNSHARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def mark_accumulate_unsharded(module: nn.Module) -> None:
+    """Let :func:`sync_gradients` switch the FSDP modules in ``module`` (the option ``accumulate_unsharded``)."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            _ACCUMULATE_UNSHARDED.add(m)
+
+
+@contextmanager
+def sync_gradients(module: nn.Module, sync: bool) -> Iterator[None]:
+    """Run a backward with the marked FSDP modules in ``module`` (:func:`mark_accumulate_unsharded`) reducing their
+    gradients (``sync=True``) or keeping them unsharded to accumulate, with their gathered parameters kept for the
+    next micro-batch (``sync=False``: a micro-batch before the step's last; no communication after its backward, one
+    reduce-scatter per step). Afterwards the flags are back to FSDP's defaults (reduce, reshard after backward);
+    what the backward kept gathered stays so until the next forward uses it. Unmarked modules: nothing changes."""
+    units = [m for m in module.modules() if m in _ACCUMULATE_UNSHARDED]
+    for unit in units:
+        unit.set_requires_gradient_sync(sync, recurse=False)
+        unit.set_reshard_after_backward(sync, recurse=False)
+    try:
+        yield
+    finally:
+        if not sync:
+            for unit in units:
+                unit.set_requires_gradient_sync(True, recurse=False)
+                unit.set_reshard_after_backward(True, recurse=False)

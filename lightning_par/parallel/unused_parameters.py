@@ -76,6 +76,7 @@ class UnusedParameterGuard:
         self.decided = not record  # until the first backward's decision, every unit keeps its hook and is probed
         self.filled: list[tuple[nn.Module, str]] = []  # (unit, parameter name) zero-filled since the last take-back
         self._no_gradient_before: list[str] = []
+        self._window_filled: set[str] | None = None  # zero-filled in every micro-batch of the window so far
 
     def watch(self, unit: nn.Module) -> None:
         watched = _Watched(unit)
@@ -92,23 +93,41 @@ class UnusedParameterGuard:
         parameters out."""
         return self.record and (not self.decided or any(w.handle is not None for w in self.watched))
 
-    def before_backward(self, root: nn.Module) -> None:
-        """Note which parameters have no gradient yet (the same on every data-parallel rank)."""
-        if self.active:
+    def before_backward(self, root: nn.Module, first: bool = True) -> None:
+        """Note which parameters have no gradient yet (the same on every data-parallel rank), at the ``first``
+        micro-batch of a window whose gradients are reduced together (see ``after_backward``)."""
+        if not self.active:
+            return
+        if first:
             self._no_gradient_before = [name for name, p in root.named_parameters()
                                         if p.requires_grad and p.grad is None]
+        elif self._window_filled:
+            # the gradients zero-filled in every micro-batch so far are exactly zero: drop them from the (gathered,
+            # unsharded) parameters, so that this backward fills them again only if it leaves them out again
+            params = dict(root.named_parameters())
+            for name in self._window_filled:
+                if name in params:
+                    params[name].grad = None
 
-    def after_backward(self, root: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
+    def after_backward(self, root: nn.Module, group: dist.ProcessGroup, device: torch.device,
+                       last: bool = True) -> None:
         """Take back the zero gradients no rank of ``group`` needed; after the first backward, also decide (the same
-        on every rank) which units keep their hook."""
+        on every rank) which units keep their hook. Where FSDP reduces once for several micro-batches (its
+        gradients kept unsharded meanwhile), only at the ``last`` of them, and for the parameters zero-filled in
+        every one of them: a parameter one micro-batch used keeps its gradient."""
         if not self.active:
             return
         filled, self.filled = self.filled, []
-        had_none, self._no_gradient_before = self._no_gradient_before, []
         names: set[str] = set()
         if filled:
             fqn_of = {id(module): fqn for fqn, module in root.named_modules()}
             names = {f"{fqn_of[id(unit)]}.{name}".lstrip(".") for unit, name in filled if id(unit) in fqn_of}
+        names = names if self._window_filled is None else self._window_filled & names
+        if not last:
+            self._window_filled = names
+            return
+        self._window_filled = None
+        had_none, self._no_gradient_before = self._no_gradient_before, []
         undecided = [] if self.decided else self.watched
         # one all-reduce (MIN: true on every rank) of two kinds of flags: "this rank zero-filled the parameter" and,
         # at the first backward, "this rank saw the unit's forward and it decided nothing from tensor values"

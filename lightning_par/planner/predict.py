@@ -76,6 +76,9 @@ class Layout:
     #: False: FSDP keeps each unit gathered from its forward through its backward (ZeRO-2-like: no all-gather in
     #: backward; every unit's whole parameters in memory at the peak)
     reshard_after_forward: bool = True
+    #: True: FSDP keeps gradients unsharded and units gathered across a step's micro-batches (the pipeline's or the
+    #: accumulation's), reducing once per step; with ``reshard_after_forward=False`` ZeRO-1-like
+    accumulate_unsharded: bool = False
     ep: int = 1  # expert parallelism, within dp_shard x cp
     #: without a pipeline: the Trainer's ``accumulate_grad_batches`` (each step's batch in that many micro-batches,
     #: activations of one at a time; every FSDP collective once per micro-batch, as the engine runs it). A pipeline
@@ -106,6 +109,8 @@ class Layout:
                 out[flag] = getattr(self, flag)  # activation_checkpointing: True (full) or "selective"
         if not self.reshard_after_forward:
             out["reshard_after_forward"] = False
+        if self.accumulate_unsharded:
+            out["accumulate_unsharded"] = True
         return out
 
     def trainer_kwargs(self) -> dict[str, Any]:
@@ -125,7 +130,9 @@ class Layout:
                                            ("activation_checkpointing", "AC"), ("cpu_offload", "offload"))
                    if getattr(self, flag)]
         if not self.reshard_after_forward:
-            extras.append("ZeRO-2")
+            extras.append("ZeRO-1" if self.accumulate_unsharded else "ZeRO-2")
+        elif self.accumulate_unsharded:
+            extras.append("reduce once")
         if self.accumulate_grad_batches > 1:
             extras.append(f"accumulate {self.accumulate_grad_batches}")
         if self.activation_checkpointing == "selective":
@@ -192,7 +199,8 @@ def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, pre
                           pp_stages_per_rank=layout.pp_stages_per_rank,
                           sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel,
                           activation_checkpointing=layout.activation_checkpointing, cpu_offload=layout.cpu_offload,
-                          reshard_after_forward=layout.reshard_after_forward)
+                          reshard_after_forward=layout.reshard_after_forward,
+                          accumulate_unsharded=layout.accumulate_unsharded)
     for technique in recipe:
         technique.account(sheet)
     return sheet

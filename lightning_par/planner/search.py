@@ -109,7 +109,7 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
                  schedules: Iterable[str] = PIPELINE_SCHEDULES, allow_offload: bool = False,
                  block_list: str | None = None, sequence_parallel: Iterable[bool] = (True, False),
                  reshard_after_forward: Iterable[bool] = (True, False), memory_reserve: float = RESERVE,
-                 gradient_accumulation: bool = True) -> Plan:
+                 gradient_accumulation: bool = True, accumulate_unsharded: Iterable[bool] = (False, True)) -> Plan:
     """Predict and rank every valid layout of ``module`` on ``world_size`` devices of ``hardware``.
 
     Args:
@@ -128,6 +128,10 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
         reshard_after_forward: with FSDP, weigh resharding after forward (``True``, ZeRO-3), keeping units gathered
             until their backward (``False``, ZeRO-2-like: no all-gather in backward, more memory) or both (the
             ZeRO-2-like twins of the layouts that could come near the fastest: ``zero2_twins``).
+        accumulate_unsharded: with FSDP and several micro-batches per step (a pipeline's, or accumulation's),
+            weigh reducing the gradients in every micro-batch (``False``), once per step with every unit gathered
+            and its gradients unsharded meanwhile (``True``; ZeRO-1-like without resharding after forward), or both
+            (the twins of the layouts that could come near the fastest: ``reduce_once_twins``).
         gradient_accumulation: for a layout without a pipeline whose batch does not fit, also weigh splitting each
             rank's batch into micro-batches (the Trainer's ``accumulate_grad_batches``, in the layout's
             ``trainer_kwargs()``; the fewest that fit: ``accumulated_variants``), as Megatron's and DeepSpeed's
@@ -137,7 +141,8 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
                                                                             block_list=block_list)
     batch, seq_len = profile.batch, profile.seq_len
     options = {}
-    for name, given in (("sequence_parallel", sequence_parallel), ("reshard_after_forward", reshard_after_forward)):
+    for name, given in (("sequence_parallel", sequence_parallel), ("reshard_after_forward", reshard_after_forward),
+                        ("accumulate_unsharded", accumulate_unsharded)):
         options[name] = tuple(dict.fromkeys(bool(x) for x in given))
         if not options[name]:
             raise ValueError(f"{name}=() leaves nothing to weigh; pass (True,), (False,) or (True, False).")
@@ -167,6 +172,11 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
         predictions += run(zero2_twins(predictions))
     if gradient_accumulation:
         predictions += accumulated_variants(predictions, local, run)
+    if options["accumulate_unsharded"] == (True,):
+        predictions = run([replace(p.layout, accumulate_unsharded=True) if _accumulates(p.layout) else p.layout
+                           for p in predictions])
+    elif len(options["accumulate_unsharded"]) == 2:
+        predictions += run(reduce_once_twins(predictions))
     if allow_offload or not any(p.fits for p in predictions):
         predictions += run([replace(layout, cpu_offload=True) for layout in candidates
                             if layout.dp_shard * layout.dp_replicate * layout.cp > 1])
@@ -216,6 +226,32 @@ def zero2_twins(predictions: list[Prediction]) -> list[Layout]:
         best_case = p.tokens_per_s * p.step_s / max(p.step_s - p.comm_s.get("fsdp_all_gather", 0.0), 1e-30)
         if best_case >= floor:
             out.append(replace(p.layout, reshard_after_forward=False))
+    return out
+
+
+def _accumulates(layout: Layout) -> bool:
+    """Whether FSDP runs several micro-batches per step in this layout (whose reductions it could merge)."""
+    microbatches = (layout.pp_microbatches or layout.pp) if layout.pp > 1 else layout.accumulate_grad_batches
+    return (layout.dp_replicate * layout.dp_shard * layout.cp > 1 and microbatches > 1 and not layout.cpu_offload
+            and not layout.accumulate_unsharded)
+
+
+def reduce_once_twins(predictions: list[Prediction]) -> list[Layout]:
+    """The ``accumulate_unsharded`` twin of every FSDP layout with several micro-batches per step that, with all
+    its exposed FSDP time gone (more than the twin saves: it still gathers and reduces once), would be at least
+    ``ZERO2_WINDOW`` as fast as the fastest fitting layout; the twin holds every unit gathered and its unsharded
+    gradients, so it needs more memory."""
+    fitting = [p.tokens_per_s for p in predictions if p.fits]
+    floor = ZERO2_WINDOW * max(fitting, default=0.0)
+    out = []
+    for p in predictions:
+        if not _accumulates(p.layout):
+            continue
+        fsdp = p.comm_s.get("fsdp_all_gather", 0.0) + p.comm_s.get("fsdp_reduce_scatter", 0.0)
+        busy = max(p.step_s - p.bubble_s, 1e-30)  # the bubble stretches what the rank does by step / busy
+        best_case = p.tokens_per_s * p.step_s / max(p.step_s - fsdp * p.step_s / busy, 1e-30)
+        if best_case >= floor:
+            out.append(replace(p.layout, accumulate_unsharded=True))
     return out
 
 

@@ -121,11 +121,14 @@ class AutoParallelStrategy(NDParallelStrategy):
         sequence_parallel = (True, False) if self.force_sequence_parallel is None else (self.force_sequence_parallel,)
         given_reshard = self._options.get("reshard_after_forward")  # the user's choice, else the planner weighs both
         reshard = (True, False) if given_reshard is None else (bool(given_reshard),)
+        given_once = self._options.get("accumulate_unsharded")
+        once = (False, True) if given_once is None else (bool(given_once),)
         return plan_layouts(module if self.plan_device is not None else profile, batch,
                             self.num_nodes * self.num_processes, hardware, precision=precision,
                             batch_is_global=False, memory_budget=self.memory_budget, restrict=self.restrict,
                             activation_checkpointing=checkpointing, block_list=self.block_list,
                             sequence_parallel=sequence_parallel, reshard_after_forward=reshard,
+                            accumulate_unsharded=once,
                             gradient_accumulation=False)  # each loader batch is one micro-batch already
 
     def _agree(self, layout: Layout) -> Layout:
@@ -152,7 +155,8 @@ class AutoParallelStrategy(NDParallelStrategy):
 
 
 _RECIPE_OPTIONS = ("pp_stages_per_rank", "pp_split_points", "pp_loss_method", "tp_plan", "cp_algorithm",
-                   "cp_load_balance", "cp_seq_dim", "compile", "shard_units", "reshard_after_forward")
+                   "cp_load_balance", "cp_seq_dim", "compile", "shard_units", "reshard_after_forward",
+                   "accumulate_unsharded")
 
 
 def _recipe_options(layout: Layout) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from lightning_par.checks import check_optional_str
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.fault_tolerance import FaultTolerance
+from lightning_par.parallel.fsdp import sync_gradients
 from lightning_par.parallel.pipeline_live import LivePipeline
 from lightning_par.parallel.tensor_check import check_whole_parameters_agree
 from lightning_par.strategies.base import BaseParallelStrategy
@@ -83,6 +84,11 @@ class NDParallelStrategy(BaseParallelStrategy):
             block of the block list. The LightningModule itself is always the root unit.
         reshard_after_forward: free gathered parameters after forward (ZeRO-3) or keep them until backward
             (ZeRO-2-like: less communication, more memory).
+        accumulate_unsharded: across the micro-batches of one optimizer step (the pipeline schedule's, and
+            ``Trainer(accumulate_grad_batches=...)``'s), keep FSDP's gradients unsharded and its units gathered,
+            and reduce once, after the last: one reduce-scatter per step instead of one per micro-batch, for the
+            memory of every unit gathered and its unsharded gradients. With ``reshard_after_forward=False`` also one
+            all-gather per step: ZeRO-1-like (torch's schedules do this for a stage that is an FSDP module).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy).
         activation_checkpointing: recompute each block's activations in backward: ``True`` (or ``"full"``) all of
             them; ``"selective"`` all but the outputs of every other matmul and of attention (less memory saved,
@@ -114,6 +120,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         block_list: str | None = None,
         shard_units: list[str] | None = None,
         reshard_after_forward: bool = True,
+        accumulate_unsharded: bool = False,
         cpu_offload: bool = False,
         activation_checkpointing: bool | str = False,
         compile: bool = False,
@@ -155,11 +162,13 @@ class NDParallelStrategy(BaseParallelStrategy):
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, cp_algorithm=cp_algorithm,
             cp_load_balance=cp_load_balance, cp_seq_dim=cp_seq_dim, activation_checkpointing=activation_checkpointing,
             compile=compile, shard_units=shard_units, reshard_after_forward=reshard_after_forward,
-            cpu_offload=cpu_offload, ep_plan=ep_plan)
+            cpu_offload=cpu_offload, ep_plan=ep_plan, accumulate_unsharded=accumulate_unsharded)
         (self.pipeline_parallel, self.tensor_parallel, self.context_parallel, self.expert_parallel,
          self.activation_checkpointing, self.compile, self.fully_sharded) = self.techniques
         self.block_list = check_optional_str("block_list", block_list, "model.blocks")
         self._tp_gradients_checked = False
+        self._accumulating = False  # inside block_backward_sync: a micro-batch of accumulation before the last
+        self._window_open = False  # a window of micro-batches whose unused gradients are taken back together
         for technique in self.techniques:
             technique.check(dims)
         super().__init__(dims, process_group_backend=process_group_backend, timeout=timeout, pretrained=pretrained,
@@ -214,9 +223,28 @@ class NDParallelStrategy(BaseParallelStrategy):
                     stack.enter_context(context)
             yield
 
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning enters this around each micro-batch of gradient accumulation but the last. With
+        ``accumulate_unsharded`` (and no pipeline, whose schedule's micro-batches do it themselves) FSDP's units
+        keep their gradients unsharded and stay gathered meanwhile; the last micro-batch's backward reduces them."""
+        if not (self.fully_sharded.accumulate_unsharded and self.dims.pp == 1):
+            with super().block_backward_sync():
+                yield
+            return
+        self._accumulating = True
+        try:
+            with sync_gradients(self.lightning_module, False):
+                yield
+        finally:
+            self._accumulating = False
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._takes_back_unused_gradients():
-            self.fully_sharded.unused_parameters.before_backward(self.lightning_module)
+            # one window of micro-batches whose gradients FSDP reduces together: with accumulate_unsharded, the
+            # micro-batches of an accumulation; else each micro-batch alone
+            self.fully_sharded.unused_parameters.before_backward(self.lightning_module, first=not self._window_open)
+            self._window_open = self.fully_sharded.accumulate_unsharded
         with self.pipeline_parallel.training_step_context(self.lightning_module):
             return super().training_step(*args, **kwargs)
 
@@ -238,8 +266,11 @@ class NDParallelStrategy(BaseParallelStrategy):
             closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
             self.post_backward(closure_loss)
         if self._takes_back_unused_gradients():
+            last = not self._accumulating
             self.fully_sharded.unused_parameters.after_backward(self.lightning_module,
-                                                                self.dims.mesh("dp_cp").get_group(), self.root_device)
+                                                                self.dims.mesh("dp_cp").get_group(), self.root_device,
+                                                                last=last)
+            self._window_open = self._window_open and not last
         if self.dims.tp > 1 and not self._tp_gradients_checked:
             self._tp_gradients_checked = True
             check_whole_parameters_agree(self.lightning_module, self.dims.mesh("tp"))

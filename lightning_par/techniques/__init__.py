@@ -19,7 +19,8 @@ def build_recipe(*, pp_schedule: str = "1f1b", pp_microbatches: int | None = Non
                  sequence_parallel: bool = False, loss_parallel: bool = False, cp_algorithm: str = "ring",
                  cp_load_balance: bool = True, cp_seq_dim: int = 1, activation_checkpointing: bool | str = False,
                  compile: bool = False, shard_units: list[str] | None = None, reshard_after_forward: bool = True,
-                 cpu_offload: bool = False, ep_plan: list[str] | None = None) -> tuple[Technique, ...]:
+                 cpu_offload: bool = False, ep_plan: list[str] | None = None,
+                 accumulate_unsharded: bool = False) -> tuple[Technique, ...]:
     """The engine's recipe: every technique with its options, in the order they are applied (and accounted)."""
     return (
         PipelineParallel(pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points, pp_loss_method),
@@ -28,7 +29,7 @@ def build_recipe(*, pp_schedule: str = "1f1b", pp_microbatches: int | None = Non
         ExpertParallel(ep_plan),
         ActivationCheckpointing(activation_checkpointing),
         Compile(compile),
-        FullySharded(shard_units, reshard_after_forward, cpu_offload),
+        FullySharded(shard_units, reshard_after_forward, cpu_offload, accumulate_unsharded),
     )
 
 

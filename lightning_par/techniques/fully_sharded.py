@@ -12,7 +12,7 @@ from torch import nn
 from lightning_par.checks import check_bool, check_str_list
 from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.fsdp import apply_fsdp
+from lightning_par.parallel.fsdp import apply_fsdp, mark_accumulate_unsharded
 from lightning_par.parallel.unused_parameters import UnusedParameterGuard
 from lightning_par.techniques.technique import Target, Technique
 
@@ -27,11 +27,12 @@ class FullySharded(Technique):
     """
 
     def __init__(self, shard_units: list[str] | None = None, reshard_after_forward: bool = True,
-                 cpu_offload: bool = False) -> None:
+                 cpu_offload: bool = False, accumulate_unsharded: bool = False) -> None:
         self.shard_units = check_str_list("shard_units", shard_units, "class names or FQN globs",
                                           ["Block", "model.blocks.*"])
         self.reshard_after_forward = check_bool("reshard_after_forward", reshard_after_forward)
         self.cpu_offload = check_bool("cpu_offload", cpu_offload)
+        self.accumulate_unsharded = check_bool("accumulate_unsharded", accumulate_unsharded)
         self.unused_parameters: UnusedParameterGuard | None = None  # set by apply
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
@@ -56,6 +57,8 @@ class FullySharded(Technique):
         )
         if target.fsdp_root is not None:
             register_step_methods(target.fsdp_root)
+        if self.accumulate_unsharded:
+            mark_accumulate_unsharded(target.module)
 
     def _units(self, target: Target) -> list[str]:
         """The shard units; a model without a list of blocks (and no ``shard_units``) is one unit, the root, as
@@ -75,7 +78,8 @@ class FullySharded(Technique):
             return None
         zero = "ZeRO-3" if self.reshard_after_forward else "ZeRO-2-like"
         return (f"FSDP2 ({zero}{', HSDP' if dims.dp_replicate > 1 else ''}"
-                f"{', CPU offload' if self.cpu_offload else ''})")
+                f"{', CPU offload' if self.cpu_offload else ''}"
+                f"{', gradients reduced once per step' if self.accumulate_unsharded else ''})")
 
 
     def account(self, sheet: CostSheet) -> None:
@@ -85,7 +89,14 @@ class FullySharded(Technique):
         (torch's ``PipelineStage``) the gradients are reduced once per step, after the last micro-batch, and a
         unit stays gathered from a micro-batch's backward to the next forward: one all-gather per micro-batch and
         one more. Prefetching hides them behind compute; the gathered units are extra device memory: two in
-        flight, or every unit from its forward to its backward without resharding after forward."""
+        flight, or every unit from its forward to its backward without resharding after forward.
+
+        By default each micro-batch (of the pipeline's schedule, or of gradient accumulation) gathers and reduces
+        as a step of its own. With ``accumulate_unsharded`` the units keep their gradients unsharded and stay
+        gathered from one micro-batch's backward to the next forward, as torch's schedules do for a stage that is
+        an FSDP module: one reduce-scatter per step, and one all-gather per micro-batch and one more (one in all
+        without resharding after forward); every unit gathered at the peak, with the unsharded gradients (in the
+        master weights' dtype) it accumulates."""
         dims = sheet.dims
         if not dims.fsdp_enabled:
             return
@@ -94,7 +105,8 @@ class FullySharded(Technique):
         units, expert_units = unit_bytes(sheet)
         m = sheet.microbatches
         gathered = [n * sheet.gather_scale for n in units]  # bf16-mixed all-gathers bf16 copies
-        if dims.pp > 1:
+        accumulating = self.accumulate_unsharded and m > 1
+        if accumulating:
             gathers, scatters = (m + 1 if self.reshard_after_forward else 1), 1
         else:
             gathers, scatters = m * (2 if self.reshard_after_forward else 1), m
@@ -115,7 +127,10 @@ class FullySharded(Technique):
                     sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_replicate", "all_reduce",
                                                     nbytes / dims.mesh_size(group), scatters * k, True))
         gathered += [n * sheet.gather_scale for n in expert_units]
-        if self.reshard_after_forward:
+        if accumulating:  # kept gathered, and the gradients unsharded, from micro-batch to micro-batch
+            # the unsharded gradients beyond the shards the state counts already
+            sheet.buffer_bytes += sum(gathered) + trainable_unit_bytes(sheet) * (1 - 1 / sheet.shard)
+        elif self.reshard_after_forward:
             sheet.buffer_bytes += 2 * max(gathered, default=0.0)
         else:  # each unit stays whole from its forward to its backward: all of them at the peak
             sheet.buffer_bytes += sum(gathered)
@@ -144,6 +159,26 @@ def unit_bytes(sheet: CostSheet) -> tuple[list[float], list[float]]:
                    for s in max(sheet.rank_sections, key=len) if s in sizes}
     root = per_section.pop("first", 0.0) + per_section.pop("last", 0.0)
     return [*per_section.values(), *([root] if root else [])], [n / ep for n in experts.values() if n]
+
+
+def trainable_unit_bytes(sheet: CostSheet) -> float:
+    """Bytes of the trainable parameters the busiest pipeline rank holds whole (after tensor parallelism, its
+    ``1 / ep`` of the experts): the unsharded gradients FSDP accumulates while it does not reduce."""
+    cache = sheet.profile.__dict__.setdefault("_trainable_section_bytes", {})
+    if not cache:
+        for p in sheet.profile.params:
+            if p.trainable:
+                split, whole, experts = cache.get(p.section, (0.0, 0.0, 0.0))
+                nbytes = p.numel * p.itemsize
+                experts += nbytes if p.expert else 0.0
+                cache[p.section] = (split + nbytes, whole, experts) if p.tp_dim is not None else (
+                    split, whole + nbytes, experts)
+    ep = sheet.dims.ep if sheet.profile.num_experts else 1
+    total = 0.0
+    for s in set(max(sheet.rank_sections, key=len)):
+        split, whole, experts = cache.get(s, (0.0, 0.0, 0.0))
+        total += split / sheet.tp + whole - experts + experts / ep
+    return total
 
 
 def section_bytes(profile: Any) -> dict[str, tuple[float, float, float]]:
