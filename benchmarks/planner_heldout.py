@@ -42,7 +42,9 @@ from benchmarks.common import write_json  # noqa: E402
 ASSUMED = (
     "Megatron-Core H100: 8 GPUs per node joined by 400 Gb/s InfiniBand per GPU (DGX H100), bf16 (its MFU is of the "
     "bf16 peak), GPT's 4h GeLU MLP, its distributed optimizer planned as FSDP (dp_shard: parameters, gradients and "
-    "optimizer state sharded; Megatron's keeps the bf16 parameters whole), the rest the planner's choice. MPT on H100: "
+    "optimizer state sharded; Megatron's keeps the bf16 parameters whole: the ZeRO-1-like variant, "
+    "accumulate_unsharded without resharding after forward, is weighed where it could come near the fastest), the "
+    "rest the planner's choice. MPT on H100: "
     "400 Gb/s InfiniBand per GPU; A100 tables: '1600 Gbps node-node interconnect (RoCE)', 200 Gb/s per GPU. BLOOM: "
     "4 Omni-Path links per node (speed not stated) taken as 100 Gb/s per GPU, ZeRO-1 planned as FSDP, ALiBi and the "
     "embedding norm left out (GPT shape).")

@@ -84,10 +84,11 @@ class NDParallelStrategy(BaseParallelStrategy):
             block of the block list. The LightningModule itself is always the root unit.
         reshard_after_forward: free gathered parameters after forward (ZeRO-3) or keep them until backward
             (ZeRO-2-like: less communication, more memory).
-        accumulate_unsharded: across the micro-batches of one optimizer step (the pipeline schedule's, and
+        accumulate_unsharded: across the micro-batches of one step (the pipeline schedule's; without a pipeline,
             ``Trainer(accumulate_grad_batches=...)``'s), keep FSDP's gradients unsharded and its units gathered,
             and reduce once, after the last: one reduce-scatter per step instead of one per micro-batch, for the
-            memory of every unit gathered and its unsharded gradients. With ``reshard_after_forward=False`` also one
+            memory of every unit gathered and its unsharded gradients (under a pipeline, Lightning's accumulation
+            on top still reduces once per batch). With ``reshard_after_forward=False`` also one
             all-gather per step: ZeRO-1-like (torch's schedules do this for a stage that is an FSDP module).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy).
         activation_checkpointing: recompute each block's activations in backward: ``True`` (or ``"full"``) all of
