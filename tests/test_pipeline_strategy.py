@@ -117,6 +117,10 @@ def _world4() -> dict:
                               for name, (s, m) in PP2_DP2.items()}
     out["pp2_x_dp_shard2_collectives"] = {name: {"per_batch": c.per_batch, "fsdp_units": c.fsdp_units}
                                           for name, c in counts.items()}
+    accumulated = CollectiveCounts()  # Lightning's accumulation on top of the schedule's micro-batches
+    out["pp2_x_dp_shard2_accumulated"] = fit(pp("1f1b", 2, pp=2, dp_shard=2, accumulate_unsharded=True), 4, 2,
+                                             n_layer=4, accumulate_grad_batches=2, callbacks=[accumulated])
+    out["pp2_x_dp_shard2_accumulated"].update(per_batch=accumulated.per_batch, fsdp_units=accumulated.fsdp_units)
     return out
 
 
@@ -172,6 +176,18 @@ def test_pp_x_fsdp_reduces_per_micro_batch_or_once_per_step(world4, name):
         assert counts["fsdp_units"] >= 2 and len(counts["per_batch"]) == 10
         reduce_scatters = [batch.get("_reduce_scatter_base_") for batch in counts["per_batch"][1:]]
         assert reduce_scatters == [per_step * counts["fsdp_units"]] * 9, (reduce_scatters, counts["fsdp_units"])
+
+
+def test_pp_x_fsdp_reduces_once_per_optimizer_step_under_gradient_accumulation(world4):
+    """``accumulate_unsharded`` with Lightning's accumulation on top of the schedule: the first batch of each
+    optimizer step reduces nothing, the second reduce-scatters each unit once; in parity with one process
+    accumulating 2 batches."""
+    assert_parity(world4[0]["pp2_x_dp_shard2_accumulated"], fit_reference(n_layer=4, accumulate_grad_batches=2),
+                  steps=20)
+    for rank in world4:
+        run = rank["pp2_x_dp_shard2_accumulated"]
+        scatters = [batch.get("_reduce_scatter_base_", 0) for batch in run["per_batch"][1:]]
+        assert len(run["per_batch"]) == 20 and scatters == [run["fsdp_units"], 0] * 9 + [run["fsdp_units"]], scatters
 
 
 @pytest.mark.parametrize("name", ["uneven_split", "activation_checkpointing", "selective_activation_checkpointing"])

@@ -63,6 +63,19 @@ def apply_fsdp(
 
 #: FSDP modules whose gradients stay unsharded across the micro-batches of a step (``mark_accumulate_unsharded``)
 _ACCUMULATE_UNSHARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_holding = [0]  # > 0 inside ``hold_reductions``
+
+
+@contextmanager
+def hold_reductions() -> Iterator[None]:
+    """No marked FSDP module reduces inside (``sync_gradients`` keeps them unsharded whatever it is asked): around
+    a batch of gradient accumulation before the last, whose pipeline schedule would reduce at its last
+    micro-batch."""
+    _holding[0] += 1
+    try:
+        yield
+    finally:
+        _holding[0] -= 1
 
 
 def mark_accumulate_unsharded(module: nn.Module) -> None:
@@ -80,6 +93,7 @@ def sync_gradients(module: nn.Module, sync: bool) -> Iterator[None]:
     reduce-scatter per step). Afterwards the flags are back to FSDP's defaults (reduce, reshard after backward);
     what the backward kept gathered stays so until the next forward uses it. Unmarked modules: nothing changes."""
     units = [m for m in module.modules() if m in _ACCUMULATE_UNSHARDED]
+    sync = sync and not _holding[0]
     for unit in units:
         unit.set_requires_gradient_sync(sync, recurse=False)
         unit.set_reshard_after_backward(sync, recurse=False)

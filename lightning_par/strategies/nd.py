@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from lightning_par.checks import check_optional_str
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.fault_tolerance import FaultTolerance
-from lightning_par.parallel.fsdp import sync_gradients
+from lightning_par.parallel.fsdp import hold_reductions, sync_gradients
 from lightning_par.parallel.pipeline_live import LivePipeline
 from lightning_par.parallel.tensor_check import check_whole_parameters_agree
 from lightning_par.strategies.base import BaseParallelStrategy
@@ -84,11 +84,10 @@ class NDParallelStrategy(BaseParallelStrategy):
             block of the block list. The LightningModule itself is always the root unit.
         reshard_after_forward: free gathered parameters after forward (ZeRO-3) or keep them until backward
             (ZeRO-2-like: less communication, more memory).
-        accumulate_unsharded: across the micro-batches of one step (the pipeline schedule's; without a pipeline,
+        accumulate_unsharded: across the micro-batches of one optimizer step (the pipeline schedule's and
             ``Trainer(accumulate_grad_batches=...)``'s), keep FSDP's gradients unsharded and its units gathered,
             and reduce once, after the last: one reduce-scatter per step instead of one per micro-batch, for the
-            memory of every unit gathered and its unsharded gradients (under a pipeline, Lightning's accumulation
-            on top still reduces once per batch). With ``reshard_after_forward=False`` also one
+            memory of every unit gathered and its unsharded gradients. With ``reshard_after_forward=False`` also one
             all-gather per step: ZeRO-1-like (torch's schedules do this for a stage that is an FSDP module).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy).
         activation_checkpointing: recompute each block's activations in backward: ``True`` (or ``"full"``) all of
@@ -227,10 +226,15 @@ class NDParallelStrategy(BaseParallelStrategy):
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
         """Lightning enters this around each micro-batch of gradient accumulation but the last. With
-        ``accumulate_unsharded`` (and no pipeline, whose schedule's micro-batches do it themselves) FSDP's units
-        keep their gradients unsharded and stay gathered meanwhile; the last micro-batch's backward reduces them."""
-        if not (self.fully_sharded.accumulate_unsharded and self.dims.pp == 1):
+        ``accumulate_unsharded`` FSDP's units keep their gradients unsharded and stay gathered meanwhile; the last
+        micro-batch's backward reduces them (under a pipeline: the last of the schedule's micro-batches in the
+        step's last batch)."""
+        if not self.fully_sharded.accumulate_unsharded:
             with super().block_backward_sync():
+                yield
+            return
+        if self.dims.pp > 1:  # the stages' own switch (_compat) does the rest
+            with hold_reductions():
                 yield
             return
         self._accumulating = True

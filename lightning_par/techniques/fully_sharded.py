@@ -33,6 +33,10 @@ class FullySharded(Technique):
         self.reshard_after_forward = check_bool("reshard_after_forward", reshard_after_forward)
         self.cpu_offload = check_bool("cpu_offload", cpu_offload)
         self.accumulate_unsharded = check_bool("accumulate_unsharded", accumulate_unsharded)
+        if self.accumulate_unsharded and self.cpu_offload:
+            raise ValueError("accumulate_unsharded=True with cpu_offload=True: keeping every unit gathered and its "
+                             "gradients unsharded on the device between micro-batches undoes what offloading saves. "
+                             "Choose one: accumulate_unsharded=False to offload, or cpu_offload=False.")
         self.unused_parameters: UnusedParameterGuard | None = None  # set by apply
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
