@@ -80,10 +80,13 @@ class FullySharded(Technique):
     def describe(self, dims: ParallelDims) -> str | None:
         if not dims.fsdp_enabled:
             return None
-        zero = "ZeRO-3" if self.reshard_after_forward else "ZeRO-2-like"
+        if self.accumulate_unsharded:
+            zero = ("ZeRO-1-like: gathered and reduced once per step" if not self.reshard_after_forward
+                    else "ZeRO-3, gradients reduced once per step")
+        else:
+            zero = "ZeRO-3" if self.reshard_after_forward else "ZeRO-2-like"
         return (f"FSDP2 ({zero}{', HSDP' if dims.dp_replicate > 1 else ''}"
-                f"{', CPU offload' if self.cpu_offload else ''}"
-                f"{', gradients reduced once per step' if self.accumulate_unsharded else ''})")
+                f"{', CPU offload' if self.cpu_offload else ''})")
 
 
     def account(self, sheet: CostSheet) -> None:
