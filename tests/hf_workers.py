@@ -135,7 +135,14 @@ def world4() -> dict[str, Any]:
         "cp2_x_tp2": (dict(cp=2, dp_shard=1, tp=2), 1),
         "cp2_x_dp_shard2": (dict(cp=2, dp_shard=2), 2),
     }
-    return {name: hf_fit(NDParallelStrategy(**kw), 4, dp) for name, (kw, dp) in layouts.items()}
+    out = {name: hf_fit(NDParallelStrategy(**kw), 4, dp) for name, (kw, dp) in layouts.items()}
+    # FSDP reducing once per step: inside pipeline stages, and ZeRO-1-like over Lightning's accumulation on a
+    # mixture of experts (routers leave experts without tokens: the unused gradients are taken back per step)
+    out["pp2_x_dp_shard2_once"] = hf_fit(NDParallelStrategy(pp=2, dp_shard=2, accumulate_unsharded=True), 4, 2)
+    out["dp_shard4_zero1_accumulated_moe"] = hf_fit(
+        NDParallelStrategy(dp_shard=4, reshard_after_forward=False, accumulate_unsharded=True), 4, 4,
+        arch="qwen3_moe", accumulate_grad_batches=2, max_steps=STEPS // 2)
+    return out
 
 
 def world8() -> dict[str, Any]:

@@ -143,6 +143,15 @@ def test_two_dimensional_layouts(w4, name):
     assert_parity(w4[0][name], reference(), steps=STEPS)
 
 
+def test_fsdp_reducing_once_per_step_trains_hugging_face_models(w4):
+    """``accumulate_unsharded`` on transformers models: inside pipeline stages (Qwen2), and ZeRO-1-like over 2
+    batches of accumulation on Qwen3-MoE, both in parity with one process."""
+    assert_parity(w4[0]["pp2_x_dp_shard2_once"], reference(), steps=STEPS)
+    assert_parity(w4[0]["dp_shard4_zero1_accumulated_moe"],
+                  fit_reference(module_cls=HFCausalLM, max_steps=STEPS // 2, arch="qwen3_moe",
+                                accumulate_grad_batches=2), steps=STEPS)
+
+
 def test_pp_x_dp_shard_x_tp_at_world_8():
     result = launch(8, world8, timeout=900)
     assert_parity(result[0]["pp2_x_dp_shard2_x_tp2"], reference(), steps=STEPS)
