@@ -92,7 +92,7 @@ def sync_gradients(module: nn.Module, sync: bool) -> Iterator[None]:
     next micro-batch (``sync=False``: a micro-batch before the step's last; no communication after its backward, one
     reduce-scatter per step). Afterwards the flags are back to FSDP's defaults (reduce, reshard after backward);
     what the backward kept gathered stays so until the next forward uses it. Unmarked modules: nothing changes."""
-    units = [m for m in module.modules() if m in _ACCUMULATE_UNSHARDED]
+    units = [m for m in module.modules() if m in _ACCUMULATE_UNSHARDED] if _ACCUMULATE_UNSHARDED else []
     sync = sync and not _holding[0]
     for unit in units:
         unit.set_requires_gradient_sync(sync, recurse=False)

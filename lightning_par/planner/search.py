@@ -217,16 +217,20 @@ def zero2_twins(predictions: list[Prediction]) -> list[Layout]:
     """The ZeRO-2-like twin of every FSDP layout that, with all its exposed all-gather time gone (more than the
     twin saves: it still gathers before forward), would be at least ``ZERO2_WINDOW`` as fast as the fastest fitting
     layout; the twin keeps every unit gathered until its backward, so it needs more memory."""
-    fitting = [p.tokens_per_s for p in predictions if p.fits]
-    floor = ZERO2_WINDOW * max(fitting, default=0.0)
-    out = []
-    for p in predictions:
-        if p.layout.dp_shard * p.layout.cp == 1 or p.layout.cpu_offload:
-            continue
-        best_case = p.tokens_per_s * p.step_s / max(p.step_s - p.comm_s.get("fsdp_all_gather", 0.0), 1e-30)
-        if best_case >= floor:
-            out.append(replace(p.layout, reshard_after_forward=False))
-    return out
+    floor = _floor(predictions)
+    return [replace(p.layout, reshard_after_forward=False) for p in predictions
+            if p.layout.dp_shard * p.layout.cp > 1 and not p.layout.cpu_offload
+            and _could_come_near(p, p.step_s - p.comm_s.get("fsdp_all_gather", 0.0), floor)]
+
+
+def _floor(predictions: list[Prediction]) -> float:
+    """``ZERO2_WINDOW`` of the fastest fitting layout's speed: what a twin must be able to reach to be planned."""
+    return ZERO2_WINDOW * max((p.tokens_per_s for p in predictions if p.fits), default=0.0)
+
+
+def _could_come_near(p: Prediction, best_step_s: float, floor: float) -> bool:
+    """Whether ``p`` would reach ``floor`` at a step of ``best_step_s`` (its step with what the twin saves gone)."""
+    return p.tokens_per_s * p.step_s / max(best_step_s, 1e-30) >= floor
 
 
 def _accumulates(layout: Layout) -> bool:
@@ -241,16 +245,13 @@ def reduce_once_twins(predictions: list[Prediction]) -> list[Layout]:
     its exposed FSDP time gone (more than the twin saves: it still gathers and reduces once), would be at least
     ``ZERO2_WINDOW`` as fast as the fastest fitting layout; the twin holds every unit gathered and its unsharded
     gradients, so it needs more memory."""
-    fitting = [p.tokens_per_s for p in predictions if p.fits]
-    floor = ZERO2_WINDOW * max(fitting, default=0.0)
-    out = []
+    floor, out = _floor(predictions), []
     for p in predictions:
         if not _accumulates(p.layout):
             continue
         fsdp = p.comm_s.get("fsdp_all_gather", 0.0) + p.comm_s.get("fsdp_reduce_scatter", 0.0)
         busy = max(p.step_s - p.bubble_s, 1e-30)  # the bubble stretches what the rank does by step / busy
-        best_case = p.tokens_per_s * p.step_s / max(p.step_s - fsdp * p.step_s / busy, 1e-30)
-        if best_case >= floor:
+        if _could_come_near(p, p.step_s - fsdp * p.step_s / busy, floor):
             out.append(replace(p.layout, accumulate_unsharded=True))
     return out
 

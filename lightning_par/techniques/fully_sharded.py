@@ -171,29 +171,23 @@ def unit_bytes(sheet: CostSheet) -> tuple[list[float], list[float]]:
 def trainable_unit_bytes(sheet: CostSheet) -> float:
     """Bytes of the trainable parameters the busiest pipeline rank holds whole (after tensor parallelism, its
     ``1 / ep`` of the experts): the unsharded gradients FSDP accumulates while it does not reduce."""
-    cache = sheet.profile.__dict__.setdefault("_trainable_section_bytes", {})
-    if not cache:
-        for p in sheet.profile.params:
-            if p.trainable:
-                split, whole, experts = cache.get(p.section, (0.0, 0.0, 0.0))
-                nbytes = p.numel * p.itemsize
-                experts += nbytes if p.expert else 0.0
-                cache[p.section] = (split + nbytes, whole, experts) if p.tp_dim is not None else (
-                    split, whole + nbytes, experts)
+    sizes = section_bytes(sheet.profile, trainable_only=True)
     ep = sheet.dims.ep if sheet.profile.num_experts else 1
     total = 0.0
     for s in set(max(sheet.rank_sections, key=len)):
-        split, whole, experts = cache.get(s, (0.0, 0.0, 0.0))
+        split, whole, experts = sizes.get(s, (0.0, 0.0, 0.0))
         total += split / sheet.tp + whole - experts + experts / ep
     return total
 
 
-def section_bytes(profile: Any) -> dict[str, tuple[float, float, float]]:
+def section_bytes(profile: Any, trainable_only: bool = False) -> dict[str, tuple[float, float, float]]:
     """Per section of the profile: (bytes tensor parallelism splits, bytes it leaves whole, of the latter the
-    experts'), computed once."""
-    cache = profile.__dict__.setdefault("_section_bytes", {})
+    experts'), of every parameter or the trainable ones only, computed once."""
+    cache = profile.__dict__.setdefault("_section_bytes", {}).setdefault(trainable_only, {})
     if not cache:
         for p in profile.params:
+            if trainable_only and not p.trainable:
+                continue
             split, whole, experts = cache.get(p.section, (0.0, 0.0, 0.0))
             nbytes = p.numel * p.itemsize
             experts += nbytes if p.expert else 0.0
