@@ -229,6 +229,19 @@ def test_reducing_once_per_step_is_weighed_for_fsdp_with_micro_batches():
                          accumulate_unsharded=(True,))
     assert all(p.layout.accumulate_unsharded for p in fixed.predictions if p.layout.pp_microbatches > 1)
     assert {"accumulate_unsharded": True}.items() <= once[0].layout.strategy_kwargs().items()
+    # the twin holds the same state and activations and more FSDP buffers: a layout over budget even without its
+    # buffers gets no twin (it could not fit; planning 8,192 GPUs skips some 12,000 of them), the others keep theirs
+    defaults = [p for p in plan.predictions if p.layout.pp_microbatches > 1 and not p.layout.accumulate_unsharded]
+    budget = sorted(p.memory - p.buffers for p in defaults)[len(defaults) // 2]
+    tight = plan_layouts(gpt(), batch(), 4, CPU, restrict={"pp": [2], "dp_shard": [2]}, memory_budget=budget)
+    twins = {p.layout for p in tight.predictions if p.layout.accumulate_unsharded}
+    skipped = [p for p in defaults if p.memory - p.buffers > budget]
+    assert skipped and twins
+    for p in skipped:
+        twin = replace(p.layout, accumulate_unsharded=True)
+        assert twin not in twins
+        assert not predict(twin, tight.profile, CPU, GLOBAL_BATCH // twin.dp, tight.seq_len,
+                           memory_budget=budget).fits
 
 
 def _sheet(prediction):

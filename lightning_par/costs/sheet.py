@@ -8,8 +8,9 @@ Everything is per rank and per optimizer step, for the rank that needs the most 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from lightning_par.costs.profile import ModelProfile, ParamInfo
 from lightning_par.dims import ParallelDims
@@ -33,6 +34,15 @@ class Transfer:
     # what an overlappable transfer hides behind: any compute ("compute": FSDP's prefetch runs beside every kernel),
     # or only the attention kernels' ("attention": the ring's next hop is in flight while a block is computed)
     hides_behind: str = "compute"
+
+    def copy_with(self, *, count: float | None = None, nbytes: float | None = None,
+                  recomputed: bool = True) -> Transfer:
+        """A copy with another ``count`` or ``nbytes`` (``recomputed=False``: none of it sent again by a
+        recomputation); ``dataclasses.replace``, which tens of thousands of layouts' accounts make slow."""
+        return Transfer(self.kind, self.dim, self.collective, self.nbytes if nbytes is None else nbytes,
+                        self.count if count is None else count, self.overlappable,
+                        self.recomputed_full if recomputed else 0.0, self.recomputed_selective if recomputed else 0.0,
+                        self.hides_behind)
 
 
 @dataclass
@@ -78,6 +88,28 @@ class CostSheet:
     @property
     def sequence_scale(self) -> float:
         return self.seq_len / self.profile.seq_len
+
+
+T = TypeVar("T")
+
+
+def per_cut(sheet: CostSheet, key: tuple, compute: Callable[[], T]) -> T:
+    """``compute()`` remembered per profile, pipeline cut (``sheet.rank_sections``, a tuple that every layout of
+    one pipeline shape shares) and ``key``: the accounts of the tens of thousands of layouts a plan at thousands of
+    GPUs weighs ask the same few questions of each cut."""
+    memo = sheet.profile.__dict__.setdefault("_per_cut", {})
+    full_key = (id(sheet.rank_sections), *key)
+    hit = memo.get(full_key)
+    if hit is None or hit[0] is not sheet.rank_sections:
+        if len(memo) > 100_000:
+            memo.clear()
+        hit = memo[full_key] = (sheet.rank_sections, compute())
+    return hit[1]
+
+
+def busiest_sections(sheet: CostSheet) -> tuple[str, ...]:
+    """The sections of the pipeline rank that runs the most of them (all of them without a pipeline)."""
+    return per_cut(sheet, ("busiest",), lambda: tuple(max(sheet.rank_sections, key=len)))
 
 
 _OWNERS: dict[int, tuple[ModelProfile, dict[str, list[ParamInfo]]]] = {}

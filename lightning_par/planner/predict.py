@@ -157,7 +157,6 @@ class Prediction:
     step_s: float
     tokens_per_s: float  # per device
     budget: float | None  # device memory the layout may use (bytes), None: unknown
-    reason: str = ""
     host_bytes: float = 0.0  # state kept in host memory (CPU offload)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -178,6 +177,12 @@ class Prediction:
         return 0.0 if self.budget is None else max(0.0, self.memory - self.budget)
 
     @property
+    def reason(self) -> str:
+        """Fits or not, by how much, and what the step time is made of (worked out when asked: a plan predicts
+        tens of thousands of layouts and shows a few)."""
+        return _reason(self)
+
+    @property
     def margin(self) -> float | None:
         """Bytes left under the budget (negative: over it); None where the device's memory is unknown."""
         return None if self.budget is None else self.budget - self.memory
@@ -186,24 +191,40 @@ class Prediction:
         out = {k: v for k, v in asdict(self).items() if k != "layout"}
         out.update(layout=str(self.layout), strategy_kwargs=self.layout.strategy_kwargs(),
                    trainer_kwargs=self.layout.trainer_kwargs(), model_state=self.model_state,
-                   memory=self.memory, fits=self.fits, over_by=self.over_by, margin=self.margin)
+                   memory=self.memory, fits=self.fits, over_by=self.over_by, margin=self.margin, reason=self.reason)
         return out
 
 
 def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, precision: str) -> CostSheet:
     """Every technique of the engine's recipe writes its share into one sheet, in the engine's order."""
     act, gather, grad = _PRECISION.get(precision, (1.0, 1.0, 1.0))
-    sheet = CostSheet(layout.dims(), profile, batch, seq_len, activation_scale=act, gather_scale=gather,
-                      grad_scale=grad, microbatches=layout.accumulate_grad_batches)
-    recipe = build_recipe(pp_schedule=layout.pp_schedule, pp_microbatches=layout.pp_microbatches,
-                          pp_stages_per_rank=layout.pp_stages_per_rank,
-                          sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel,
-                          activation_checkpointing=layout.activation_checkpointing, cpu_offload=layout.cpu_offload,
-                          reshard_after_forward=layout.reshard_after_forward,
-                          accumulate_unsharded=layout.accumulate_unsharded)
+    sheet = CostSheet(_planning_dims(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.pp,
+                                     layout.ep), profile, batch, seq_len, activation_scale=act,
+                      gather_scale=gather, grad_scale=grad, microbatches=layout.accumulate_grad_batches)
+    recipe = _planning_recipe(layout.pp_schedule, layout.pp_microbatches, layout.pp_stages_per_rank,
+                              layout.sequence_parallel, layout.loss_parallel, layout.activation_checkpointing,
+                              layout.cpu_offload, layout.reshard_after_forward, layout.accumulate_unsharded)
     for technique in recipe:
         technique.account(sheet)
     return sheet
+
+
+# a plan at thousands of GPUs accounts tens of thousands of layouts with a few hundred meshes and recipes: each
+# built once (accounting only reads them)
+@lru_cache(maxsize=4096)
+def _planning_dims(*sizes: int) -> ParallelDims:
+    return ParallelDims(*sizes)
+
+
+@lru_cache(maxsize=4096)
+def _planning_recipe(pp_schedule: str, pp_microbatches: int | None, pp_stages_per_rank: int | None,
+                     sequence_parallel: bool, loss_parallel: bool, activation_checkpointing: bool | str,
+                     cpu_offload: bool, reshard_after_forward: bool, accumulate_unsharded: bool) -> tuple:
+    return build_recipe(pp_schedule=pp_schedule, pp_microbatches=pp_microbatches,
+                        pp_stages_per_rank=pp_stages_per_rank, sequence_parallel=sequence_parallel,
+                        loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing,
+                        cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
+                        accumulate_unsharded=accumulate_unsharded)
 
 
 def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: int, seq_len: int,
@@ -212,12 +233,10 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     """``batch``: samples per data-parallel rank per step; ``memory_budget``: bytes a device may use (default: the
     hardware's memory less ``memory_reserve`` of it)."""
     sheet = account(layout, profile, batch, seq_len, precision)
-    ranks = _rank_costs(sheet, hardware.matmul_share)
-    params, grads, optimizer, activations = max((r[:4] for r in ranks), key=sum)
+    (params, grads, optimizer, activations), busiest, recompute = _busiest_ranks(sheet, hardware.matmul_share)
     host = 0.0
     if sheet.offload:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
-    busiest = max(ranks, key=lambda r: r[5])
     compute, attention = busiest[5] / hardware.matmul_flops, busiest[6] / hardware.matmul_flops
     total = {t.kind: 0.0 for t in sheet.transfers}
     hidden = {t.kind: 0.0 for t in sheet.transfers}  # behind any compute
@@ -247,17 +266,26 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     budget = memory_budget if memory_budget is not None else (
         hardware.memory_bytes * (1 - memory_reserve) if hardware.memory_bytes else None)
     tokens = batch * layout.dp * seq_len
-    recompute = max(r[4] for r in ranks)
-    prediction = Prediction(layout, params, grads, optimizer, activations, sheet.buffer_bytes + recompute, compute,
-                            exposed, total,
-                            step - busy, step, tokens / step / layout.world_size, budget, host_bytes=host)
-    prediction.reason = _reason(prediction)
-    return prediction
+    return Prediction(layout, params, grads, optimizer, activations, sheet.buffer_bytes + recompute, compute, exposed,
+                      total, step - busy, step, tokens / step / layout.world_size, budget, host_bytes=host)
 
 
 def shares_cores(hardware: Hardware) -> bool:
     """Whether the ranks run on CPU cores they share, communication included (see the module docstring)."""
     return hardware.device.lower().startswith("cpu")
+
+
+def _busiest_ranks(sheet: CostSheet, matmul_share: float) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+    """Of the pipeline ranks' ``_rank_costs``: the (parameters, gradients, optimizer state, saved activations) of
+    the one that needs the most memory, the costs of the one that computes the most, and the largest transient
+    activations."""
+    ranks = _rank_costs(sheet, matmul_share)
+    memo = sheet.profile.__dict__["_rank_memo"]
+    hit = memo.get(("busiest", id(ranks)))
+    if hit is None or hit[0] is not ranks:
+        hit = memo[("busiest", id(ranks))] = (ranks, (max((r[:4] for r in ranks), key=sum),
+                                                      max(ranks, key=lambda r: r[5]), max(r[4] for r in ranks)))
+    return hit[1]
 
 
 def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float, ...]]:
@@ -270,13 +298,21 @@ def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float
     if len(memo) > 200_000:
         memo.clear()
     scale = sheet.token_scale
+    whole_key = ("ranks", id(sheet.rank_sections), tuple(sheet.inflight), scale, sheet.sequence_scale,
+                 sheet.activation_scale, sheet.tp, sheet.cp, sheet.shard, sheet.sequence_parallel, sheet.loss_parallel,
+                 sheet.checkpointing, sheet.dims.ep, sheet.microbatches, matmul_share)
+    whole = memo.get(whole_key)
+    if whole is not None and whole[0] is sheet.rank_sections:
+        return whole[1]
     # the pipeline's rank sections are shared by every layout of one pipeline shape (``pipeline_shape`` caches
     # them), so their keys are too
     keys_key = ("keys", id(sheet.rank_sections))
     hit = memo.get(keys_key)
-    if hit is None or hit[0] is not sheet.rank_sections:
-        hit = memo[keys_key] = (sheet.rank_sections,
-                                [tuple(sorted(kinds[n] for n in names)) for names in sheet.rank_sections])
+    if hit is None or hit[0] is not sheet.rank_sections:  # each rank's sorted section kinds, as a small number
+        numbers = memo.setdefault("rank kinds", {})
+        hit = memo[keys_key] = (sheet.rank_sections, [numbers.setdefault(tuple(sorted(kinds[n] for n in names)),
+                                                                         len(numbers))
+                                                      for names in sheet.rank_sections])
     costs: dict[tuple, tuple] = {}  # this layout's ranks of equal sections: one lookup
     out = []
     for rank, key in enumerate(hit[1]):
@@ -296,6 +332,7 @@ def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float
         (params, grads, optimizer), (kept, transient), (flops, attention) = costs[key]
         inflight = sheet.inflight[rank] if sheet.inflight else 1.0  # micro-batches whose activations it holds
         out.append((params, grads, optimizer, kept * inflight, transient, flops, attention))
+    memo[whole_key] = (sheet.rank_sections, out)
     return out
 
 

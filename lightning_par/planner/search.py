@@ -223,6 +223,14 @@ def zero2_twins(predictions: list[Prediction]) -> list[Layout]:
             and _could_come_near(p, p.step_s - p.comm_s.get("fsdp_all_gather", 0.0), floor)]
 
 
+def _twin_could_fit(p: Prediction) -> bool:
+    """Whether a reduce-once twin of ``p`` (the same state and activations, other FSDP buffers) could fit: not if
+    ``p`` is over budget even without its buffers. A plan at thousands of GPUs would otherwise predict some 12,000
+    twins that cannot fit (Llama 3 405B on 8,192 GPUs). Not a test for the ZeRO-2-like twins: they are weighed
+    before gradient accumulation, whose micro-batches may make them fit."""
+    return p.budget is None or p.memory - p.buffers <= p.budget
+
+
 def _floor(predictions: list[Prediction]) -> float:
     """``ZERO2_WINDOW`` of the fastest fitting layout's speed: what a twin must be able to reach to be planned."""
     return ZERO2_WINDOW * max((p.tokens_per_s for p in predictions if p.fits), default=0.0)
@@ -247,7 +255,7 @@ def reduce_once_twins(predictions: list[Prediction]) -> list[Layout]:
     gradients, so it needs more memory."""
     floor, out = _floor(predictions), []
     for p in predictions:
-        if not _accumulates(p.layout):
+        if not _accumulates(p.layout) or not _twin_could_fit(p):
             continue
         fsdp = p.comm_s.get("fsdp_all_gather", 0.0) + p.comm_s.get("fsdp_reduce_scatter", 0.0)
         busy = max(p.step_s - p.bubble_s, 1e-30)  # the bubble stretches what the rank does by step / busy
@@ -303,6 +311,7 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
 
     blocks = len(profile.blocks)
     has_attention = any(s.kv_bytes for s in profile.sections.values())
+    vocab_parallel_head = "vocab_parallel_head" in {s for s in profile.tp_plan.values() if isinstance(s, str)}
     out = []
     for sizes in _factorizations(world_size, len(SIZES)):
         dims = dict(zip(SIZES, sizes))
@@ -336,7 +345,7 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
             skip("restricted")
             continue
         for sp, ac, reshard, ep in product(sp_choices, checkpointing, reshard_choices, eps):
-            lp = sp and "vocab_parallel_head" in {s for s in profile.tp_plan.values() if isinstance(s, str)}
+            lp = sp and vocab_parallel_head
             base = Layout(**dims, activation_checkpointing=ac, sequence_parallel=sp, loss_parallel=lp,
                           reshard_after_forward=reshard, ep=ep)
             if dims["pp"] == 1:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from lightning_par.checks import check_bool, check_checkpointing
 from lightning_par.costs.sheet import CostSheet
 from lightning_par.dims import ParallelDims
@@ -59,7 +57,7 @@ class ActivationCheckpointing(Technique):
         for t in list(sheet.transfers):
             count = t.recomputed_full if self.mode == "full" else t.recomputed_selective
             if count:
-                sheet.transfers.append(replace(t, count=count, recomputed_full=0.0, recomputed_selective=0.0))
+                sheet.transfers.append(t.copy_with(count=count, recomputed=False))
 
 
 class Compile(Technique):

@@ -10,7 +10,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from lightning_par.checks import check_bool, check_choice
-from lightning_par.costs.sheet import CostSheet, Transfer
+from lightning_par.costs.sheet import CostSheet, Transfer, busiest_sections, per_cut
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.context import ALGORITHMS
 from lightning_par.parallel.context_hf import route_attention
@@ -54,13 +54,14 @@ class ContextParallel(Technique):
         if cp == 1:
             return
         sheet.cp = cp
-        sections = max(sheet.rank_sections, key=len)
         m = sheet.microbatches
         grad = sheet.grad_scale  # dK/dV travel in fp32
         # attentions of one size (the blocks) are one Transfer with their message counts summed
         scale = sheet.token_scale * sheet.activation_scale / cp / sheet.tp
-        attentions = Counter(sheet.profile.sections[name].kv_bytes * scale for name in sections)
-        for kv, k in attentions.items():
+        attentions = per_cut(sheet, ("cp_attentions",), lambda: tuple(Counter(
+            sheet.profile.sections[name].kv_bytes for name in busiest_sections(sheet)).items()))
+        for traced_kv, k in attentions:
+            kv = traced_kv * scale
             if not kv:
                 continue
             # a recomputed forward sends the forward's messages again (no checkpointing policy keeps them)

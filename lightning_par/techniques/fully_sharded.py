@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_par.checks import check_bool, check_str_list
-from lightning_par.costs.sheet import CostSheet, Transfer
+from lightning_par.costs.sheet import CostSheet, Transfer, busiest_sections, per_cut
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.fsdp import apply_fsdp, mark_accumulate_unsharded
 from lightning_par.parallel.unused_parameters import UnusedParameterGuard
@@ -109,9 +109,8 @@ class FullySharded(Technique):
             return
         sheet.shard = dims.dp_shard * dims.cp
         sheet.offload = self.cpu_offload
-        units, expert_units = unit_bytes(sheet)
+        counted, whole_bytes, largest = _units(sheet)
         m = sheet.microbatches
-        gathered = [n * sheet.gather_scale for n in units]  # bf16-mixed all-gathers bf16 copies
         accumulating = self.accumulate_unsharded and m > 1
         if accumulating:
             gathers, scatters = (m + 1 if self.reshard_after_forward else 1), 1
@@ -120,9 +119,11 @@ class FullySharded(Technique):
         # units of one size (the blocks) are one Transfer with their counts summed: the same time, and planning
         # thousands of layouts of a 126-block model does not build a message per block
         # under ep each experts module is a unit of its own, of this rank's experts, sharded over efsdp
-        for group, group_units in (("dp_shard_cp", units), ("efsdp", expert_units)):
-            equal_units = Counter(group_units).items()
-            if dims.mesh_size(group) > 1:
+        for group, equal_units in zip(("dp_shard_cp", "efsdp"), counted):
+            if not equal_units:
+                continue
+            size = dims.mesh_size(group)
+            if size > 1:
                 for nbytes, k in equal_units:
                     wire = nbytes * sheet.gather_scale
                     sheet.transfers.append(Transfer("fsdp_all_gather", group, "all_gather", wire, gathers * k,
@@ -132,15 +133,15 @@ class FullySharded(Technique):
             if dims.dp_replicate > 1:
                 for nbytes, k in equal_units:
                     sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_replicate", "all_reduce",
-                                                    nbytes / dims.mesh_size(group), scatters * k, True))
-        gathered += [n * sheet.gather_scale for n in expert_units]
+                                                    nbytes / size, scatters * k, True))
+        gathered, largest = whole_bytes * sheet.gather_scale, largest * sheet.gather_scale  # bf16-mixed: bf16 copies
         if accumulating:  # kept gathered, and the gradients unsharded, from micro-batch to micro-batch
             # the unsharded gradients beyond the shards the state counts already
-            sheet.buffer_bytes += sum(gathered) + trainable_unit_bytes(sheet) * (1 - 1 / sheet.shard)
+            sheet.buffer_bytes += gathered + trainable_unit_bytes(sheet) * (1 - 1 / sheet.shard)
         elif self.reshard_after_forward:
-            sheet.buffer_bytes += 2 * max(gathered, default=0.0)
+            sheet.buffer_bytes += 2 * largest
         else:  # each unit stays whole from its forward to its backward: all of them at the peak
-            sheet.buffer_bytes += sum(gathered)
+            sheet.buffer_bytes += gathered
 
 
 def shard_experts(target: Target, dims: ParallelDims, *, reshard_after_forward: bool, param_dtype: torch.dtype | None,
@@ -155,15 +156,28 @@ def shard_experts(target: Target, dims: ParallelDims, *, reshard_after_forward: 
                    cpu_offload=cpu_offload, keep_last_gathered=False)
 
 
+def _units(sheet: CostSheet) -> tuple[tuple[tuple[tuple[float, int], ...], ...], float, float]:
+    """Of ``unit_bytes``: the units of each group (the blocks', the experts') counted by size, the bytes of all of
+    them and of the largest; worked out once per pipeline cut and sizes."""
+    ep = sheet.dims.ep if sheet.profile.num_experts else 1
+
+    def compute() -> tuple:
+        units, expert_units = unit_bytes(sheet)
+        return (tuple(tuple(Counter(u).items()) for u in (units, expert_units)), sum(units) + sum(expert_units),
+                max(units + expert_units, default=0.0))
+
+    return per_cut(sheet, ("fsdp_units", sheet.tp, ep), compute)
+
+
 def unit_bytes(sheet: CostSheet) -> tuple[list[float], list[float]]:
     """Bytes of each FSDP unit on the busiest pipeline rank, whole (before sharding), after tensor parallelism:
     every block it runs, and the root (what it runs outside the blocks); and under expert parallelism, apart, each
     block's experts on this rank (``1 / ep`` of them, a unit of their own)."""
     sizes = section_bytes(sheet.profile)
     ep = sheet.dims.ep if sheet.profile.num_experts else 1
-    experts = {s: sizes[s][2] for s in max(sheet.rank_sections, key=len) if s in sizes} if ep > 1 else {}
-    per_section = {s: sizes[s][0] / sheet.tp + sizes[s][1] - experts.get(s, 0.0)
-                   for s in max(sheet.rank_sections, key=len) if s in sizes}
+    busiest = busiest_sections(sheet)
+    experts = {s: sizes[s][2] for s in busiest if s in sizes} if ep > 1 else {}
+    per_section = {s: sizes[s][0] / sheet.tp + sizes[s][1] - experts.get(s, 0.0) for s in busiest if s in sizes}
     root = per_section.pop("first", 0.0) + per_section.pop("last", 0.0)
     return [*per_section.values(), *([root] if root else [])], [n / ep for n in experts.values() if n]
 
@@ -173,11 +187,15 @@ def trainable_unit_bytes(sheet: CostSheet) -> float:
     ``1 / ep`` of the experts): the unsharded gradients FSDP accumulates while it does not reduce."""
     sizes = section_bytes(sheet.profile, trainable_only=True)
     ep = sheet.dims.ep if sheet.profile.num_experts else 1
-    total = 0.0
-    for s in set(max(sheet.rank_sections, key=len)):
-        split, whole, experts = sizes.get(s, (0.0, 0.0, 0.0))
-        total += split / sheet.tp + whole - experts + experts / ep
-    return total
+
+    def compute() -> float:
+        total = 0.0
+        for s in set(busiest_sections(sheet)):
+            split, whole, experts = sizes.get(s, (0.0, 0.0, 0.0))
+            total += split / sheet.tp + whole - experts + experts / ep
+        return total
+
+    return per_cut(sheet, ("trainable_units", sheet.tp, ep), compute)
 
 
 def section_bytes(profile: Any, trainable_only: bool = False) -> dict[str, tuple[float, float, float]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,7 +12,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_par.checks import check_bool
 from lightning_par.costs.profile import ModelProfile
-from lightning_par.costs.sheet import CostSheet, Transfer, params_by_planned_module
+from lightning_par.costs.sheet import CostSheet, Transfer, busiest_sections, params_by_planned_module, per_cut
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.tensor import apply_tp, broadcast_replicated_parameters
 from lightning_par.parallel.tensor_plan import resolve_tp_plan, validate_tp_plan
@@ -86,8 +85,9 @@ class TensorParallel(Technique):
         if tp == 1:
             return
         sheet.tp, sheet.sequence_parallel, sheet.loss_parallel = tp, self.sequence_parallel, self.loss_parallel
-        sections = set(max(sheet.rank_sections, key=len))
-        blocks = max(sum(s not in ("first", "last") for s in r) for r in sheet.rank_sections)
+        sections, blocks = per_cut(sheet, ("tp_sections",), lambda: (
+            frozenset(busiest_sections(sheet)),
+            max(sum(s not in ("first", "last") for s in r) for r in sheet.rank_sections)))
         tokens, m = sheet.microbatch_tokens, sheet.microbatches
         residual = tokens * sheet.profile.hidden_bytes * sheet.activation_scale
         # recomputed forwards send their two again; selective keeps the reduce-scatters of sequence parallelism,
@@ -95,7 +95,7 @@ class TensorParallel(Technique):
         forward = 2 * blocks * m
         sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, 4 * blocks * m, False, forward,
                                         forward / 2 if self.sequence_parallel else forward))
-        embeddings, heads, whole, head_norms = _planned_modules(sheet.profile, frozenset(sections))
+        embeddings, heads, whole, head_norms = _planned_modules(sheet.profile, sections)
         for _ in range(embeddings):
             sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, m, False))
         for style, vocabulary, itemsize in heads:
@@ -111,7 +111,7 @@ class TensorParallel(Technique):
             sheet.transfers.append(
                 Transfer("tp", "tp", "all_reduce", sum(head_norms) / len(head_norms), len(head_norms), False))
         if self.sequence_parallel:  # pipeline stages hand on this rank's sequence chunk, not the whole sequence
-            sheet.transfers = [replace(t, nbytes=t.nbytes / tp) if t.kind == "pp_send_recv" else t
+            sheet.transfers = [t.copy_with(nbytes=t.nbytes / tp) if t.kind == "pp_send_recv" else t
                                for t in sheet.transfers]
 
     def describe(self, dims: ParallelDims) -> str | None:
