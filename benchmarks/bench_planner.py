@@ -218,7 +218,7 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from lightning_par.planner.probe import probe_hardware
+    from lightning_par.planner.probe import probe_hardware, tp_degrees
     from lightning_par.strategies.auto import _matmul_shapes  # the probe's shapes, as AutoParallelStrategy takes them
 
     dist.init_process_group("gloo")
@@ -227,7 +227,9 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
         for model in cfg["models"]:
             prof = profile(cfg, model)
             t0 = time.perf_counter()
-            hardware = probe_hardware(torch.device("cpu"), torch.float32, _matmul_shapes(prof), WORLD)
+            shapes = _matmul_shapes(prof)
+            hardware = probe_hardware(torch.device("cpu"), torch.float32, shapes, WORLD,
+                                      tp_sizes=tp_degrees(shapes, WORLD))
             probe_s = time.perf_counter() - t0
             box = [None]
             if dist.get_rank() == 0:

@@ -277,6 +277,17 @@ class Hardware:
     #: ``size`` ranks ``stride`` apart, all communicating at once (as a mesh dimension's groups do). A mesh dimension
     #: whose groups have a measured shape uses its figures; any other the intra- or inter-node link
     group_links: tuple[tuple[int, int, float, float], ...] = ()
+    #: matmul FLOP/s measured with the model's matmuls split as tensor parallelism of a degree splits them (each
+    #: one's larger inner dimension divided by it: a column-parallel layer's outputs, a row-parallel one's inputs),
+    #: ``((tp, flops), ...)``: a layout of a listed tp computes at its rate, any other at ``matmul_flops``
+    matmul_by_tp: tuple[tuple[int, float], ...] = ()
+
+    def matmul_rate(self, tp: int) -> float:
+        """The matmul FLOP/s of a layout with tensor parallelism ``tp`` (see ``matmul_by_tp``)."""
+        for degree, flops in self.matmul_by_tp:
+            if degree == tp:
+                return flops
+        return self.matmul_flops
 
     def link(self, size: int, stride: int, within_node: bool, by_shape: bool = True,
              members_per_node: int = 1) -> tuple[float, float]:
@@ -325,6 +336,11 @@ class Hardware:
                 raise ValueError(f"Hardware group_links entry {entry!r} must be (size, stride, bandwidth, latency) "
                                  "with positive int size and stride.")
             positive("group_links bandwidth", entry[2], "bytes/s per device per direction")
+        for entry in self.matmul_by_tp:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], int)
+                    and not isinstance(entry[0], bool) and entry[0] >= 1):
+                raise ValueError(f"Hardware matmul_by_tp entry {entry!r} must be (tp, FLOP/s) with a positive int tp.")
+            positive("matmul_by_tp FLOP/s", entry[1], "FLOP/s per device")
 
     def summary(self) -> str:
         """One line for the planner's report."""
@@ -334,7 +350,9 @@ class Hardware:
             return "-" if math.isinf(bandwidth) else f"{bandwidth / 1e9:.3g} GB/s, {latency * 1e6:.3g} us/hop"
 
         groups = "".join(f"; groups of {n} ranks {s} apart {link(b, lat)}" for n, s, b, lat in self.group_links)
-        return (f"{self.device}: {self.matmul_flops / 1e12:.4g} TFLOP/s, {memory}, {self.gpus_per_node} per node; "
+        split = "".join(f", {f / 1e12:.4g} at tp {tp}" for tp, f in self.matmul_by_tp)
+        return (f"{self.device}: {self.matmul_flops / 1e12:.4g} TFLOP/s{split}, {memory}, {self.gpus_per_node} per "
+                f"node; "
                 f"intra-node {link(self.intra_bandwidth, self.intra_latency)}{groups}; inter-node "
                 f"{link(self.inter_bandwidth, self.inter_latency)} ({self.source})")
 

@@ -127,11 +127,13 @@ def _hardware(args: argparse.Namespace, profile: Any) -> Any:
         return known_hardware(args.device, precision=precision_kind(args.precision) or "bf16",
                               gpus_per_node=args.gpus_per_node, inter_link=args.inter_link,
                               intra_link=args.intra_link)
-    from lightning_par.planner.probe import probe_hardware
+    from lightning_par.planner.probe import probe_hardware, tp_degrees
     from lightning_par.strategies.auto import _dtype, _matmul_shapes
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    measured = probe_hardware(device, _dtype(args.precision), _matmul_shapes(profile))
+    shapes = _matmul_shapes(profile)
+    measured = probe_hardware(device, _dtype(args.precision), shapes,
+                              tp_sizes=tp_degrees(shapes, args.gpus_per_node))
     intra, inter = lookup_link(args.intra_link or "pcie4"), lookup_link(args.inter_link)
     return replace(measured, gpus_per_node=args.gpus_per_node, intra_bandwidth=intra.bandwidth,
                    intra_latency=intra.latency, inter_bandwidth=inter.bandwidth, inter_latency=inter.latency,

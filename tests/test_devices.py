@@ -33,6 +33,9 @@ from lightning_par.planner.probe import (
     probe_collectives,
     probe_hardware,
     probe_matmul,
+    probe_matmul_sets,
+    split_for_tp,
+    tp_degrees,
 )
 
 PRE_AMPERE = {"T4", "V100S", "V100-PCIe-32GB", "V100-PCIe-16GB", "V100-SXM2-32GB", "V100-SXM2-16GB"}
@@ -156,6 +159,16 @@ def test_hardware_by_hand_is_checked_and_summarized():
         Hardware("mine", 1e14, None, 4, 1e11, 2e-6, 1e10, math.inf, "by hand")
 
 
+def test_matmul_rates_measured_per_tensor_parallel_degree_serve_those_layouts():
+    hw = Hardware("mine", 1e14, None, 4, 1e11, 2e-6, 1e10, 1e-5, "by hand", matmul_by_tp=((2, 9e13), (4, 7e13)))
+    assert (hw.matmul_rate(1), hw.matmul_rate(2), hw.matmul_rate(4), hw.matmul_rate(8)) == (1e14, 9e13, 7e13, 1e14)
+    assert hw.summary().startswith("mine: 100 TFLOP/s, 90 at tp 2, 70 at tp 4, memory unknown, 4 per node; ")
+    with pytest.raises(ValueError, match=r"matmul_by_tp entry \(0, 1.0\) must be \(tp, FLOP/s\)"):
+        Hardware("mine", 1e14, None, 4, 1e11, 2e-6, 1e10, 1e-5, "by hand", matmul_by_tp=((0, 1.0),))
+    with pytest.raises(ValueError, match=r"matmul_by_tp FLOP/s=-1.0 must be a positive number"):
+        Hardware("mine", 1e14, None, 4, 1e11, 2e-6, 1e10, 1e-5, "by hand", matmul_by_tp=((2, -1.0),))
+
+
 def test_measured_group_links_serve_the_mesh_dimensions_of_their_shape():
     hw = Hardware("mine", 1e14, None, 4, 1e11, 2e-6, 1e10, 1e-5, "by hand", group_links=((2, 2, 5e10, 4e-6),))
     assert "groups of 2 ranks 2 apart 50 GB/s, 4 us/hop" in hw.summary()
@@ -221,6 +234,36 @@ def test_probe_matmul_measures_what_a_hand_timed_matmul_gets():
     assert took < 0.6  # the budget, warm-up included (one round of slack)
 
 
+def test_split_matmuls_are_probed_beside_the_whole_ones():
+    """Tensor parallelism divides each matmul's larger inner dimension (a column-parallel layer's outputs, a
+    row-parallel one's inputs); the probe times the sets of shapes interleaved in one budget, each set its own
+    figure: a skinny matmul runs far below a wide one on any device, and each figure is what a hand-timed loop of
+    that shape gets."""
+    shapes = [(512, 128, 512), (512, 512, 128)]  # the probe's (tokens, width, 4 x width) and back
+    assert split_for_tp(shapes, 4) == [(512, 128, 128), (512, 128, 128)]
+    assert tp_degrees(shapes, 8) == [2, 4, 8] and tp_degrees([(512, 96, 384)], 8) == [2, 4, 8]
+    assert tp_degrees([(512, 20, 100)], 8) == [2, 4] and tp_degrees(shapes, 1) == []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        wide, skinny = (256, 512, 384), (256, 512, 3)
+        start = time.perf_counter()
+        rates = probe_matmul_sets(torch.device("cpu"), torch.float32, [[wide], [skinny]], seconds=0.4)
+        took = time.perf_counter() - start
+        by_hand = [_hand_timed_flops(*shape, 0.2) for shape in (wide, skinny)]
+    finally:
+        torch.set_num_threads(threads)
+    assert rates[1] < 0.5 * rates[0]
+    for probed, timed in zip(rates, by_hand):
+        assert 0.5 < probed / timed < 2, (rates, by_hand)
+    assert took < 0.8
+    hw = probe_hardware(torch.device("cpu"), torch.float32, shapes, matmul_seconds=0.2, tp_sizes=[4, 2, 1])
+    assert [tp for tp, _ in hw.matmul_by_tp] == [2, 4] and all(f > 1e7 for _, f in hw.matmul_by_tp)
+    assert "split for tp 2, 4" in hw.source
+    with pytest.raises(ValueError, match=r"tp_sizes=\[0\] must be a list of positive ints"):
+        probe_hardware(torch.device("cpu"), torch.float32, shapes, tp_sizes=[0])
+
+
 def test_probe_matmul_cuts_shapes_too_large_for_the_budget():
     start = time.perf_counter()
     probed = probe_matmul(torch.device("cpu"), torch.float32, [(1 << 22, 256, 256)], seconds=0.2)  # 550 GFLOP
@@ -263,7 +306,7 @@ def _probe_worker(gpus_per_node: int) -> dict:
     before = alone()
     start = time.perf_counter()
     hw = probe_hardware(cpu, torch.float32, SHAPES, gpus_per_node=gpus_per_node, matmul_seconds=0.4,
-                        comm_seconds=0.6)
+                        comm_seconds=0.6, tp_sizes=[2])
     took = time.perf_counter() - start
     after = alone()  # the machine is shared with other work: one process alone, before and after
     world = probe_collectives({"world": None}, cpu, seconds=0.3)
@@ -286,6 +329,7 @@ def test_probe_on_gloo_is_the_same_on_every_rank(world_size, gpus_per_node):
     hw = results[0]["hw"]
     assert all(r["hw"] == hw for r in results) and all(r["world"] == results[0]["world"] for r in results)
     assert hw.gpus_per_node == gpus_per_node and hw.memory_bytes is None
+    assert [tp for tp, _ in hw.matmul_by_tp] == [2] and hw.matmul_by_tp[0][1] > 1e7  # the mean of the ranks too
     _check_link(hw.intra_bandwidth, hw.intra_latency)
     _check_link(hw.inter_bandwidth, hw.inter_latency)
     _check_link(*results[0]["world"]["world"])

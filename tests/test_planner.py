@@ -308,6 +308,18 @@ def test_interleaved_schedules_weigh_every_stage_count_that_cuts_the_blocks_even
     assert {p.layout.pp_stages_per_rank for p in plan.predictions} == {None, 3, 6}
 
 
+def test_a_layout_computes_at_the_rate_probed_for_its_tensor_parallel_split():
+    """The probe measures the matmuls split as each tp degree splits them (``Hardware.matmul_by_tp``): a tp 2 layout
+    computes at the tp 2 figure, the others at the whole matmuls'."""
+    profile = profile_model(gpt(), batch())
+    split = replace(CPU, matmul_by_tp=((2, CPU.matmul_flops / 2),))
+    for sizes, slower in ((dict(tp=2, dp_shard=2), 2.0), (dict(dp_shard=4), 1.0), (dict(tp=4), 1.0)):
+        layout = Layout(**sizes)
+        whole, halved = (predict(layout, profile, hw, GLOBAL_BATCH // layout.dp, profile.seq_len)
+                         for hw in (CPU, split))
+        assert halved.compute_s == pytest.approx(slower * whole.compute_s, rel=1e-12), sizes
+
+
 def test_the_memory_reserve_is_an_option_and_every_prediction_reports_its_margin():
     h100 = known_hardware("H100", gpus_per_node=4)
     default = plan_layouts(gpt(), batch(), 4, h100)

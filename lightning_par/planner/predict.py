@@ -237,7 +237,8 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     host = 0.0
     if sheet.offload:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
-    compute, attention = busiest[5] / hardware.matmul_flops, busiest[6] / hardware.matmul_flops
+    rate = hardware.matmul_rate(layout.tp)  # measured at the matmuls' split shapes where the probe measured it
+    compute, attention = busiest[5] / rate, busiest[6] / rate
     total = {t.kind: 0.0 for t in sheet.transfers}
     hidden = {t.kind: 0.0 for t in sheet.transfers}  # behind any compute
     behind_attention = {t.kind: 0.0 for t in sheet.transfers}  # behind the attention kernels only

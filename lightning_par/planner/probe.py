@@ -77,26 +77,50 @@ def _fit_to_budget(shapes: list[Shape], device: torch.device, dtype: torch.dtype
 def probe_matmul(device: torch.device, dtype: torch.dtype, shapes: Sequence[Shape], seconds: float = 1.0) -> float:
     """Achieved FLOP/s of ``torch.matmul`` at the model's shapes, ``(m x k) @ (k x n)`` each, run in turn for about
     ``seconds`` (warm-up included in the budget, excluded from the figure; accelerator work synchronized)."""
+    return probe_matmul_sets(device, dtype, [shapes], seconds)[0]
+
+
+def probe_matmul_sets(device: torch.device, dtype: torch.dtype, sets: Sequence[Sequence[Shape]],
+                      seconds: float = 1.0) -> list[float]:
+    """``probe_matmul`` of each set of shapes, the sets' rounds interleaved within the one budget, so that each set
+    meets the same machine (a shared CPU's share of it drifts from second to second)."""
     seconds = _check_seconds(seconds)
     device = torch.device(device)
     begin = time.perf_counter()
-    shapes = _fit_to_budget(_check_shapes(shapes), device, dtype, seconds)
+    checked = [_check_shapes(shapes) for shapes in sets]
+    if not checked:
+        raise ValueError("sets=[] leaves nothing to measure: pass one list of (m, k, n) shapes or more.")
+    every = _fit_to_budget([s for shapes in checked for s in shapes], device, dtype, seconds)
+    fitted, start = [], 0
+    for shapes in checked:
+        fitted.append(every[start:start + len(shapes)])
+        start += len(shapes)
     # constant operands: a matmul's speed does not depend on the values, and 1/sqrt(k) keeps fp16 sums finite
-    operands = [(torch.full((m, k), k**-0.5, device=device, dtype=dtype),
-                 torch.full((k, n), k**-0.5, device=device, dtype=dtype)) for m, k, n in shapes]
-    outputs = [torch.matmul(a, b) for a, b in operands]  # warm-up: allocations, library handles, kernel choice
+    operands = [[(torch.full((m, k), k**-0.5, device=device, dtype=dtype),
+                  torch.full((k, n), k**-0.5, device=device, dtype=dtype)) for m, k, n in shapes] for shapes in fitted]
+    outputs = [[torch.matmul(a, b) for a, b in pairs] for pairs in operands]  # warm-up: allocations, kernel choice
     _sync(device)
-    flops_per_round = sum(2 * m * k * n for m, k, n in shapes)
+    flops_per_round = [sum(2 * m * k * n for m, k, n in shapes) for shapes in fitted]
     deadline = begin + seconds
-    rounds, start = 0, time.perf_counter()
+    spent = [0.0] * len(fitted)
+    rounds = 0
     while True:
-        for (a, b), out in zip(operands, outputs):
-            torch.matmul(a, b, out=out)
-        _sync(device)
+        for i, (pairs, outs) in enumerate(zip(operands, outputs)):
+            start = time.perf_counter()
+            for (a, b), out in zip(pairs, outs):
+                torch.matmul(a, b, out=out)
+            _sync(device)
+            spent[i] += time.perf_counter() - start
         rounds += 1
-        now = time.perf_counter()
-        if now >= deadline:
-            return rounds * flops_per_round / (now - start)
+        if time.perf_counter() >= deadline:
+            return [rounds * f / max(t, 1e-9) for f, t in zip(flops_per_round, spent)]
+
+
+def split_for_tp(shapes: Sequence[Shape], tp: int) -> list[Shape]:
+    """The model's matmuls as tensor parallelism of degree ``tp`` leaves them on a rank: each one's larger inner
+    dimension divided by ``tp`` (a column-parallel layer splits its outputs, ``n``; a row-parallel one its inputs,
+    ``k``; the model's up- and down-projections are both the larger side)."""
+    return [(m, k, max(1, n // tp)) if n >= k else (m, max(1, k // tp), n) for m, k, n in shapes]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -259,6 +283,7 @@ def probe_hardware(
     matmul_seconds: float = 1.0,
     comm_seconds: float = 2.0,
     sizes: Sequence[int] | None = None,
+    tp_sizes: Sequence[int] = (),
 ) -> Hardware:
     """The :class:`Hardware` of this machine, measured: the matmul probe on every rank at once (the mean of the
     ranks' figures) and, under ``torch.distributed`` with more than one rank, the collective probe over the ranks
@@ -268,7 +293,9 @@ def probe_hardware(
     call it on every rank. ``gpus_per_node``: the ranks per node (default ``LOCAL_WORLD_SIZE``, else all ranks on
     one node; under ``torch.distributed`` the result says at most the world size). With one node the inter-node
     figures repeat the intra-node ones; with one process both are ``inf`` bandwidth and 0 latency: nothing was
-    measured, so a plan for more devices from one process needs the links from elsewhere (``known_hardware``)."""
+    measured, so a plan for more devices from one process needs the links from elsewhere (``known_hardware``).
+    ``tp_sizes``: also measure the matmuls as tensor parallelism of each of these degrees splits them
+    (``split_for_tp``; ``Hardware.matmul_by_tp``), interleaved with the whole ones in the same budget."""
     device = torch.device(device)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     world = dist.get_world_size() if distributed else 1
@@ -281,17 +308,21 @@ def probe_hardware(
                          "hold the same number of ranks.")
     if distributed:
         dist.barrier()  # all ranks multiply at the same time
-    flops = probe_matmul(device, dtype, shapes, matmul_seconds)
+    degrees = _check_tp_sizes(tp_sizes)
+    rates = probe_matmul_sets(device, dtype, [shapes, *(split_for_tp(shapes, tp) for tp in degrees)], matmul_seconds)
     name = _device_name(device)
     memory = _memory_bytes(device)
     what = f"measured on this machine: matmul {_name(dtype)} at {len(shapes)} shape{'s' if len(shapes) > 1 else ''}"
+    if degrees:
+        what += f" (and split for tp {', '.join(map(str, degrees))})"
     if not distributed:
-        return Hardware(name, flops, memory, gpus_per_node, math.inf, 0.0, math.inf, 0.0,
-                        f"{what}, 1 rank; no communication")
+        return Hardware(name, rates[0], memory, gpus_per_node, math.inf, 0.0, math.inf, 0.0,
+                        f"{what}, 1 rank; no communication", matmul_by_tp=tuple(zip(degrees, rates[1:])))
     # the mean over ranks: what each gets on average. On a shared CPU the ranks' shares of one second differ by up
     # to 7x (4 processes on 2 busy cores, measured), so the minimum would be one rank's unlucky second.
-    mean = torch.tensor([flops / world], dtype=torch.float64, device=device)
+    mean = torch.tensor([r / world for r in rates], dtype=torch.float64, device=device)
     dist.all_reduce(mean)
+    rates = mean.tolist()
     intra, inter = _node_groups(gpus_per_node)
     groups = {"intra": intra} if inter is None else {"intra": intra, "inter": inter}
     per_node = min(gpus_per_node, world)
@@ -304,5 +335,21 @@ def probe_hardware(
     nodes = "one node: inter-node = intra-node" if inter is None else f"{world // gpus_per_node} nodes"
     source = (f"{what}, mean of {world} ranks running at once; all_reduce ring fit over the node and over every "
               f"shape of group within it, {dist.get_backend()} ({nodes})")
-    return Hardware(name, float(mean.item()), memory, per_node, intra_bw, intra_lat, inter_bw,
-                    inter_lat, source, group_links=group_links)
+    return Hardware(name, rates[0], memory, per_node, intra_bw, intra_lat, inter_bw, inter_lat, source,
+                    group_links=group_links, matmul_by_tp=tuple(zip(degrees, rates[1:])))
+
+
+def _check_tp_sizes(tp_sizes: Sequence[int]) -> tuple[int, ...]:
+    ok = isinstance(tp_sizes, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 1
+                                                for t in tp_sizes)
+    if not ok:
+        raise ValueError(f"tp_sizes={tp_sizes!r} must be a list of positive ints (tensor-parallel degrees to "
+                         "measure the split matmuls at), e.g. [2, 4].")
+    return tuple(sorted({t for t in tp_sizes if t > 1}))
+
+
+def tp_degrees(shapes: Sequence[Shape], ranks_per_node: int) -> list[int]:
+    """The tensor-parallel degrees worth probing: every one up to a node (tensor parallelism stays within one) that
+    divides the larger inner dimension of each of the model's matmuls."""
+    return [tp for tp in range(2, ranks_per_node + 1)
+            if ranks_per_node % tp == 0 and all(max(k, n) % tp == 0 for _, k, n in shapes)]

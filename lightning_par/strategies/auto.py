@@ -113,10 +113,12 @@ class AutoParallelStrategy(NDParallelStrategy):
             hardware = known_hardware(self.plan_device, precision=_kind(precision), gpus_per_node=per_node)
         else:
             from lightning_par.costs.profile import profile_model
-            from lightning_par.planner.probe import probe_hardware
+            from lightning_par.planner.probe import probe_hardware, tp_degrees
 
             profile = profile_model(module, batch, block_list=self.block_list, share=(trainer,))
-            hardware = probe_hardware(self.root_device, _dtype(precision), _matmul_shapes(profile), per_node)
+            shapes = _matmul_shapes(profile)
+            hardware = probe_hardware(self.root_device, _dtype(precision), shapes, per_node,
+                                      tp_sizes=tp_degrees(shapes, per_node))
         checkpointing = CHECKPOINTING if self.force_checkpointing is None else (self.force_checkpointing,)
         sequence_parallel = (True, False) if self.force_sequence_parallel is None else (self.force_sequence_parallel,)
         given_reshard = self._options.get("reshard_after_forward")  # the user's choice, else the planner weighs both
