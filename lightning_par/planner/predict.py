@@ -292,8 +292,9 @@ def _busiest_ranks(sheet: CostSheet, matmul_share: float) -> tuple[tuple[float, 
 def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float, ...]]:
     """Per pipeline rank: (parameters, gradients, optimizer state, saved activations, transient activations,
     FLOPs and of them the attention kernels', in time at the hardware's matmul throughput). Ranks holding equal
-    sections (blocks alike in parameters and costs) are worked out once: planning thousands of layouts of an
-    80-layer model asks the same few questions again and again."""
+    sections (blocks alike in parameters and costs) are worked out once, and a layout whose sheet asks what an
+    earlier one's asked gets the same list back: planning thousands of layouts of an 80-layer model asks the same
+    few questions again and again."""
     kinds = _section_kinds(sheet.profile)
     memo = sheet.profile.__dict__.setdefault("_rank_memo", {})  # across layouts: their ranks repeat
     if len(memo) > 200_000:
