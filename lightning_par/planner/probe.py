@@ -91,10 +91,10 @@ def probe_matmul_sets(device: torch.device, dtype: torch.dtype, sets: Sequence[S
     if not checked:
         raise ValueError("sets=[] leaves nothing to measure: pass one list of (m, k, n) shapes or more.")
     every = _fit_to_budget([s for shapes in checked for s in shapes], device, dtype, seconds)
-    fitted, start = [], 0
+    fitted, offset = [], 0
     for shapes in checked:
-        fitted.append(every[start:start + len(shapes)])
-        start += len(shapes)
+        fitted.append(every[offset:offset + len(shapes)])
+        offset += len(shapes)
     # constant operands: a matmul's speed does not depend on the values, and 1/sqrt(k) keeps fp16 sums finite
     operands = [[(torch.full((m, k), k**-0.5, device=device, dtype=dtype),
                   torch.full((k, n), k**-0.5, device=device, dtype=dtype)) for m, k, n in shapes] for shapes in fitted]
@@ -306,9 +306,9 @@ def probe_hardware(
     if world > gpus_per_node and world % gpus_per_node:
         raise ValueError(f"gpus_per_node={gpus_per_node} does not divide the world size {world}: every node must "
                          "hold the same number of ranks.")
+    degrees = _check_tp_sizes(tp_sizes)  # before any collective
     if distributed:
         dist.barrier()  # all ranks multiply at the same time
-    degrees = _check_tp_sizes(tp_sizes)
     rates = probe_matmul_sets(device, dtype, [shapes, *(split_for_tp(shapes, tp) for tp in degrees)], matmul_seconds)
     name = _device_name(device)
     memory = _memory_bytes(device)
@@ -349,7 +349,7 @@ def _check_tp_sizes(tp_sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 def tp_degrees(shapes: Sequence[Shape], ranks_per_node: int) -> list[int]:
-    """The tensor-parallel degrees worth probing: every one up to a node (tensor parallelism stays within one) that
-    divides the larger inner dimension of each of the model's matmuls."""
+    """The tensor-parallel degrees worth probing: every one that divides a node's ranks (tensor parallelism stays
+    within a node) and the larger inner dimension of each of the model's matmuls."""
     return [tp for tp in range(2, ranks_per_node + 1)
             if ranks_per_node % tp == 0 and all(max(k, n) % tp == 0 for _, k, n in shapes)]
