@@ -351,10 +351,9 @@ class Hardware:
 
         groups = "".join(f"; groups of {n} ranks {s} apart {link(b, lat)}" for n, s, b, lat in self.group_links)
         split = "".join(f", {f / 1e12:.4g} at tp {tp}" for tp, f in self.matmul_by_tp)
-        return (f"{self.device}: {self.matmul_flops / 1e12:.4g} TFLOP/s{split}, {memory}, {self.gpus_per_node} per "
-                f"node; "
-                f"intra-node {link(self.intra_bandwidth, self.intra_latency)}{groups}; inter-node "
-                f"{link(self.inter_bandwidth, self.inter_latency)} ({self.source})")
+        return (f"{self.device}: {self.matmul_flops / 1e12:.4g} TFLOP/s{split}, {memory}, "
+                f"{self.gpus_per_node} per node; intra-node {link(self.intra_bandwidth, self.intra_latency)}"
+                f"{groups}; inter-node {link(self.inter_bandwidth, self.inter_latency)} ({self.source})")
 
 
 def known_hardware(

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_par.costs.profile import ModelProfile
-from lightning_par.costs.sheet import CostSheet, Transfer
+from lightning_par.costs.sheet import CostSheet, Transfer, per_cut
 from lightning_par.dims import MESH_DIM_NAMES, ParallelDims
 from lightning_par.techniques import build_recipe
 
@@ -279,33 +279,27 @@ def shares_cores(hardware: Hardware) -> bool:
 def _busiest_ranks(sheet: CostSheet, matmul_share: float) -> tuple[tuple[float, ...], tuple[float, ...], float]:
     """Of the pipeline ranks' ``_rank_costs``: the (parameters, gradients, optimizer state, saved activations) of
     the one that needs the most memory, the costs of the one that computes the most, and the largest transient
-    activations."""
-    ranks = _rank_costs(sheet, matmul_share)
-    memo = sheet.profile.__dict__["_rank_memo"]
-    hit = memo.get(("busiest", id(ranks)))
-    if hit is None or hit[0] is not ranks:
-        hit = memo[("busiest", id(ranks))] = (ranks, (max((r[:4] for r in ranks), key=sum),
-                                                      max(ranks, key=lambda r: r[5]), max(r[4] for r in ranks)))
-    return hit[1]
+    activations; a layout whose sheet asks what an earlier one's asked gets the same answer back."""
+    def reduce() -> tuple[tuple[float, ...], tuple[float, ...], float]:
+        ranks = _rank_costs(sheet, matmul_share)
+        return max((r[:4] for r in ranks), key=sum), max(ranks, key=lambda r: r[5]), max(r[4] for r in ranks)
+
+    return per_cut(sheet, ("busiest ranks", tuple(sheet.inflight), sheet.token_scale, sheet.sequence_scale,
+                           sheet.activation_scale, sheet.tp, sheet.cp, sheet.shard, sheet.sequence_parallel,
+                           sheet.loss_parallel, sheet.checkpointing, sheet.dims.ep, sheet.microbatches,
+                           matmul_share), reduce)
 
 
 def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float, ...]]:
     """Per pipeline rank: (parameters, gradients, optimizer state, saved activations, transient activations,
     FLOPs and of them the attention kernels', in time at the hardware's matmul throughput). Ranks holding equal
-    sections (blocks alike in parameters and costs) are worked out once, and a layout whose sheet asks what an
-    earlier one's asked gets the same list back: planning thousands of layouts of an 80-layer model asks the same
-    few questions again and again."""
+    sections (blocks alike in parameters and costs) are worked out once: planning thousands of layouts of an
+    80-layer model asks the same few questions again and again."""
     kinds = _section_kinds(sheet.profile)
     memo = sheet.profile.__dict__.setdefault("_rank_memo", {})  # across layouts: their ranks repeat
     if len(memo) > 200_000:
         memo.clear()
     scale = sheet.token_scale
-    whole_key = ("ranks", id(sheet.rank_sections), tuple(sheet.inflight), scale, sheet.sequence_scale,
-                 sheet.activation_scale, sheet.tp, sheet.cp, sheet.shard, sheet.sequence_parallel, sheet.loss_parallel,
-                 sheet.checkpointing, sheet.dims.ep, sheet.microbatches, matmul_share)
-    whole = memo.get(whole_key)
-    if whole is not None and whole[0] is sheet.rank_sections:
-        return whole[1]
     # the pipeline's rank sections are shared by every layout of one pipeline shape (``pipeline_shape`` caches
     # them), so their keys are too
     keys_key = ("keys", id(sheet.rank_sections))
@@ -334,7 +328,6 @@ def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float
         (params, grads, optimizer), (kept, transient), (flops, attention) = costs[key]
         inflight = sheet.inflight[rank] if sheet.inflight else 1.0  # micro-batches whose activations it holds
         out.append((params, grads, optimizer, kept * inflight, transient, flops, attention))
-    memo[whole_key] = (sheet.rank_sections, out)
     return out
 
 
