@@ -69,7 +69,6 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 
-WORLD = 4
 SEED = 0
 PICK_TOLERANCE = 1.15  # the goal: the planner's first layout measures within this factor of the fastest
 
@@ -96,6 +95,17 @@ WANTED: list[tuple[str, dict[str, Any]]] = [
     ("pp2_dp2_once", dict(pp=2, dp_shard=2, pp_schedule="1f1b", pp_microbatches=2, accumulate_unsharded=True)),
     ("pp2_tp2", dict(pp=2, tp=2, pp_schedule="1f1b", pp_microbatches=4)),
 ]
+#: the layouts one device can run (the GPU half, ``--device cuda --world 1``): memory against time
+WANTED_ONE: list[tuple[str, dict[str, Any]]] = [
+    ("single", {}),
+    ("single_ac", dict(activation_checkpointing=True)),
+    ("single_sac", dict(activation_checkpointing="selective")),
+    ("single_accumulate2", dict(accumulate_grad_batches=2)),
+]
+
+
+def wanted(world: int) -> list[tuple[str, dict[str, Any]]]:
+    return WANTED_ONE if world == 1 else WANTED
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -130,12 +140,15 @@ def profile(cfg: dict[str, Any], model: str) -> Any:
 
 
 def plans(cfg: dict[str, Any], prof: Any, hardware: Any) -> tuple[Any, Any]:
-    """(the whole ranking, the ranking under the memory budget)."""
+    """(the whole ranking, the ranking under the memory budget; at world 1, where no layout shards the model
+    state, the whole ranking again)."""
     from lightning_par.planner.search import plan_layouts
 
-    full = plan_layouts(prof, None, WORLD, hardware)
+    full = plan_layouts(prof, None, cfg["world"], hardware, precision=cfg["precision"])
+    if cfg["world"] == 1:
+        return full, full
     budget = cfg["budget_fraction"] * full_replica_state(prof)
-    return full, plan_layouts(prof, None, WORLD, hardware, memory_budget=budget)
+    return full, plan_layouts(prof, None, cfg["world"], hardware, precision=cfg["precision"], memory_budget=budget)
 
 
 def full_replica_state(prof: Any) -> float:
@@ -144,12 +157,12 @@ def full_replica_state(prof: Any) -> float:
     return prof.param_bytes() + prof.param_bytes(trainable_only=True) + trainable * prof.optimizer_bytes_per_element
 
 
-def layouts_to_measure(full: Any, budgeted: Any, keys: list[str]) -> dict[str, Any]:
-    """``WANTED`` as the planner enumerates them (its flags), then its two picks unless already there."""
+def layouts_to_measure(full: Any, budgeted: Any, keys: list[str], world: int) -> dict[str, Any]:
+    """``wanted(world)`` as the planner enumerates them (its flags), then its two picks unless already there."""
     from lightning_par.planner.predict import Layout
 
     out: dict[str, Any] = {}
-    for key, fields in WANTED:
+    for key, fields in wanted(world):
         if key not in keys:
             continue
         listed = [p.layout for p in full.predictions
@@ -187,7 +200,9 @@ def run_one(cfg: dict[str, Any], model: str, layout: Any, yield_turn: Callable[[
     # checkpointing keeps what autograd's hooks do not see (the generator's state, selective checkpointing's cache):
     # there the activations are all that the forward left alive until backward
     live = bool(layout.activation_checkpointing) and layout.pp == 1
-    timer, probe = step_timer(), probe_callback(probe_step, live=live)
+    cuda = cfg["device"] == "cuda"
+    timer, probe = step_timer(cuda=cuda), probe_callback(probe_step, live=live)
+    device_peak = device_peak_callback()
 
     class HandOn(Callback):
         """Last in the list: after the timer and the probe, the next layout's step runs."""
@@ -198,9 +213,10 @@ def run_one(cfg: dict[str, Any], model: str, layout: Any, yield_turn: Callable[[
 
     kwargs = layout.strategy_kwargs()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD, strategy=NDParallelStrategy(**kwargs), max_steps=total_steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0, callbacks=[timer, probe, HandOn()], **layout.trainer_kwargs(),
+        accelerator=cfg["device"], devices=cfg["world"], strategy=NDParallelStrategy(**kwargs), max_steps=total_steps,
+        precision=cfg["precision"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[timer, probe, *([device_peak] if cuda else []), HandOn()], **layout.trainer_kwargs(),
     )
     torch.manual_seed(SEED)
     module = build_module(cfg, model, total_steps)
@@ -209,7 +225,35 @@ def run_one(cfg: dict[str, Any], model: str, layout: Any, yield_turn: Callable[[
     trainer.fit(module, loader)
     steps = [sum(timer.times[i:i + micro]) for i in range(0, len(timer.times) - micro + 1, micro)]
     return {"step_times_s": steps, "activation_bytes": probe.live_bytes if live else probe.activation_bytes,
-            "state_bytes": probe.state}
+            "state_bytes": probe.state, **(device_memory(device_peak) if cuda else {})}
+
+
+def device_peak_callback() -> Any:
+    """A callback keeping the most device memory in use (``cudaMemGetInfo``: the caching allocator's reserve, the
+    CUDA context, cuBLAS and NCCL workspaces, anything else on the GPU) at the end of any batch. Read during the
+    fit: its end empties the allocator's cache."""
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    class _DevicePeak(Callback):
+        used, total = 0, 0
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            free, self.total = torch.cuda.mem_get_info()
+            self.used = max(self.used, self.total - free)
+
+    return _DevicePeak()
+
+
+def device_memory(peak: Any) -> dict[str, int]:
+    """What the CUDA caching allocator held at its peak since the last reset (the bytes tensors used: allocated;
+    the bytes it took from the driver: reserved, allocated + its cached free blocks) and the device's peak in use
+    (``peak``: a :func:`device_peak_callback`): the planner's memory reserve is the gap between allocated and in use."""
+    import torch
+
+    return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "device_used_bytes": peak.used,
+            "device_total_bytes": peak.total}
 
 
 def worker(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -219,31 +263,41 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from lightning_par.planner.probe import probe_hardware, tp_degrees
-    from lightning_par.strategies.auto import _matmul_shapes  # the probe's shapes, as AutoParallelStrategy takes them
+    from lightning_par.strategies.auto import _dtype, _matmul_shapes  # as AutoParallelStrategy takes them
 
-    dist.init_process_group("gloo")
+    cuda = cfg["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    world = cfg["world"]
     out: dict[str, Any] = {"rank": dist.get_rank(), "models": {}}
     try:
         for model in cfg["models"]:
             prof = profile(cfg, model)
             t0 = time.perf_counter()
             shapes = _matmul_shapes(prof)
-            hardware = probe_hardware(torch.device("cpu"), torch.float32, shapes, WORLD,
-                                      tp_sizes=tp_degrees(shapes, WORLD))
+            # on one GPU the split matmuls are measured as an 8-GPU node's tensor parallelism would split them
+            hardware = probe_hardware(torch.device(cfg["device"]), _dtype(cfg["precision"]), shapes, world,
+                                      tp_sizes=tp_degrees(shapes, 8 if cuda else world))
             probe_s = time.perf_counter() - t0
             box = [None]
             if dist.get_rank() == 0:
-                box = [layouts_to_measure(*plans(cfg, prof, hardware), cfg["layouts"])]
+                box = [layouts_to_measure(*plans(cfg, prof, hardware), cfg["layouts"], world)]
             dist.broadcast_object_list(box, src=0)
             layouts = box[0]
             runs: dict[str, list[dict[str, Any]]] = {key: [] for key in layouts}
             for rnd in range(cfg["rounds"]):
                 order = list(layouts) if rnd % 2 == 0 else list(layouts)[::-1]
-                gc.collect()
-                dist.barrier()  # start the round together
-                outcome = Lockstep(order).run({key: partial(run_one, cfg, model, layouts[key]) for key in order})
-                for key in order:
-                    runs[key].append(outcome[key])
+                # a GPU runs one layout at a time (its memory peaks are then each layout's own; nothing shares it)
+                for group in ([[key] for key in order] if cuda else [order]):
+                    gc.collect()
+                    if cuda:
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats()
+                    dist.barrier()  # start the round together
+                    outcome = Lockstep(group).run({key: partial(run_one, cfg, model, layouts[key]) for key in group})
+                    for key in group:
+                        runs[key].append(outcome[key])
             out["models"][model] = {"hardware": hardware, "probe_s": probe_s, "layouts": layouts, "runs": runs}
     finally:
         dist.destroy_process_group()
@@ -291,25 +345,30 @@ def compare_model(cfg: dict[str, Any], model: str, per_rank: list[dict[str, Any]
     t = {k: r["measured"]["time"]["median_s"] for k, r in rows.items()}
     fastest = min(t, key=t.get)
     pick = next(k for k in rows if layouts[k] == full.best.layout)
-    fitting = [k for k in rows if rows[k]["fits_budget_predicted"]]
-    budget_pick = next(k for k in rows if layouts[k] == budgeted.best.layout)
-    fastest_fitting = min(fitting, key=t.get) if fitting else None
     return {
-        "model": model, "profile": {"name": prof.name, "params": sum(p.numel for p in prof.params),
-                                    "tokens": prof.tokens},
+        "model": model, "world": cfg["world"],
+        "profile": {"name": prof.name, "params": sum(p.numel for p in prof.params), "tokens": prof.tokens},
         "hardware": vars(hardware), "probe_s": first["probe_s"], "layouts": rows,
         "spearman_step_time": spearman([rows[k]["predicted"]["step_s"] for k in rows], [t[k] for k in rows]),
         "pick": {"key": pick, "layout": str(full.best.layout), "fastest": fastest,
                  "ratio_to_fastest": t[pick] / t[fastest]},
-        "budget": {"bytes": budget, "full_replica_state_bytes": full_replica_state(prof),
-                   "fitting_predicted": fitting,
-                   "fitting_measured_over_budget": [k for k in fitting
-                                                    if (rows[k]["measured"]["peak_bytes"] or 0) > budget],
-                   "fitting_not_counted": [k for k in fitting if rows[k]["measured"]["peak_bytes"] is None],
-                   "pick": budget_pick, "pick_layout": str(budgeted.best.layout), "fastest_fitting": fastest_fitting,
-                   "ratio_to_fastest_fitting": t[budget_pick] / t[fastest_fitting] if fastest_fitting else None},
+        "budget": None if cfg["world"] == 1 else budget_summary(prof, rows, layouts, budgeted, t),
         "plan_top": [{"layout": str(p.layout), "step_s": p.step_s, "fits": p.fits} for p in full.predictions[:10]],
     }
+
+
+def budget_summary(prof: Any, rows: dict[str, Any], layouts: dict[str, Any], budgeted: Any,
+                   t: dict[str, float]) -> dict[str, Any]:
+    """The budget run: which measured layouts the planner calls fitting, which of them measured over it, its pick."""
+    budget = budgeted.best.budget
+    fitting = [k for k in rows if rows[k]["fits_budget_predicted"]]
+    budget_pick = next(k for k in rows if layouts[k] == budgeted.best.layout)
+    fastest_fitting = min(fitting, key=t.get) if fitting else None
+    return {"bytes": budget, "full_replica_state_bytes": full_replica_state(prof), "fitting_predicted": fitting,
+            "fitting_measured_over_budget": [k for k in fitting if (rows[k]["measured"]["peak_bytes"] or 0) > budget],
+            "fitting_not_counted": [k for k in fitting if rows[k]["measured"]["peak_bytes"] is None],
+            "pick": budget_pick, "pick_layout": str(budgeted.best.layout), "fastest_fitting": fastest_fitting,
+            "ratio_to_fastest_fitting": t[budget_pick] / t[fastest_fitting] if fastest_fitting else None}
 
 
 def compare_layout(cfg: dict[str, Any], prof: Any, hardware: Any, budget: float, layout: Any,
@@ -323,9 +382,10 @@ def compare_layout(cfg: dict[str, Any], prof: Any, hardware: Any, budget: float,
     acts = [r[-1]["activation_bytes"] for r in runs]
     counted = None not in acts
     batch = cfg["global_batch"] // layout.dp
-    p = predict(layout, prof, hardware, batch, cfg["seq_len"])
+    p = predict(layout, prof, hardware, batch, cfg["seq_len"], cfg["precision"])
     timing = summarize([t for rnd in slowest for t in rnd[lo:hi]])
     return {
+        "device_memory": device_memory_row(p, runs) if "peak_allocated_bytes" in runs[0][-1] else None,
         "layout": str(layout), "strategy_kwargs": layout.strategy_kwargs(),
         "measured": {"state_bytes": max(states), "activation_bytes": max(acts) if counted else None,
                      "peak_bytes": max(s + a for s, a in zip(states, acts)) if counted else None, "time": timing,
@@ -335,8 +395,88 @@ def compare_layout(cfg: dict[str, Any], prof: Any, hardware: Any, budget: float,
         "ratio": {"state": p.model_state / max(states),
                   "activations": p.activations / max(acts) if counted else None,
                   "step": p.step_s / timing["median_s"]},
-        "fits_budget_predicted": predict(layout, prof, hardware, batch, cfg["seq_len"], memory_budget=budget).fits,
+        "fits_budget_predicted": predict(layout, prof, hardware, batch, cfg["seq_len"], cfg["precision"],
+                                         memory_budget=budget).fits,
     }
+
+
+def device_memory_row(p: Any, runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """A GPU layout's memory (its last round on rank 0; world 1): what the planner predicts against what tensors
+    took at their peak, and what the device held beyond that: the caching allocator's cached free blocks
+    (reserved - allocated) and what lies outside the allocator (the CUDA context, cuBLAS and NCCL workspaces)."""
+    m = runs[0][-1]
+    allocated, reserved, used = m["peak_allocated_bytes"], m["peak_reserved_bytes"], m["device_used_bytes"]
+    return {"predicted_bytes": p.memory, "peak_allocated_bytes": allocated, "peak_reserved_bytes": reserved,
+            "device_used_bytes": used, "device_total_bytes": m["device_total_bytes"],
+            "predicted_over_allocated": p.memory / allocated,
+            "cached_free_over_allocated": (reserved - allocated) / allocated,
+            "outside_allocator_bytes": used - reserved,
+            "reserve_needed_share_of_device": (used - allocated) / m["device_total_bytes"]}
+
+
+#: published dense models' matmuls for ``--gemm-curve``: (hidden, MLP width, heads, key/value heads, gated MLP).
+#: Llama 3: "The Llama 3 Herd of Models" (arXiv:2407.21783) table 3; GPT-3 175B: arXiv:2005.14165 table 2.1.
+CURVE_MODELS: dict[str, tuple[int, int, int, int, bool]] = {
+    "Llama 3 8B": (4096, 14336, 32, 8, True),
+    "Llama 3 70B": (8192, 28672, 64, 8, True),
+    "GPT-3 175B": (12288, 49152, 96, 96, False),
+    "Llama 3 405B": (16384, 53248, 128, 8, True),
+}
+CURVE_TOKENS = (2048, 8192)  # a micro-batch's tokens per rank: m (context parallelism and micro-batches cut it)
+CURVE_TP = (1, 2, 4, 8)
+
+
+def block_matmuls(hidden: int, mlp: int, heads: int, kv_heads: int, gated: bool, tokens: int) -> list[tuple[int, ...]]:
+    """One transformer block's forward matmuls as Megatron fuses them: qkv, the attention output, the MLP's input
+    (gate and up together when gated) and output projections, ``(m, k, n)``."""
+    head_dim = hidden // heads
+    return [(tokens, hidden, hidden + 2 * kv_heads * head_dim), (tokens, hidden, hidden),
+            (tokens, hidden, (2 if gated else 1) * mlp), (tokens, mlp, hidden)]
+
+
+def gemm_curve(precision: str, device: str = "cuda") -> dict[str, Any]:
+    """The achieved matmul rate of published models' blocks on this device, whole and split as tensor parallelism
+    splits them (``split_for_tp``), at two token counts: what the device table's shape efficiency is read from.
+    Each (model, tokens, tp) is timed by ``probe_matmul`` with a budget that keeps every shape whole on an H100
+    (a 405B MLP matmul at 8,192 tokens is 2.9e13 FLOP, 40 ms)."""
+    import torch
+
+    from lightning_par.devices import lookup_peak_flops, precision_kind
+    from lightning_par.planner.probe import _device_name, probe_matmul, split_for_tp
+    from lightning_par.strategies.auto import _dtype
+
+    name = _device_name(torch.device(device))
+    peak = lookup_peak_flops(name, precision_kind(precision) or "bf16")
+    rows = []
+    for model, dims in CURVE_MODELS.items():
+        for tokens in CURVE_TOKENS:
+            for tp in CURVE_TP:
+                shapes = split_for_tp(block_matmuls(*dims, tokens), tp)
+                # a budget over 20 times the largest matmul, so that probe_matmul cuts no shape's m (its rule)
+                seconds = 0.6 if tokens <= 2048 else 1.5
+                rate = probe_matmul(torch.device(device), _dtype(precision), shapes, seconds=seconds)
+                rows.append({"model": model, "tokens": tokens, "tp": tp, "shapes": shapes, "flops": rate,
+                             "of_peak": rate / peak if peak else None})
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    return {"device": name, "precision": precision, "peak_flops": peak, "rows": rows}
+
+
+def curve_report(curve: dict[str, Any]) -> str:
+    headers = ["model", "tokens (m)", *(f"tp{t} TFLOP/s (of peak)" for t in CURVE_TP)]
+    rows = []
+    for model in CURVE_MODELS:
+        for tokens in CURVE_TOKENS:
+            got = {r["tp"]: r for r in curve["rows"] if r["model"] == model and r["tokens"] == tokens}
+            rows.append([model, tokens, *(f"{got[t]['flops'] / 1e12:.0f} ({got[t]['of_peak'] or 0:.2f})"
+                                          for t in CURVE_TP)])
+    title = (f"Matmul rate of published blocks on {curve['device']} ({curve['precision']}, peak "
+             f"{(curve['peak_flops'] or 0) / 1e12:.0f} TFLOP/s), whole and split for tp:")
+    return title + "\n" + format_table(headers, rows)
+
+
+def where(cfg: dict[str, Any], hw: dict[str, Any]) -> str:
+    return "CPU, gloo" if cfg["device"] == "cpu" else f"{hw['device']}, NCCL"
 
 
 def mib(n: float | None) -> str:
@@ -359,14 +499,22 @@ def report(res: dict[str, Any]) -> str:
                      r["plan_rank"] or "-", "yes" if r["fits_budget_predicted"] else "no", mib(m["peak_bytes"])])
     headers = ["layout (fastest measured first)", "state MiB pred", "meas", "ratio", "act MiB pred", "meas", "ratio",
                "step ms pred", "meas", "p25-p75", "ratio", "plan #", "fits budget", "meas peak MiB"]
-    b, pick = res["budget"], res["pick"]
-    over, within = b["fitting_measured_over_budget"], pick["ratio_to_fastest"] <= PICK_TOLERANCE
-    fastest_fitting = res["layouts"][b["fastest_fitting"]]["layout"] if b["fastest_fitting"] else None
-    return "\n".join([
+    pick = res["pick"]
+    within = pick["ratio_to_fastest"] <= PICK_TOLERANCE
+    lines = [
         format_table(headers, rows),
+        *([memory_report(res)] if any(r["device_memory"] for r in res["layouts"].values()) else []),
         f"Spearman(predicted, measured step time) over {len(rows)} layouts: {res['spearman_step_time']:.3f}",
         f"planner's first: {pick['layout']}, measured {pick['ratio_to_fastest']:.3f}x the fastest "
         f"({res['layouts'][pick['fastest']]['layout']}): {'within' if within else 'NOT within'} {PICK_TOLERANCE}x",
+    ]
+    b = res["budget"]
+    if b is None:  # one device: no layout shards the model state, so no budget run
+        return "\n".join(lines)
+    over = b["fitting_measured_over_budget"]
+    fastest_fitting = res["layouts"][b["fastest_fitting"]]["layout"] if b["fastest_fitting"] else None
+    return "\n".join([
+        *lines,
         f"budget {mib(b['bytes'])} MiB ({b['bytes'] / b['full_replica_state_bytes']:.2f} of a full replica's model "
         f"state, {mib(b['full_replica_state_bytes'])} MiB): {len(b['fitting_predicted'])} measured layouts called "
         f"fitting, {len(over)} of them measured over it{' (' + ', '.join(over) + ')' if over else ''}"
@@ -374,6 +522,22 @@ def report(res: dict[str, Any]) -> str:
         f"{b['pick_layout']}, measured "
         + (f"{b['ratio_to_fastest_fitting']:.3f}x the fastest fitting ({fastest_fitting})" if fastest_fitting else "-"),
     ])
+
+
+def memory_report(res: dict[str, Any]) -> str:
+    """The device's memory per layout (GPU): predicted, allocated, reserved, in use, and the planner's reserve."""
+    rows = []
+    for r in res["layouts"].values():
+        d = r["device_memory"]
+        rows.append([r["layout"], mib(d["predicted_bytes"]), mib(d["peak_allocated_bytes"]),
+                     f"{d['predicted_over_allocated']:.3f}", mib(d["peak_reserved_bytes"]),
+                     f"{d['cached_free_over_allocated']:.3f}", mib(d["outside_allocator_bytes"]),
+                     mib(d["device_used_bytes"]), f"{d['reserve_needed_share_of_device']:.4f}"])
+    headers = ["layout", "predicted MiB", "peak allocated", "ratio", "peak reserved", "cached/allocated",
+               "outside allocator", "device used", "(used - allocated) / device"]
+    title = ("Device memory (CUDA caching allocator, peaks over the fit; 'device used': cudaMemGetInfo's most at a "
+             "batch end):")
+    return title + "\n" + format_table(headers, rows)
 
 
 def plan_published(cases: list[Any], title: str = "published case") -> tuple[str, list[dict[str, Any]]]:
@@ -403,8 +567,17 @@ def published_report() -> tuple[str, list[dict[str, Any]]]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="gpt,llama", help="comma-separated, of gpt, llama")
-    p.add_argument("--layouts", default=",".join(k for k, _ in WANTED),
-                   help=f"comma-separated, of {', '.join(k for k, _ in WANTED)} (the planner's picks are added)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu (gloo, world 4) or cuda (NCCL; one GPU: --world 1)")
+    p.add_argument("--world", type=int, default=4, help="processes: 4, or 1 (one device; the GPU half)")
+    p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    p.add_argument("--layouts", default=None,
+                   help=f"comma-separated, of {', '.join(k for k, _ in WANTED)} at world 4, of "
+                        f"{', '.join(k for k, _ in WANTED_ONE)} at world 1 (default all; the planner's picks are "
+                        f"added)")
+    p.add_argument("--gemm-curve", action="store_true",
+                   help="also time published models' matmuls, whole and split for tp 2, 4, 8 (the device table's "
+                        "shape efficiency; meant for --device cuda)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per layout and round")
     p.add_argument("--warmup", type=int, default=3, help="steps per fit left out of the timing")
     p.add_argument("--rounds", type=int, default=2, help="repetitions of all layouts (odd rounds reversed)")
@@ -426,10 +599,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
     if not args.model_list or set(args.model_list) - {"gpt", "llama"}:
         p.error(f"--models={args.models!r}: choose from gpt, llama")
-    args.layout_list = [k.strip() for k in args.layouts.split(",") if k.strip()]
-    unknown = set(args.layout_list) - {k for k, _ in WANTED}
+    if args.world not in (1, 4):
+        p.error(f"--world={args.world}: the layouts are written for world 4 (CPU) or 1 (one device)")
+    if args.device == "cuda" and args.world != 1:
+        p.error(f"--device cuda --world {args.world}: one GPU is what this half is for; pass --world 1")
+    known = [k for k, _ in wanted(args.world)]
+    args.layout_list = known if args.layouts is None else [k.strip() for k in args.layouts.split(",") if k.strip()]
+    unknown = set(args.layout_list) - set(known)
     if unknown:
-        p.error(f"--layouts={args.layouts!r}: unknown {sorted(unknown)}")
+        p.error(f"--layouts={args.layouts!r}: unknown at world {args.world}: {sorted(unknown)}; choose from {known}")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         p.error("--steps and --rounds must be >= 1, --warmup >= 0")
     if not 0 < args.budget_fraction < 1:
@@ -439,19 +617,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)")
     cfg = {"models": args.model_list, "layouts": args.layout_list, **{k: getattr(args, k) for k in (
-        "steps", "warmup", "rounds", "global_batch", "n_layer", "n_embd", "n_head", "llama_intermediate", "seq_len",
-        "vocab_size", "budget_fraction")}}
+        "device", "world", "precision", "steps", "warmup", "rounds", "global_batch", "n_layer", "n_embd", "n_head",
+        "llama_intermediate", "seq_len", "vocab_size", "budget_fraction")}}
     meta = run_metadata()
     start = time.perf_counter()
     raw = Path(args.out).with_suffix(".raw.pkl")
     if args.replay:
         cfg, per_rank = pickle.loads(Path(args.replay).read_bytes())
+        for key, default in (("device", "cpu"), ("world", 4), ("precision", "32-true")):  # older measurements
+            cfg.setdefault(key, default)
         print(f"replaying the measurements of {args.replay}")
     else:
-        print(f"launching {WORLD} processes: {len(cfg['models'])} models x {len(cfg['layouts'])}+ layouts x "
+        print(f"launching {cfg['world']} process(es): {len(cfg['models'])} models x {len(cfg['layouts'])}+ layouts x "
               f"{args.rounds} rounds ...", flush=True)
-        per_rank = launch(WORLD, worker, cfg, timeout=args.timeout)
+        per_rank = launch(cfg["world"], worker, cfg, timeout=args.timeout)
         raw.parent.mkdir(parents=True, exist_ok=True)
         raw.write_bytes(pickle.dumps((cfg, per_rank)))
     launch_s = time.perf_counter() - start
@@ -461,22 +646,30 @@ def main(argv: list[str] | None = None) -> None:
         results[model] = res
         hw = res["hardware"]
         print(f"\n{res['profile']['name']}: {cfg['n_layer']} layers x {cfg['n_embd']} wide, "
-              f"{res['profile']['params']:,} parameters (fp32, AdamW), global batch {cfg['global_batch']} x "
-              f"{cfg['seq_len']} tokens; world {WORLD}, CPU, gloo. Probed in {res['probe_s']:.1f} s: "
+              f"{res['profile']['params']:,} parameters ({cfg['precision']}, AdamW), global batch "
+              f"{cfg['global_batch']} x {cfg['seq_len']} tokens; world {cfg['world']}, {where(cfg, hw)}. Probed in "
+              f"{res['probe_s']:.1f} s: "
               f"{hw['matmul_flops'] / 1e9:.2f} GFLOP/s per rank, all-reduce {hw['intra_bandwidth'] / 1e9:.3f} GB/s, "
-              f"{hw['intra_latency'] * 1e6:.0f} us/hop")
+              f"{hw['intra_latency'] * 1e6:.0f} us/hop; split for tp: "
+              + (", ".join(f"tp{t} {f / hw['matmul_flops']:.2f}" for t, f in hw["matmul_by_tp"]) or "-"))
         print(report(res))
     published: list[dict[str, Any]] = []
     if not args.no_published:
         text, published = published_report()
         print("\nPublished results, planned from the device table (tests/test_planner_published.py):")
         print(text)
+    curve = None
+    if args.gemm_curve:
+        curve = gemm_curve(cfg["precision"])
+        print("\n" + curve_report(curve))
     total_s = time.perf_counter() - start
-    print(f"\nNote: {NOISE_NOTE} 4 ranks share {meta['cpu_count']} cores here.")
-    meta.update(load_average_end=os.getloadavg() if hasattr(os, "getloadavg") else None, device="cpu",
-                backend="gloo", threads_per_rank=1, world_size=WORLD, total_wall_s=total_s, launch_wall_s=launch_s)
+    if cfg["device"] == "cpu":
+        print(f"\nNote: {NOISE_NOTE} {cfg['world']} rank(s) share {meta['cpu_count']} cores here.")
+    meta.update(load_average_end=os.getloadavg() if hasattr(os, "getloadavg") else None, device=cfg["device"],
+                backend="gloo" if cfg["device"] == "cpu" else "nccl", world_size=cfg["world"], total_wall_s=total_s,
+                launch_wall_s=launch_s, **({"threads_per_rank": 1} if cfg["device"] == "cpu" else {}))
     out = write_json(args.out, {"benchmark": "planner", "args": vars(args), "metadata": meta, "results": results,
-                                "published": published})
+                                "published": published, "gemm_curve": curve})
     print(f"Total {total_s:.0f} s; results written to {out}" + ("" if args.replay else f" (measurements: {raw})"))
 
 
