@@ -116,6 +116,12 @@ def fit16(strategy: Any, devices: int, dp_size: int, plugin: Any = None, inject:
         accumulate_grad_batches=accumulate_grad_batches,
     )
     model = module_cls(**{**TINY_GPT, **model_overrides})
+    if accelerator == "cuda":
+        # Lightning's own strategies run configure_model on the GPU (its CUDA generator draws the initial weights),
+        # lightning_par's on the CPU, as Lightning's ModelParallelStrategy (no GPU ever holds the whole model before
+        # it is sharded): built here, both start from the same weights (found on the first GPU run: the losses
+        # differed from the first step)
+        model.configure_model()
     data = token_dataset()
     if reference:
         loader = DataLoader(data, batch_size=GLOBAL_BATCH,

@@ -338,6 +338,28 @@ def test_the_monitors_counter_sees_what_the_capacity_dropped():
         count_dropped_choices(dropless.experts, torch.zeros(3))
 
 
+def test_grouped_experts_run_in_the_autocast_dtype_like_every_other_matmul():
+    """torch's autocast has no rule for the grouped matmul: without the example's cast, bf16-mixed ran the experts,
+    most of an MoE model's FLOPs, in fp32 (found reading the GPU benchmark's path)."""
+    import torch.nn.functional as F
+
+    from example_projects.gpt.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 16, 32)
+    x, counts = torch.randn(12, 16), torch.tensor([5, 0, 4, 3])
+    offsets = counts.cumsum(0).to(torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = experts(x, counts)
+        assert F.grouped_mm(x, experts.w_up, offs=offsets).dtype == torch.float32  # torch's own: no cast
+    bf = [w.detach().to(torch.bfloat16) for w in (experts.w_gate, experts.w_up, experts.w_down)]
+    xb = x.to(torch.bfloat16)
+    expected = F.grouped_mm(F.silu(F.grouped_mm(xb, bf[0], offs=offsets)) * F.grouped_mm(xb, bf[1], offs=offsets),
+                            bf[2], offs=offsets)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    assert experts(x, counts).dtype == torch.float32  # no autocast: fp32 as before
+
+
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_capacity_keeps_each_experts_heaviest_or_earliest_choices_per_sequence(policy):
     """Against a plain loop over sequences and experts."""

@@ -150,7 +150,12 @@ def test_nvml_busy_percentage_tells_a_busy_gpu_from_an_idle_one(busy, idle):
              for name, run in (("busy", busy), ("idle", idle))}
     assert min(power["busy"]) > max(power["idle"]), power
     if any(n in torch.cuda.get_device_name() for n in ("H100", "H200")):  # Hopper has GPM
-        assert min(v for s, v in busy["metrics"]["gpu/sm_active_pct/max"].items() if s >= 30) >= 50
+        # the share of SMs busy over the logging interval: a fixed floor (50 %) failed on an H200 (16.8 % at one
+        # interval of the busy run, 2026-11-26); what must hold is that the busy run's SMs are busier than the idle
+        # run's at every interval
+        sm = {name: [v for s, v in run["metrics"]["gpu/sm_active_pct/max"].items() if s >= 30]
+              for name, run in (("busy", busy), ("idle", idle))}
+        assert sm["busy"] and min(sm["busy"]) > max(sm["idle"]), sm
 
 
 def test_memory_monitor_agrees_with_cuda_mem_get_info(busy):
@@ -235,8 +240,9 @@ def test_cp_math_path_is_exact_on_gpu(cp_kernels):
 
 def test_cp_fused_kernel_matches_the_math_path(cp_kernels):
     """Half of what decides ``parallel/context.py``'s ``USE_FUSED_CUDA_KERNELS``: the memory-efficient SDPA kernel
-    per block (its log-sum-exp merged across blocks, its backward fed the merged lse) must be as exact as the math
-    path in every case. The other half, its speed, is measured, not asserted: ``cp_kernels["seconds"]`` (printed by
+    per block (its log-sum-exp merged across blocks) must be as exact as the math path in every case. Its backward,
+    fed the merged lse, was not (dq, dk wrong, NaN for causal blocks; H200, torch 2.11): the backward stays on the
+    math path. The other half, the speed, is measured, not asserted: ``cp_kernels["seconds"]`` (printed by
     benchmarks/bench_context.py on a GPU). Both holding on a GPU: set it True."""
     for case, err in cp_kernels["fused"].items():
         assert err <= max(CP_TOL[case.split("/")[0]], 2 * cp_kernels["math"][case]), (case, err)

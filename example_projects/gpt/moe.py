@@ -152,6 +152,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     (no values exist to be wrong; gathering a weight per row would save rows x in x out)."""
     if x.is_meta:
         return x @ w[0]
+    x, w = autocast_operands(x, w)
     # torch.compile traces the grouped matmul with its meta kernel, which takes only bf16 (torch 2.13): other dtypes
     # take the loop there
     traceable = x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
@@ -159,6 +160,17 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
         return F.grouped_mm(x, w, offs=offsets)
     starts = [0, *offsets.tolist()]
     return torch.cat([x[starts[e]:starts[e + 1]] @ w[e] for e in range(w.shape[0])]) if w.shape[0] else x
+
+
+def autocast_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under autocast (Lightning's ``bf16-mixed`` and ``16-mixed``), the operands in its dtype, as autocast casts a
+    matmul's: torch's autocast has no rule for the grouped matmul (torch 2.11-2.13), so the experts, most of an MoE
+    model's FLOPs, would otherwise run in fp32 while every other matmul runs in bf16."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return x, w
+    dtype = torch.get_autocast_dtype(kind)
+    return x.to(dtype), w.to(dtype)
 
 
 def check_capacity(capacity_factor: float | None, drop_policy: str) -> None:

@@ -11,8 +11,10 @@ the exact attention over the whole sequence. Two ways to move K/V, same block ma
   again and reduce-scatters dK/dV to their owners.
 
 Plain torch.distributed (gloo and NCCL), no Lightning. On CPU each block is plain matmuls in fp32 (fp64 for fp64
-inputs); on CUDA it can call torch's fused memory-efficient SDPA kernel, which returns the lse we need (opt-in,
-``USE_FUSED_CUDA_KERNELS``: not yet validated on a GPU).
+inputs); on CUDA each block's forward can call torch's fused memory-efficient SDPA kernel, which returns the lse we
+need (opt-in, ``USE_FUSED_CUDA_KERNELS``). The backward stays on the plain matmuls: that kernel's backward, given
+a block's share of the merged out and lse, returned wrong dq and dk (NaN for causal blocks) on an H200 with torch
+2.11, while its dv and the fused forward were exact (2026-11-26, tests/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -173,22 +175,17 @@ def _block_backward(
     """
     kv_heads = k.size(1)
     k, v = _expand_kv(k, v, q.size(1))
-    if _fused(q) and visible is None and dlse is None:
-        seed = torch.empty(0, dtype=torch.int64, device=q.device)  # dropout is 0: the philox state is unused
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse.contiguous(), seed, seed, 0.0, [True, True, True, False], causal, scale=scale
-        )
-        dq, dk, dv = dq.float(), dk.float(), dv.float()
-    else:
-        p = torch.exp(_scores(q, k, scale, causal, visible) - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
-        do = dout.to(p.dtype)
-        dv = p.transpose(-2, -1) @ do
-        # d(scores) = P * (dP - rowsum(dO * O)): rowsum(P * dP) over ALL blocks equals rowsum(dO * O).
-        delta = (do * out.to(p.dtype)).sum(-1, keepdim=True)
-        if dlse is not None:
-            delta = delta - dlse.to(p.dtype).unsqueeze(-1)
-        ds = p * (do @ v.to(p.dtype).transpose(-2, -1) - delta) * scale
-        dq, dk = ds @ k.to(p.dtype), ds.transpose(-2, -1) @ q.to(p.dtype)
+    # plain matmuls also under USE_FUSED_CUDA_KERNELS: torch's efficient-attention backward was wrong here (module
+    # docstring)
+    p = torch.exp(_scores(q, k, scale, causal, visible) - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
+    do = dout.to(p.dtype)
+    dv = p.transpose(-2, -1) @ do
+    # d(scores) = P * (dP - rowsum(dO * O)): rowsum(P * dP) over ALL blocks equals rowsum(dO * O).
+    delta = (do * out.to(p.dtype)).sum(-1, keepdim=True)
+    if dlse is not None:
+        delta = delta - dlse.to(p.dtype).unsqueeze(-1)
+    ds = p * (do @ v.to(p.dtype).transpose(-2, -1) - delta) * scale
+    dq, dk = ds @ k.to(p.dtype), ds.transpose(-2, -1) @ q.to(p.dtype)
     return dq, _fold_kv_grad(dk, kv_heads), _fold_kv_grad(dv, kv_heads)
 
 
