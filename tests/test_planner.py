@@ -535,3 +535,30 @@ def test_hf_activations_under_sequence_parallelism_match_within_2_percent(measur
     kind = "live" if layout.activation_checkpointing else "activations"  # as in the GPT's test above
     activations = max(rank[name][kind] for rank in measured_llama)
     assert abs(p.activations - activations) / activations <= 0.02, (p.activations, activations)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_bf16_mixed_activations_under_autocast_alone_and_under_fsdp(model):
+    """Without FSDP (one rank, tp or pp alone) bf16-mixed is autocast alone: what the matmul family saves is bf16,
+    the residual stream, norms and the loss's logits stay fp32, and a bf16 copy of each weight is saved. Halving
+    every saved tensor predicted 0.48-0.72 of what an H200 measured (2026-11-26); against a real forward under CPU
+    autocast here. Under FSDP (its bf16 parameters) every saved tensor is half: the rule stays there."""
+    from lightning_par.planner.measure import saved_activations
+
+    torch.manual_seed(0)
+    module = GPTModule(**{**TINY_GPT, "n_embd": 64}) if model == "gpt" else HFCausalLM("llama")
+    if hasattr(module, "configure_model"):
+        module.configure_model()
+    ids = torch.randint(0, 32, (4, 16))
+    prof = profile_model(module, (ids, ids))
+    ctx, total = saved_activations()
+    with ctx, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = module.training_step((ids, ids), 0)
+    measured = total()
+    loss.backward()
+    autocast = predict(Layout(), prof, CPU, 4, 16, "bf16-mixed").activations
+    assert abs(autocast - measured) / measured <= 0.1, (autocast, measured)
+    fp32 = predict(Layout(), prof, CPU, 4, 16, "32-true").activations
+    assert autocast > 0.6 * fp32  # the old uniform half would have been 0.5
+    sharded_fp32 = predict(Layout(dp_shard=2), prof, CPU, 2, 16, "32-true").activations
+    assert predict(Layout(dp_shard=2), prof, CPU, 2, 16, "bf16-mixed").activations == pytest.approx(0.5 * sharded_fp32)

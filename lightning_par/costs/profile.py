@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
@@ -99,6 +100,14 @@ class Section:
     #: the rows its experts modules receive (one per token and routing choice, hidden wide): what expert
     #: parallelism's all-to-all sends out and back, in forward and again in backward
     routed_bytes: int = 0
+    #: ``saved`` as autocast alone (no half-precision parameters) leaves it: the tensors the matmul family saves,
+    #: which autocast casts to half precision first (``LOWERED_BY_AUTOCAST``), and those every other op saves in
+    #: the traced dtype (norms, the residual stream, the loss's logits). A storage both save is in both: under
+    #: autocast its half-precision copy and itself are alive at once
+    autocast_lowered: SavedBytes = field(default_factory=SavedBytes)
+    autocast_kept: SavedBytes = field(default_factory=SavedBytes)
+    #: bytes (traced dtype) of the parameters the matmul family reads: autocast saves a half-precision copy of each
+    autocast_weight_bytes: int = 0
 
     def attention_work(self, seq_len: int) -> float:
         """``attention_flops`` as the kernels do them at sequence length ``seq_len`` (still at the traced tokens): a
@@ -192,6 +201,16 @@ class _StorageMap:
         self._items.pop(_cdata(t), None)
 
 
+#: the functions autocast runs in half precision whose saved tensors the trace counts (torch's autocast op lists,
+#: CUDA and CPU alike: the matmul family, convolutions, attention); everything else keeps its inputs' dtype
+LOWERED_BY_AUTOCAST = frozenset({
+    F.linear, F.bilinear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+    torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.Tensor.addmm, torch.baddbmm,
+    torch.Tensor.baddbmm, torch.addbmm, torch.einsum, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d,
+    F.conv_transpose2d, F.conv_transpose3d, F.scaled_dot_product_attention,
+})
+
+
 class _Trace(TorchDispatchMode):
     """Counts FLOPs per section and propagates the tensor-parallel layout of every tensor, op by op."""
 
@@ -209,6 +228,9 @@ class _Trace(TorchDispatchMode):
         self.kept_lse: dict[str, list[tuple[str, int]]] = {}  # per block: attention's log-sum-exp (layout, bytes)
         self.partial_sums = _StorageMap()  # row-parallel outputs before their reduction
         self.flops_since_entry = {"full": 0.0, "selective": 0.0}  # what a recomputation of the block would run
+        self.lowering = 0  # > 0 inside a function autocast lowers (``_AutocastMarker``)
+        self.autocast_saved = _StorageMap()  # storage -> the ways autocast would save it ("lowered", "kept")
+        self.autocast_params: set[int] = set()  # parameters whose half-precision copy is counted
 
     def enter_block(self, name: str) -> None:
         self.section, self.policy = name, SelectivePolicy()
@@ -223,11 +245,26 @@ class _Trace(TorchDispatchMode):
 
     def record_saved(self, t: torch.Tensor, nbytes: int | None = None) -> None:
         """One tensor autograd keeps for backward (each storage once; parameters are not activations)."""
-        if _cdata(t) in self.params or self.saved.get(t) is not None:
+        if _cdata(t) in self.params:
+            return
+        nbytes = nbytes if nbytes is not None else t.untyped_storage().nbytes()
+        way = "lowered" if self.lowering else "kept"
+        ways = self.autocast_saved.get(t) or ()
+        if way not in ways:  # a storage saved both ways counts in both
+            self.autocast_saved.set(t, (*ways, way))
+            getattr(self.sections[self.section], f"autocast_{way}").add(self.kind(t), nbytes)
+        if self.saved.get(t) is not None:
             return
         self.saved.set(t, self.section)
-        self.sections[self.section].saved.add(self.kind(t), nbytes if nbytes is not None else
-                                              t.untyped_storage().nbytes())
+        self.sections[self.section].saved.add(self.kind(t), nbytes)
+
+    def record_lowered_params(self, args: Any) -> None:
+        """The parameters a lowered function reads: autocast saves a half-precision copy of each (its cache keeps
+        one per parameter for the forward)."""
+        for a in torch.utils._pytree.tree_leaves(args):
+            if isinstance(a, torch.Tensor) and _cdata(a) in self.params and _cdata(a) not in self.autocast_params:
+                self.autocast_params.add(_cdata(a))
+                self.sections[self.section].autocast_weight_bytes += a.numel() * a.element_size()
 
     def selective(self, func: Any, out: Any, flops: float | None) -> None:
         """What selective checkpointing does with this op of a block: keep its output, or recompute it."""
@@ -343,10 +380,33 @@ class _AttentionMarker(TorchFunctionMode):
             lse = query.numel() // query.size(-1) * 4  # (batch, heads, seq) in fp32
             lse_kind = self.trace.layout.get(query) or "residual"
             self.trace.sections[self.trace.section].saved.add(lse_kind, lse)
+            self.trace.sections[self.trace.section].autocast_kept.add(lse_kind, lse)  # fp32 under autocast too
             if self.trace.section in self.trace.kept:  # selective checkpointing keeps the kernel's outputs
                 self.trace.kept[self.trace.section].append(out)
                 self.trace.kept_lse[self.trace.section].append((lse_kind, lse))
         return out
+
+
+class _AutocastMarker(TorchFunctionMode):
+    """Marks what runs inside a function autocast lowers (``LOWERED_BY_AUTOCAST``), so that the trace, made in the
+    model's own dtype on meta tensors (autocast does not act on them), can tell what autocast would save in half
+    precision from what it would keep (``Section.autocast_lowered`` and ``autocast_kept``)."""
+
+    def __init__(self, trace: _Trace) -> None:
+        super().__init__()
+        self.trace = trace
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in LOWERED_BY_AUTOCAST:
+            return func(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self.trace.record_lowered_params((args, kwargs))
+        self.trace.lowering += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.trace.lowering -= 1
 
 
 def _mark(saved: _StorageMap, args: tuple) -> None:
@@ -434,6 +494,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(trace.pack, lambda t: t))
             stack.enter_context(trace)
             stack.enter_context(_AttentionMarker(trace))
+            stack.enter_context(_AutocastMarker(trace))  # entered last, it sees attention first
             try:
                 loss = _run_step(model, meta_batch, step)
             except Exception as e:  # noqa: BLE001 - any failure of the user's code on meta tensors

@@ -71,6 +71,11 @@ class CostSheet:
     buffer_bytes: float = 0.0  # transient device memory beyond state and saved activations (gathered FSDP units)
     # precision, relative to the profile (traced in the model's own dtype, fp32 for the usual model)
     activation_scale: float = 1.0  # bf16 activations: 0.5
+    #: mixed precision by autocast alone (no FSDP casting the parameters to half precision, e.g. on one rank or
+    #: under tensor or pipeline parallelism only): only what the matmul family saves is in half precision (the
+    #: profile's ``autocast_lowered``), the rest (``autocast_kept``, blocks' inputs) stays in the traced dtype, and
+    #: a half-precision copy of every weight those functions read is saved too
+    autocast_only: bool = False
     gather_scale: float = 1.0  # what FSDP all-gathers per parameter byte (bf16-mixed: 0.5)
     grad_scale: float = 1.0  # gradients kept in fp32 against activations (bf16: 2)
 

@@ -46,9 +46,12 @@ CHECKPOINT_RNG_BYTES = torch.get_rng_state().numel()
 #: 2024, figs. 5-7): attention's FLOPs, counted as the kernel does them (causal: half), take twice a matmul's time
 ATTENTION_RATE = 0.5
 #: the share of device memory the planner keeps free for what it does not model: the caching allocator's reserved
-#: but unallocated blocks (fragmentation), cuBLAS/NCCL workspaces and the CUDA context. 10 % is an estimate (PyTorch
-#: users report 5-15 % of reserved over allocated at steady state), not measured here: there is no GPU to measure
-#: on; ``plan_layouts(memory_reserve=...)`` and ``--memory-reserve`` change it, and each prediction reports its margin
+#: but unallocated blocks (fragmentation), cuBLAS/NCCL workspaces and the CUDA context. Measured on an H200
+#: (2026-11-26, ``bench_planner.py --device cuda``, 325 M-parameter models, 8-13 GiB allocated): 1.36 GiB outside the
+#: allocator whatever the layout, cached free blocks 7-25 % of the allocated bytes; in all 1.4-2.4 % of the device.
+#: 10 % (8 GiB of an 80 GB H100) covers the fixed part and 20-25 % of cache on a 30 GB working set, not on a nearly
+#: full device; ``plan_layouts(memory_reserve=...)`` and ``--memory-reserve`` change it, and each prediction reports
+#: its margin
 RESERVE = 0.1
 _PRECISION = {  # activation bytes, FSDP all-gather bytes per parameter byte, gradient bytes per activation byte
     "32-true": (1.0, 1.0, 1.0), "bf16-mixed": (0.5, 0.5, 2.0), "16-mixed": (0.5, 0.5, 2.0),
@@ -198,8 +201,11 @@ class Prediction:
 def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, precision: str) -> CostSheet:
     """Every technique of the engine's recipe writes its share into one sheet, in the engine's order."""
     act, gather, grad = _PRECISION.get(precision, (1.0, 1.0, 1.0))
-    sheet = CostSheet(_planning_dims(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.pp,
-                                     layout.ep), profile, batch, seq_len, activation_scale=act,
+    dims = _planning_dims(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.pp, layout.ep)
+    # FSDP2 casts the parameters to half precision under mixed precision (techniques/fully_sharded.py): the whole
+    # forward then runs in it; without FSDP the precision plugin's autocast alone lowers the matmul family
+    autocast_only = precision in ("bf16-mixed", "16-mixed") and not dims.fsdp_enabled and not layout.cpu_offload
+    sheet = CostSheet(dims, profile, batch, seq_len, activation_scale=act, autocast_only=autocast_only,
                       gather_scale=gather, grad_scale=grad, microbatches=layout.accumulate_grad_batches)
     recipe = _planning_recipe(layout.pp_schedule, layout.pp_microbatches, layout.pp_stages_per_rank,
                               layout.sequence_parallel, layout.loss_parallel, layout.activation_checkpointing,
@@ -285,7 +291,8 @@ def _busiest_ranks(sheet: CostSheet, matmul_share: float) -> tuple[tuple[float, 
         return max((r[:4] for r in ranks), key=sum), max(ranks, key=lambda r: r[5]), max(r[4] for r in ranks)
 
     return per_cut(sheet, ("busiest ranks", tuple(sheet.inflight), sheet.token_scale, sheet.sequence_scale,
-                           sheet.activation_scale, sheet.tp, sheet.cp, sheet.shard, sheet.sequence_parallel,
+                           sheet.activation_scale, sheet.autocast_only, sheet.tp, sheet.cp, sheet.shard,
+                           sheet.sequence_parallel,
                            sheet.loss_parallel, sheet.checkpointing, sheet.dims.ep, sheet.microbatches,
                            matmul_share), reduce)
 
@@ -316,7 +323,7 @@ def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float
             state_key = ("state", key, sheet.tp, sheet.shard)
             if state_key not in memo:
                 memo[state_key] = _rank_state(sheet, rank)
-            act_key = ("activations", key, scale * sheet.activation_scale, sheet.tp, sheet.cp,
+            act_key = ("activations", key, scale * sheet.activation_scale, sheet.autocast_only, sheet.tp, sheet.cp,
                        sheet.sequence_parallel, sheet.loss_parallel, sheet.checkpointing, sheet.dims.ep)
             if act_key not in memo:
                 memo[act_key] = _rank_activations(sheet, rank)
@@ -344,7 +351,8 @@ def _section_kinds(profile: ModelProfile) -> dict[str, int]:
                    tuple(section.attention_calls), section.input_bytes,
                    section.kv_bytes, saved.sharded, saved.gathered, saved.residual, saved.vocab,
                    astuple(section.selective_kept), section.selective_recompute_flops, section.full_recompute_flops,
-                   section.reduce_scattered_bytes)
+                   section.reduce_scattered_bytes, astuple(section.autocast_lowered),
+                   astuple(section.autocast_kept), section.autocast_weight_bytes)
             cache[name] = numbers.setdefault(key, len(numbers))
         profile.__dict__["_section_kinds"] = cache
     return cache
@@ -401,12 +409,19 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float]:
     at a time, whose activations are the transient part."""
     profile, scale = sheet.profile, sheet.token_scale * sheet.activation_scale
     tp, cp, sp, lp = sheet.tp, sheet.cp, sheet.sequence_parallel, sheet.loss_parallel
+    # under autocast alone a block's input, the residual stream, stays in the traced dtype
+    input_scale = sheet.token_scale if sheet.autocast_only else scale
     kept, peak_block = 0.0, 0.0
     for name in sheet.rank_sections[rank]:
         section = profile.sections[name]
-        full = section.saved.per_rank(tp, cp, sp, lp, scale)
+        if sheet.autocast_only:
+            full = (section.autocast_kept.per_rank(tp, cp, sp, lp, sheet.token_scale)
+                    + section.autocast_lowered.per_rank(tp, cp, sp, lp, scale)
+                    + section.autocast_weight_bytes * sheet.activation_scale / tp)  # the weights' half copies
+        else:
+            full = section.saved.per_rank(tp, cp, sp, lp, scale)
         if sheet.checkpointing != "none" and name not in ("first", "last"):
-            kept += section.input_bytes * scale / (tp if sp else 1) / cp  # the block's input
+            kept += section.input_bytes * input_scale / (tp if sp else 1) / cp  # the block's input
             kept += CHECKPOINT_RNG_BYTES
             if sheet.checkpointing == "selective":
                 kept += section.selective_kept.per_rank(tp, cp, sp, lp, scale)
