@@ -123,11 +123,14 @@ from benchmarks.common import (  # noqa: E402
     Lockstep,
     format_table,
     launch,
+    peak_memory,
     quiet_worker,
+    reset_peak_memory,
     run_metadata,
     slowest_rank_per_step,
     step_timer,
     summarize,
+    synced_now,
     write_json,
 )
 
@@ -150,40 +153,12 @@ GMM_GPU_CASES = (("Qwen3-30B-A3B layer", 4096 * 8, 2048, 768, 128),
 # ---------------------------------------------------------------------------------------------------------------
 # the device: the only places where CPU and CUDA runs differ
 # ---------------------------------------------------------------------------------------------------------------
-def synced_now(cuda: bool) -> float:
-    """``perf_counter``, on cuda after the kernels queued so far have run (as ``step_timer(cuda=True)`` reads it)."""
-    if cuda:
-        import torch
-
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
 def autocast(cfg: dict[str, Any]) -> Any:
     """Forward and loss of the plain loops as Lightning's precision plugin runs them: under bf16-mixed, autocast to bf16
     over the fp32 weights; under 32-true a disabled autocast (a no-op)."""
     import torch
 
     return torch.autocast(cfg["device"], dtype=torch.bfloat16, enabled=cfg["precision"] == "bf16-mixed")
-
-
-def reset_peak_memory(cuda: bool) -> None:
-    if cuda:
-        import torch
-
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def peak_memory(cuda: bool) -> dict[str, int] | None:
-    """The process's peak GPU memory since the last :func:`reset_peak_memory` (None on the CPU)."""
-    if not cuda:
-        return None
-    import torch
-
-    return {"max_allocated_bytes": torch.cuda.max_memory_allocated(),
-            "max_reserved_bytes": torch.cuda.max_memory_reserved()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -612,7 +587,7 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
     cuda = cfg["device"] == "cuda"
     if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # 0: one GPU, world 1
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # 0: one GPU, world 1
     dist.init_process_group("nccl" if cuda else "gloo")  # Lightning's strategies find it initialized and reuse it
     rank, world = dist.get_rank(), dist.get_world_size()
     ep, t0 = cfg["ep"], time.perf_counter()
@@ -968,7 +943,7 @@ def gmm_table(gmm: list[dict[str, Any]]) -> str:
                      f"{tf['grouped_mm']:.3g}", f"{tf['loop']:.3g}",
                      f"{g['grouped_over_loop_medians']:.3f}", f"{g['grouped_over_loop_paired']:.3f}",
                      f"{max(d.values()):.1e}", f"{g['example_GroupedExperts_vs_grouped_mm']:.1e}",
-                     f"{gib(mem['max_allocated_bytes'])}" if mem else "-"])
+                     f"{gib(mem['peak_allocated_bytes'])}" if mem else "-"])
     headers = ["case", "routed rows x dim -> hidden", "grouped ms", "loop ms", "grouped TFLOP/s", "loop TFLOP/s",
                "grouped/loop medians", "grouped/loop paired", "max rel diff (out, grads)", "example vs grouped",
                "peak GiB"]
@@ -981,7 +956,7 @@ def gib(n: float) -> str:
 
 def memory_table(results: list[dict[str, Any]]) -> str:
     """Rank 0's peak GPU memory per part of the run (each part after a reset of the peak statistics)."""
-    rows = [[res["world_size"], part, gib(m["max_allocated_bytes"]), gib(m["max_reserved_bytes"])]
+    rows = [[res["world_size"], part, gib(m["peak_allocated_bytes"]), gib(m["peak_reserved_bytes"])]
             for res in results for part, m in res["gpu_memory_rank0"].items() if m]
     return format_table(["world", "part", "max allocated GiB", "max reserved GiB"], rows)
 

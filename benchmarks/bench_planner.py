@@ -61,7 +61,9 @@ from benchmarks.common import (  # noqa: E402
     Lockstep,
     format_table,
     launch,
+    peak_memory,
     quiet_worker,
+    reset_peak_memory,
     run_metadata,
     slowest_rank_per_step,
     step_timer,
@@ -249,11 +251,7 @@ def device_memory(peak: Any) -> dict[str, int]:
     """What the CUDA caching allocator held at its peak since the last reset (the bytes tensors used: allocated;
     the bytes it took from the driver: reserved, allocated + its cached free blocks) and the device's peak in use
     (``peak``: a :func:`device_peak_callback`): the planner's memory reserve is the gap between allocated and in use."""
-    import torch
-
-    return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
-            "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "device_used_bytes": peak.used,
-            "device_total_bytes": peak.total}
+    return {**peak_memory(True), "device_used_bytes": peak.used, "device_total_bytes": peak.total}
 
 
 def worker(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -291,9 +289,7 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
                 # a GPU runs one layout at a time (its memory peaks are then each layout's own; nothing shares it)
                 for group in ([[key] for key in order] if cuda else [order]):
                     gc.collect()
-                    if cuda:
-                        torch.cuda.empty_cache()
-                        torch.cuda.reset_peak_memory_stats()
+                    reset_peak_memory(cuda)
                     dist.barrier()  # start the round together
                     outcome = Lockstep(group).run({key: partial(run_one, cfg, model, layouts[key]) for key in group})
                     for key in group:

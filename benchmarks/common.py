@@ -6,6 +6,7 @@ out, the slowest rank per step, medians) and record the same metadata, or their 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -56,6 +57,37 @@ def quiet_worker() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def synced_now(cuda: bool) -> float:
+    """``perf_counter``; on cuda after the kernels queued so far have run (they run after the host queues them, so
+    the host's time alone would time the queueing)."""
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def reset_peak_memory(cuda: bool) -> None:
+    """Start a new peak of the CUDA caching allocator (nothing on the CPU)."""
+    if cuda:
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(cuda: bool) -> dict[str, int] | None:
+    """The process's peak GPU memory since the last :func:`reset_peak_memory`: what tensors used (allocated) and
+    what the caching allocator took from the driver (reserved); None on the CPU."""
+    if not cuda:
+        return None
+    import torch
+
+    return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved()}
+
+
 def step_timer(cuda: bool = False) -> Any:
     """A Lightning Callback recording each training batch's wall time, ``on_train_batch_start`` to
     ``on_train_batch_end``, with ``time.perf_counter`` and no barrier (a barrier would change what is timed).
@@ -64,13 +96,10 @@ def step_timer(cuda: bool = False) -> Any:
 
     Built by a function so that importing this module does not import Lightning (3.5 s) for scripts without it.
     """
-    import torch
     from lightning.pytorch.callbacks import Callback
 
     def now() -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        return synced_now(cuda)
 
     class StepTimer(Callback):
         def __init__(self) -> None:

@@ -14,8 +14,10 @@ py=${PYTHON:-python3}
 start=$SECONDS
 
 left() { echo $(( total - (SECONDS - start) )); }
-# a step that hangs or overruns leaves no process behind holding the GPU for the next one
-reap() { nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null; }
+# a step that hangs or overruns leaves no process behind holding the GPU for the next one; processes that held the
+# GPU before the step (not ours) are left alone
+gpu_pids() { nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | sort; }
+reap() { comm -13 <(echo "$1") <(gpu_pids) | xargs -r kill -9 2>/dev/null; }
 step() {  # step NAME LIMIT_SECONDS COMMAND...
     local name=$1 limit=$2
     shift 2
@@ -24,10 +26,11 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
         echo "== $name: skipped, $(left) s left" | tee -a "$out/summary.txt"
         return
     fi
-    local t0=$SECONDS
+    local t0=$SECONDS before
+    before=$(gpu_pids)
     timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
     local rc=$?
-    reap
+    reap "$before"
     echo "== $name: exit $rc in $(( SECONDS - t0 )) s (limit $limit s)" | tee -a "$out/summary.txt"
 }
 

@@ -288,15 +288,22 @@ def test_probe_hardware_one_process_sends_nothing():
     assert hw.matmul_share == 1.0 and "step_share" not in hw.source  # the CPU: the raw rate
 
 
-def test_a_probed_accelerator_predicts_at_the_device_tables_step_share():
+def test_a_probed_accelerator_predicts_at_the_device_tables_step_share(monkeypatch):
     """A probe times matmuls alone; a step's other work takes the share the table's efficiency leaves (on an H200 the
     raw rate predicted 325 M-parameter steps at 0.32-0.45 of their measured time): probed and tabled agree."""
-    from lightning_par.devices import known_hardware
-    from lightning_par.planner.probe import step_share
+    from lightning_par.devices import DEFAULT_EFFICIENCY, known_hardware
+    from lightning_par.planner import probe
 
-    table = known_hardware("H100-SXM", "bf16")
-    assert step_share(torch.device("cuda")) == table.matmul_share == pytest.approx(0.45 / 0.8)
-    assert step_share(torch.device("cpu")) == 1.0
+    assert probe.step_share(torch.device("cuda")) == pytest.approx(DEFAULT_EFFICIENCY / 0.8)
+    assert known_hardware("H100-SXM", "bf16").matmul_share == probe.step_share(torch.device("cuda"))
+    assert probe.step_share(torch.device("cpu")) == 1.0
+    # the probe applies it to every rate it measured: the whole matmuls' and the tp splits' (here on the CPU, with
+    # the measurement and the share stood in for, so that the arithmetic is what is checked)
+    monkeypatch.setattr(probe, "probe_matmul_sets", lambda *a, **k: [100e9, 80e9])
+    monkeypatch.setattr(probe, "step_share", lambda device: 0.5)
+    hw = probe.probe_hardware(torch.device("cpu"), torch.float32, [(64, 64, 64)], tp_sizes=[2])
+    assert (hw.matmul_flops, hw.matmul_by_tp, hw.matmul_share) == (50e9, ((2, 40e9),), 0.5)
+    assert "step_share" in hw.source
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -100,10 +100,11 @@ class Section:
     #: the rows its experts modules receive (one per token and routing choice, hidden wide): what expert
     #: parallelism's all-to-all sends out and back, in forward and again in backward
     routed_bytes: int = 0
-    #: ``saved`` as autocast alone (no half-precision parameters) leaves it: the tensors the matmul family saves,
-    #: which autocast casts to half precision first (``LOWERED_BY_AUTOCAST``), and those every other op saves in
-    #: the traced dtype (norms, the residual stream, the loss's logits). A storage both save is in both: under
-    #: autocast its half-precision copy and itself are alive at once
+    #: ``saved`` as autocast alone (no half-precision parameters) leaves it: in half precision, the tensors the
+    #: matmul family saves (autocast casts them first: ``LOWERED_BY_AUTOCAST``) and any other saved tensor computed
+    #: from half-precision ones alone (an activation of a matmul's output); in the traced dtype, the rest (norms,
+    #: the residual stream, the loss's logits). A storage both save is in both: under autocast its half-precision
+    #: copy and itself are alive at once
     autocast_lowered: SavedBytes = field(default_factory=SavedBytes)
     autocast_kept: SavedBytes = field(default_factory=SavedBytes)
     #: bytes (traced dtype) of the parameters the matmul family reads: autocast saves a half-precision copy of each
@@ -206,9 +207,21 @@ class _StorageMap:
 LOWERED_BY_AUTOCAST = frozenset({
     F.linear, F.bilinear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
     torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.Tensor.addmm, torch.baddbmm,
-    torch.Tensor.baddbmm, torch.addbmm, torch.einsum, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d,
+    torch.Tensor.baddbmm, torch.addbmm, torch.mv, torch.addmv, torch.addr, torch.chain_matmul,
+    torch.linalg.multi_dot, torch.einsum, F.prelu, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d,
     F.conv_transpose2d, F.conv_transpose3d, F.scaled_dot_product_attention,
 })
+
+
+#: ops autocast runs in fp32 whatever their inputs (torch's autocast fp32 lists, CUDA and CPU): their outputs are
+#: never half precision, even of half inputs
+_FP32_UNDER_AUTOCAST = frozenset(getattr(torch.ops.aten, name) for name in (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow", "softplus", "layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
+    "norm", "cosine_similarity", "nll_loss", "nll_loss_forward", "kl_div", "l1_loss", "smooth_l1_loss",
+    "huber_loss", "mse_loss", "binary_cross_entropy_with_logits", "cdist", "renorm", "logsumexp", "prod",
+    "softmax", "_softmax", "log_softmax", "_log_softmax", "cumprod", "cumsum", "linalg_vector_norm", "sum",
+    "mean", "var_mean", "rms_norm", "_fused_rms_norm") if hasattr(torch.ops.aten, name))
 
 
 class _Trace(TorchDispatchMode):
@@ -230,6 +243,7 @@ class _Trace(TorchDispatchMode):
         self.flops_since_entry = {"full": 0.0, "selective": 0.0}  # what a recomputation of the block would run
         self.lowering = 0  # > 0 inside a function autocast lowers (``_AutocastMarker``)
         self.autocast_saved = _StorageMap()  # storage -> the ways autocast would save it ("lowered", "kept")
+        self.half = _StorageMap()  # storages autocast would hold in half precision (``_propagate_half``)
         self.autocast_params: set[int] = set()  # parameters whose half-precision copy is counted
 
     def enter_block(self, name: str) -> None:
@@ -248,9 +262,14 @@ class _Trace(TorchDispatchMode):
         if _cdata(t) in self.params:
             return
         nbytes = nbytes if nbytes is not None else t.untyped_storage().nbytes()
-        way = "lowered" if self.lowering else "kept"
+        half = self.half.get(t)
+        way = "lowered" if self.lowering or half else "kept"
         ways = self.autocast_saved.get(t) or ()
-        if way not in ways:  # a storage saved both ways counts in both
+        if self.lowering and not half and nbytes is not None:
+            # autocast casts a full-precision input anew for every call that lowers it (a norm's output read by
+            # separate q, k and v projections: three half copies)
+            self.sections[self.section].autocast_lowered.add(self.kind(t), t.numel() * t.element_size())
+        elif way not in ways:  # a storage saved both ways counts in both
             self.autocast_saved.set(t, (*ways, way))
             getattr(self.sections[self.section], f"autocast_{way}").add(self.kind(t), nbytes)
         if self.saved.get(t) is not None:
@@ -258,13 +277,30 @@ class _Trace(TorchDispatchMode):
         self.saved.set(t, self.section)
         self.sections[self.section].saved.add(self.kind(t), nbytes)
 
+    def _propagate_half(self, key: Any, inputs: Any, out: Any) -> None:
+        """What autocast would hold in half precision: the outputs of the functions it lowers, and of any op whose
+        floating inputs (0-d ones aside: they do not promote) are all half, unless autocast runs that op in fp32
+        (norms, softmax, reductions, the losses). An activation function applied to a matmul's output, say,
+        saves half precision too."""
+        if key in _FP32_UNDER_AUTOCAST:
+            return
+        floats = [a for a in torch.utils._pytree.tree_leaves(inputs)
+                  if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() > 0]
+        if not self.lowering and (not floats or not all(self.half.get(a) for a in floats)):
+            return
+        viewed = {_cdata(a) for a in floats}  # a view inside a lowered call is of its full-precision input
+        for o in torch.utils._pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor) and o.is_floating_point() and _cdata(o) not in viewed:
+                self.half.set(o, True)
+
     def record_lowered_params(self, args: Any) -> None:
         """The parameters a lowered function reads: autocast saves a half-precision copy of each (its cache keeps
         one per parameter for the forward)."""
         for a in torch.utils._pytree.tree_leaves(args):
             if isinstance(a, torch.Tensor) and _cdata(a) in self.params and _cdata(a) not in self.autocast_params:
                 self.autocast_params.add(_cdata(a))
-                self.sections[self.section].autocast_weight_bytes += a.numel() * a.element_size()
+                # the whole parameter: a view of it (an expert's slice on meta) still has all of it cast
+                self.sections[self.section].autocast_weight_bytes += a.untyped_storage().nbytes()
 
     def selective(self, func: Any, out: Any, flops: float | None) -> None:
         """What selective checkpointing does with this op of a block: keep its output, or recompute it."""
@@ -326,6 +362,7 @@ class _Trace(TorchDispatchMode):
             else:
                 sec.flops += flops
         self.selective(func, out, flops)
+        self._propagate_half(key, (args, kwargs), out)
         inputs = {self.layout.get(a) for a in torch.utils._pytree.tree_leaves((args, kwargs))
                   if isinstance(a, torch.Tensor)}
         layout = next((k for k in ("sharded", "vocab", "whole") if k in inputs), None)

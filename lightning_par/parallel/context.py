@@ -52,8 +52,9 @@ __all__ = [
 
 Algorithm = Literal["ring", "allgather"]
 ALGORITHMS = ("ring", "allgather")
-#: Use torch's fused memory-efficient kernel per block on CUDA. Off by default: that path has not yet been run on a
-#: GPU (this project's CI has none); the fp32 matmul path is exact everywhere. Set True to try it.
+#: Use torch's fused memory-efficient kernel for each block's forward on CUDA (the backward stays on the matmul
+#: path: module docstring). Exact on an H200 (tests/test_gpu.py); off by default until its speed is measured
+#: (``cp_kernels["seconds"]`` there, benchmarks/bench_context.py).
 USE_FUSED_CUDA_KERNELS = False
 
 # Collectives were renamed in torch 2.13; keep working on older releases.

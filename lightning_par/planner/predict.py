@@ -31,6 +31,7 @@ from lightning_par.costs.profile import ModelProfile
 from lightning_par.costs.sheet import CostSheet, Transfer, per_cut
 from lightning_par.dims import MESH_DIM_NAMES, ParallelDims
 from lightning_par.techniques import build_recipe
+from lightning_par.techniques.fully_sharded import fsdp_casts_parameters
 
 if TYPE_CHECKING:
     from lightning_par.devices import Hardware
@@ -49,7 +50,7 @@ ATTENTION_RATE = 0.5
 #: but unallocated blocks (fragmentation), cuBLAS/NCCL workspaces and the CUDA context. Measured on an H200
 #: (2026-11-26, ``bench_planner.py --device cuda``, 325 M-parameter models, 8-13 GiB allocated): 1.36 GiB outside the
 #: allocator whatever the layout, cached free blocks 7-25 % of the allocated bytes; in all 1.4-2.4 % of the device.
-#: 10 % (8 GiB of an 80 GB H100) covers the fixed part and 20-25 % of cache on a 30 GB working set, not on a nearly
+#: 10 % (8 GB of an 80 GB H100) covers the fixed part and 20-25 % of cache on a 30 GB working set, not on a nearly
 #: full device; ``plan_layouts(memory_reserve=...)`` and ``--memory-reserve`` change it, and each prediction reports
 #: its margin
 RESERVE = 0.1
@@ -202,9 +203,7 @@ def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, pre
     """Every technique of the engine's recipe writes its share into one sheet, in the engine's order."""
     act, gather, grad = _PRECISION.get(precision, (1.0, 1.0, 1.0))
     dims = _planning_dims(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.pp, layout.ep)
-    # FSDP2 casts the parameters to half precision under mixed precision (techniques/fully_sharded.py): the whole
-    # forward then runs in it; without FSDP the precision plugin's autocast alone lowers the matmul family
-    autocast_only = precision in ("bf16-mixed", "16-mixed") and not dims.fsdp_enabled and not layout.cpu_offload
+    autocast_only = precision in ("bf16-mixed", "16-mixed") and not fsdp_casts_parameters(dims, layout.cpu_offload)
     sheet = CostSheet(dims, profile, batch, seq_len, activation_scale=act, autocast_only=autocast_only,
                       gather_scale=gather, grad_scale=grad, microbatches=layout.accumulate_grad_batches)
     recipe = _planning_recipe(layout.pp_schedule, layout.pp_microbatches, layout.pp_stages_per_rank,
@@ -323,7 +322,7 @@ def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float
             state_key = ("state", key, sheet.tp, sheet.shard)
             if state_key not in memo:
                 memo[state_key] = _rank_state(sheet, rank)
-            act_key = ("activations", key, scale * sheet.activation_scale, sheet.autocast_only, sheet.tp, sheet.cp,
+            act_key = ("activations", key, scale, sheet.activation_scale, sheet.autocast_only, sheet.tp, sheet.cp,
                        sheet.sequence_parallel, sheet.loss_parallel, sheet.checkpointing, sheet.dims.ep)
             if act_key not in memo:
                 memo[act_key] = _rank_activations(sheet, rank)
@@ -332,9 +331,9 @@ def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float
             if flops_key not in memo:
                 memo[flops_key] = _rank_flops(sheet, rank, matmul_share)
             costs[key] = (memo[state_key], memo[act_key], memo[flops_key])
-        (params, grads, optimizer), (kept, transient), (flops, attention) = costs[key]
+        (params, grads, optimizer), (kept, transient, weight_copies), (flops, attention) = costs[key]
         inflight = sheet.inflight[rank] if sheet.inflight else 1.0  # micro-batches whose activations it holds
-        out.append((params, grads, optimizer, kept * inflight, transient, flops, attention))
+        out.append((params, grads, optimizer, kept * inflight + weight_copies, transient, flops, attention))
     return out
 
 
@@ -403,21 +402,23 @@ def _local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, shard: int
     return float(math.prod(dims))
 
 
-def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float]:
-    """(saved until backward per micro-batch in flight, transient): with activation checkpointing a block keeps
-    its input (and under selective checkpointing the outputs its policy keeps) and backward recomputes one block
-    at a time, whose activations are the transient part."""
+def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float, float]:
+    """(saved until backward per micro-batch in flight, transient, once per rank): with activation checkpointing a
+    block keeps its input (and under selective checkpointing the outputs its policy keeps) and backward recomputes
+    one block at a time, whose activations are the transient part. Under autocast alone the half-precision copies
+    of the weights the matmuls read are saved too, one per weight whatever the micro-batches in flight (autocast's
+    cache serves them all), and only for what is not checkpointed."""
     profile, scale = sheet.profile, sheet.token_scale * sheet.activation_scale
     tp, cp, sp, lp = sheet.tp, sheet.cp, sheet.sequence_parallel, sheet.loss_parallel
     # under autocast alone a block's input, the residual stream, stays in the traced dtype
     input_scale = sheet.token_scale if sheet.autocast_only else scale
-    kept, peak_block = 0.0, 0.0
+    kept, peak_block, weight_copies = 0.0, 0.0, 0.0
     for name in sheet.rank_sections[rank]:
         section = profile.sections[name]
+        copies = section.autocast_weight_bytes * sheet.activation_scale / tp if sheet.autocast_only else 0.0
         if sheet.autocast_only:
             full = (section.autocast_kept.per_rank(tp, cp, sp, lp, sheet.token_scale)
-                    + section.autocast_lowered.per_rank(tp, cp, sp, lp, scale)
-                    + section.autocast_weight_bytes * sheet.activation_scale / tp)  # the weights' half copies
+                    + section.autocast_lowered.per_rank(tp, cp, sp, lp, scale))
         else:
             full = section.saved.per_rank(tp, cp, sp, lp, scale)
         if sheet.checkpointing != "none" and name not in ("first", "last"):
@@ -429,10 +430,11 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float]:
                     kept += 2 * section.routed_bytes * scale / cp
                 if sp:  # its reduce-scatters' outputs, on this rank's sequence chunk
                     kept += section.reduce_scattered_bytes * scale / tp / cp
-            peak_block = max(peak_block, full)  # recomputed in backward, one block at a time
+            peak_block = max(peak_block, full + copies)  # recomputed in backward, one block at a time
         else:
             kept += full
-    return kept, peak_block
+            weight_copies += copies
+    return kept, peak_block, weight_copies
 
 
 # ---- time ------------------------------------------------------------------------------------------------------

@@ -19,6 +19,13 @@ from lightning_par.techniques.technique import Target, Technique
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
+def fsdp_casts_parameters(dims: ParallelDims, cpu_offload: bool) -> bool:
+    """Whether FSDP2 wraps the model in this layout, and so, under mixed precision, gathers its parameters in half
+    precision (the whole forward then runs in it); otherwise the precision plugin's autocast alone lowers the
+    matmul family (the planner prices the two apart: ``CostSheet.autocast_only``)."""
+    return dims.fsdp_enabled or cpu_offload
+
+
 class FullySharded(Technique):
     """``fully_shard`` of each shard unit, then of the root, over ``dp_shard x cp`` (HSDP with ``dp_replicate``).
 
@@ -40,7 +47,7 @@ class FullySharded(Technique):
         self.unused_parameters: UnusedParameterGuard | None = None  # set by apply
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
-        if not dims.fsdp_enabled and not self.cpu_offload:  # one rank: nothing to shard, unless offloading
+        if not fsdp_casts_parameters(dims, self.cpu_offload):  # one rank: nothing to shard, unless offloading
             if self.shard_units is not None or target.block_list is not None:
                 target.units(self.shard_units)  # resolved even when off: a bad pattern fails in every layout
             return

@@ -106,7 +106,10 @@ class PipelineParallel(Technique):
         sheet.microbatches = m
         sheet.rank_sections, sheet.inflight, sheet.bubble, boundaries = pipeline_shape(self.schedule, tuple(blocks),
                                                                                        p, v, m)
-        activation = sheet.microbatch_tokens * sheet.profile.hidden_bytes * sheet.activation_scale
+        # the residual stream: in half precision where FSDP casts the parameters, in the traced dtype under autocast
+        # alone (its adds take the fp32 embedding's dtype)
+        scale = 1.0 if sheet.autocast_only else sheet.activation_scale
+        activation = sheet.microbatch_tokens * sheet.profile.hidden_bytes * scale
         sheet.transfers.append(Transfer("pp_send_recv", "pp", "send_recv", activation, 2 * boundaries * m, False))
 
     def restore_gradients(self) -> None:

@@ -90,16 +90,22 @@ class TensorParallel(Technique):
             max(sum(s not in ("first", "last") for s in r) for r in sheet.rank_sections)))
         tokens, m = sheet.microbatch_tokens, sheet.microbatches
         residual = tokens * sheet.profile.hidden_bytes * sheet.activation_scale
+        # under autocast alone only the row-parallel matmuls' outputs are in half precision (the forward
+        # reductions); what a norm or the embedding hands on and the gradients reaching them past autocast's casts
+        # stay in the traced dtype (sequence parallelism's all-gathers, the backward reductions, the embedding's
+        # all-reduce, the head's input gradient)
+        whole_dtype = tokens * sheet.profile.hidden_bytes if sheet.autocast_only else residual
+        block = (residual + whole_dtype) / 2  # half of the blocks' messages each way
         # recomputed forwards send their two again; selective keeps the reduce-scatters of sequence parallelism,
         # and the all-gathers it sends again cost half an all-reduce each
         forward = 2 * blocks * m
-        sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, 4 * blocks * m, False, forward,
+        sheet.transfers.append(Transfer("tp", "tp", "all_reduce", block, 4 * blocks * m, False, forward,
                                         forward / 2 if self.sequence_parallel else forward))
         embeddings, heads, whole, head_norms = _planned_modules(sheet.profile, sections)
         for _ in range(embeddings):
-            sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, m, False))
+            sheet.transfers.append(Transfer("tp", "tp", "all_reduce", whole_dtype, m, False))
         for style, vocabulary, itemsize in heads:
-            sheet.transfers.append(Transfer("tp", "tp", "all_reduce", residual, m, False))
+            sheet.transfers.append(Transfer("tp", "tp", "all_reduce", whole_dtype, m, False))
             if self.loss_parallel and style == "vocab_parallel_head":  # max, sum of exponentials, target's logit
                 sheet.transfers.append(Transfer("tp", "tp", "all_reduce", tokens * 4, 3 * m, False))
             else:  # the sharded logits gathered whole (a vocabulary-parallel head does that too without loss parallel)
