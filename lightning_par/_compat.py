@@ -19,7 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 __all__ = ["all_to_all_single_autograd", "checkpoint_wrapper", "ignore_profiler_ranges_in_selective_checkpointing",
            "in_backward", "live_process_groups", "local_chunk",
            "move_graph_to_device", "pipeline_stage_class", "set_device_mesh", "torch_dispatch_mode",
-           "train_dataloader_of", "without_function_modes"]
+           "train_dataloader_of", "tree_leaves", "tree_map", "without_function_modes"]
 
 
 def train_dataloader_of(trainer: Any) -> Any:
@@ -78,6 +78,22 @@ def torch_dispatch_mode() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of nested tuples, lists, dicts and namedtuples, as torch flattens an op's arguments (the same
+    containers a dispatch mode receives). torch 2.11-2.13: ``torch.utils._pytree.tree_leaves``, no public
+    equivalent."""
+    from torch.utils._pytree import tree_leaves as leaves
+
+    return leaves(tree)
+
+
+def tree_map(fn: Any, tree: Any) -> Any:
+    """``fn`` applied to every leaf, the containers rebuilt. torch 2.11-2.13: ``torch.utils._pytree.tree_map``."""
+    from torch.utils._pytree import tree_map as apply
+
+    return apply(fn, tree)
 
 
 _metadata_inference = [0]  # > 0 while a pipeline stage runs its metadata-inference forward

@@ -196,3 +196,11 @@ def test_selective_checkpointing_passes_profiler_ranges_through():
     assert torch.allclose(x.grad, y.grad)
     assert len(_compat.profiler_range_ops()) == 3
     assert set(_compat.profiler_range_ops()) <= _compat.selective_checkpointing_ignored_ops()
+
+
+def test_tree_leaves_and_map_flatten_an_ops_arguments():
+    args = ((torch.ones(1), [2, {"k": torch.zeros(2)}]), {"out": None})
+    leaves = _compat.tree_leaves(args)
+    assert [type(x) for x in leaves] == [torch.Tensor, int, torch.Tensor, type(None)]
+    doubled = _compat.tree_map(lambda x: x * 2 if isinstance(x, torch.Tensor) else x, args)
+    assert torch.equal(doubled[0][0], torch.full((1,), 2.0)) and doubled[0][1][0] == 2

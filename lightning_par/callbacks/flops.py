@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode  # where torch documents it; no public alias (2.13)
 from torch.utils.module_tracker import ModuleTracker
 
+from lightning_par._compat import torch_dispatch_mode
 from lightning_par.devices import PEAK_FLOPS, lookup_peak_flops, precision_kind  # noqa: F401 - re-exported
 from lightning_par.flop_formulas import FORMULAS
 from lightning_par.parallel.hf import outermost_hf_models
@@ -61,7 +61,7 @@ def _tracing_types() -> tuple[type, ...]:
     return FakeTensor, FunctionalTensor
 
 
-class ForwardFlopCounter(TorchDispatchMode):
+class ForwardFlopCounter(torch_dispatch_mode()):  # type: ignore[misc]
     """While active, adds the FLOPs of the forward ops this rank runs to :attr:`forward_flops`.
 
     DTensor ops are declined (``NotImplemented``), so DTensor runs them and its local ops come back here with the

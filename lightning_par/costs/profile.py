@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode  # the documented home of the base class (torch 2.13)
 
+from lightning_par._compat import torch_dispatch_mode, tree_leaves, tree_map
 from lightning_par.flop_formulas import ATTENTION_OPS, FORMULAS
 from lightning_par.parallel.experts import find_experts, num_experts_of
 from lightning_par.parallel.hf import outermost_hf_models
@@ -224,7 +224,7 @@ _FP32_UNDER_AUTOCAST = frozenset(getattr(torch.ops.aten, name) for name in (
     "mean", "var_mean", "rms_norm", "_fused_rms_norm") if hasattr(torch.ops.aten, name))
 
 
-class _Trace(TorchDispatchMode):
+class _Trace(torch_dispatch_mode()):  # type: ignore[misc]
     """Counts FLOPs per section and propagates the tensor-parallel layout of every tensor, op by op."""
 
     def __init__(self) -> None:
@@ -265,7 +265,7 @@ class _Trace(TorchDispatchMode):
         half = self.half.get(t)
         way = "lowered" if self.lowering or half else "kept"
         ways = self.autocast_saved.get(t) or ()
-        if self.lowering and not half and nbytes is not None:
+        if self.lowering and not half:
             # autocast casts a full-precision input anew for every call that lowers it (a norm's output read by
             # separate q, k and v projections: three half copies)
             self.sections[self.section].autocast_lowered.add(self.kind(t), t.numel() * t.element_size())
@@ -284,19 +284,19 @@ class _Trace(TorchDispatchMode):
         saves half precision too."""
         if key in _FP32_UNDER_AUTOCAST:
             return
-        floats = [a for a in torch.utils._pytree.tree_leaves(inputs)
+        floats = [a for a in tree_leaves(inputs)
                   if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() > 0]
         if not self.lowering and (not floats or not all(self.half.get(a) for a in floats)):
             return
         viewed = {_cdata(a) for a in floats}  # a view inside a lowered call is of its full-precision input
-        for o in torch.utils._pytree.tree_leaves(out):
+        for o in tree_leaves(out):
             if isinstance(o, torch.Tensor) and o.is_floating_point() and _cdata(o) not in viewed:
                 self.half.set(o, True)
 
     def record_lowered_params(self, args: Any) -> None:
         """The parameters a lowered function reads: autocast saves a half-precision copy of each (its cache keeps
         one per parameter for the forward)."""
-        for a in torch.utils._pytree.tree_leaves(args):
+        for a in tree_leaves(args):
             if isinstance(a, torch.Tensor) and _cdata(a) in self.params and _cdata(a) not in self.autocast_params:
                 self.autocast_params.add(_cdata(a))
                 # the whole parameter: a view of it (an expert's slice on meta) still has all of it cast
@@ -309,7 +309,7 @@ class _Trace(TorchDispatchMode):
         if flops:
             self.flops_since_entry["full"] += flops
         if self.policy.keeps(func):
-            self.kept[self.section].extend(o for o in torch.utils._pytree.tree_leaves(out)
+            self.kept[self.section].extend(o for o in tree_leaves(out)
                                            if isinstance(o, torch.Tensor))
         elif flops:
             self.flops_since_entry["selective"] += flops
@@ -363,11 +363,11 @@ class _Trace(TorchDispatchMode):
                 sec.flops += flops
         self.selective(func, out, flops)
         self._propagate_half(key, (args, kwargs), out)
-        inputs = {self.layout.get(a) for a in torch.utils._pytree.tree_leaves((args, kwargs))
+        inputs = {self.layout.get(a) for a in tree_leaves((args, kwargs))
                   if isinstance(a, torch.Tensor)}
         layout = next((k for k in ("sharded", "vocab", "whole") if k in inputs), None)
         if layout is not None:
-            for o in torch.utils._pytree.tree_leaves(out):
+            for o in tree_leaves(out):
                 if isinstance(o, torch.Tensor):
                     self.layout.set(o, layout)
         return out
@@ -459,7 +459,7 @@ def _is_index(t: torch.Tensor) -> bool:
 
 
 def _set_layout(trace: _Trace, out: Any, layout: str | None) -> None:
-    for o in torch.utils._pytree.tree_leaves(out):
+    for o in tree_leaves(out):
         if isinstance(o, torch.Tensor):
             if layout is None:
                 trace.layout.pop(o)
@@ -486,7 +486,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
         resolved = validate_tp_plan(model, source_plan, 1)
     except ValueError:
         source_plan, resolved = {}, {}
-    meta_batch = torch.utils._pytree.tree_map(
+    meta_batch = tree_map(
         lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, batch)
     trace = _Trace()
     trace.params = {_cdata(p) for p in model.parameters()}
@@ -546,7 +546,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
         for h in hooks:
             h.remove()
     trace.classify_kept()
-    sample = next(t for t in torch.utils._pytree.tree_leaves(meta_batch) if isinstance(t, torch.Tensor))
+    sample = next(t for t in tree_leaves(meta_batch) if isinstance(t, torch.Tensor))
     sections = {k: trace.sections.get(k, Section()) for k in ("first", *blocks, "last")}
     tp_dims = sharded_dims(resolved)
     named = list(model.named_parameters())

@@ -291,9 +291,8 @@ def _busiest_ranks(sheet: CostSheet, matmul_share: float) -> tuple[tuple[float, 
 
     return per_cut(sheet, ("busiest ranks", tuple(sheet.inflight), sheet.token_scale, sheet.sequence_scale,
                            sheet.activation_scale, sheet.autocast_only, sheet.tp, sheet.cp, sheet.shard,
-                           sheet.sequence_parallel,
-                           sheet.loss_parallel, sheet.checkpointing, sheet.dims.ep, sheet.microbatches,
-                           matmul_share), reduce)
+                           sheet.sequence_parallel, sheet.loss_parallel, sheet.checkpointing, sheet.dims.ep,
+                           sheet.microbatches, matmul_share), reduce)
 
 
 def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float, ...]]:
