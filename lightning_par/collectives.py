@@ -5,14 +5,33 @@ Each is called by every rank at the same point; none hides a collective in rank-
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_par._compat import live_process_groups
+
 
 def is_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def settle_process_groups(timeout: float = 120.0) -> None:
+    """Wait for every rank (a monitored barrier on gloo, naming a rank that does not come within ``timeout``
+    seconds), then one barrier on each other gloo group this rank belongs to, in creation order (the same on every
+    rank). A gloo barrier returns once every earlier collective of its group has completed, and it takes the group's
+    work lock, which a worker thread holds while it drops a finished collective (and the tensors it still
+    references): see ``lightning_par.strategies.base._destroy_process_group`` for why that matters at exit."""
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout))
+    else:
+        dist.barrier()
+    world = dist.group.WORLD
+    for group in live_process_groups():
+        if group is not world and dist.get_backend(group) == "gloo":
+            dist.barrier(group=group)
 
 
 def raise_on_every_rank(problems: list[str]) -> None:

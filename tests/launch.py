@@ -62,7 +62,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         if dist.is_initialized():
             # as the strategies do at exit: every rank arrives, no gloo worker still holds a tensor when the
             # interpreter finalizes (SIGABRT otherwise), then the groups go down
-            from lightning_par.strategies.base import settle_process_groups
+            from lightning_par.collectives import settle_process_groups
 
             settle_process_groups()
             dist.destroy_process_group()

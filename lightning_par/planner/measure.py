@@ -117,6 +117,40 @@ def live_storages() -> dict[int, tuple[int, StorageWeakRef]]:
     return out
 
 
+def settled_new_storages(before: dict[int, tuple[int, StorageWeakRef]], exclude: set[int],
+                         max_scans: int = 50) -> dict[int, int]:
+    """The storages (address -> bytes) alive now that were not alive in ``before`` (a ``live_storages()`` taken
+    earlier) and are not in ``exclude``, once communication has let go of its buffers. A gloo worker thread drops a
+    finished collective, and the buffers it still references (an all-gather's raw output, before the copy that
+    rearranges it), just after waking the caller; a scan in between counted one whole-sequence tensor more, now and
+    then. So: one barrier per process group (every rank calls this at the same point), then scans, a short sleep
+    apart (the GIL released for the worker), until two agree."""
+    import time
+
+    import torch.distributed as dist
+
+    from lightning_par.collectives import settle_process_groups
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        settle_process_groups()
+
+    def scan() -> dict[int, int]:
+        def new(ptr: int) -> bool:
+            old = before.get(ptr)
+            return old is None or old[1].expired()
+
+        return {ptr: n for ptr, (n, _) in live_storages().items() if new(ptr) and ptr not in exclude}
+
+    last = scan()
+    for _ in range(max_scans):
+        time.sleep(0.005)
+        now = scan()
+        if now == last:
+            break
+        last = now
+    return last
+
+
 def probe_callback(probe_step: int, live: bool = False) -> Any:
     """A Lightning callback measuring, at ``probe_step``, the saved-activation peak of the whole batch and then the
     model state after its optimizer step (``.activation_bytes``, ``.state``); and what the step's forward left alive
@@ -143,12 +177,7 @@ def probe_callback(probe_step: int, live: bool = False) -> Any:
         def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
             if self.ctx is not None and live:
                 params = {_local(p).untyped_storage().data_ptr() for p in pl_module.parameters()}
-
-                def new(ptr: int) -> bool:
-                    old = self.before.get(ptr)
-                    return old is None or old[1].expired()
-
-                self.live_bytes = sum(n for ptr, (n, _) in live_storages().items() if new(ptr) and ptr not in params)
+                self.live_bytes = sum(settled_new_storages(self.before, params).values())
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if self.ctx is not None:

@@ -49,9 +49,9 @@ from torch.optim import Optimizer
 
 from lightning_par import checkpoint as ckpt
 from lightning_par import lightning_checkpoints as lightning_ckpt
-from lightning_par._compat import live_process_groups, set_device_mesh
+from lightning_par._compat import set_device_mesh
 from lightning_par.checks import check_bool
-from lightning_par.collectives import raise_on_every_rank
+from lightning_par.collectives import raise_on_every_rank, settle_process_groups
 from lightning_par.dims import ParallelDims
 from lightning_par.known_warnings import silence_known_warnings
 from lightning_par.parallel.init import materialize
@@ -145,24 +145,10 @@ def _destroy_process_group() -> None:
         return
     if not _EXIT["failed"] and dist.get_world_size() > 1:
         try:
-            settle_process_groups()
+            settle_process_groups(EXIT_BARRIER_SECONDS)
         except Exception as e:  # noqa: BLE001 - a peer that died: nothing to wait for, still tear down
             print(f"[lightning_par] at exit, not every rank arrived: {e}", file=sys.stderr, flush=True)
     dist.destroy_process_group()
-
-
-def settle_process_groups(timeout: float = EXIT_BARRIER_SECONDS) -> None:
-    """Wait for every rank (a monitored barrier on gloo, naming a rank that does not come), then one barrier on each
-    other gloo group this rank belongs to, in creation order (the same on every rank): see
-    ``_destroy_process_group`` for why."""
-    if dist.get_backend() == "gloo":
-        dist.monitored_barrier(timeout=timedelta(seconds=timeout))
-    else:
-        dist.barrier()
-    world = dist.group.WORLD
-    for group in live_process_groups():
-        if group is not world and dist.get_backend(group) == "gloo":
-            dist.barrier(group=group)
 
 
 class BaseParallelStrategy(ParallelStrategy):
