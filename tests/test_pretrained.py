@@ -416,7 +416,7 @@ def test_memory_per_rank_stays_well_below_the_model(tmp_path, monkeypatch):
     # glibc serves allocations from memory freed earlier (RSS would not show them) unless every block above 64 KiB
     # gets its own mapping, returned on free; the ranks inherit this at start
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    results = launch(2, _memory, str(directory))
+    results = launch(2, _memory, str(directory), fresh_interpreter=True)  # glibc reads MALLOC_* at start
     expected = from_pretrained(directory)(input_ids=PROBE).logits
     for rank, result in enumerate(results):
         assert (result["logits"] - expected).abs().max() <= 1e-5
