@@ -558,6 +558,38 @@ def test_hf_activations_under_sequence_parallelism_match_within_2_percent(measur
     assert abs(p.activations - activations) / activations <= 0.02, (p.activations, activations)
 
 
+def test_what_a_step_holds_is_counted_once_other_threads_let_go():
+    """A storage another thread drops once it gets to run (as a gloo worker drops a finished collective's buffers
+    after waking the caller; the tp2_sp_ac measurement above counted one whole-sequence tensor more now and then) is
+    not counted; a new one is; one alive before, or excluded (the parameters), is not. The pause between scans is
+    where other threads run: here it lets the dropper go and waits for it."""
+    import threading
+
+    from lightning_par.planner.measure import live_storages, settled_new_storages
+
+    before_step = torch.ones(64)
+    parameter = torch.ones(128)
+    before = live_storages()
+    new, held = torch.ones(256), [torch.ones(512)]
+    go, dropped = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        go.wait(timeout=60)
+        held.clear()
+        dropped.set()
+
+    def pause() -> None:
+        go.set()
+        dropped.wait(timeout=60)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    counted = settled_new_storages(before, {parameter.untyped_storage().data_ptr()}, pause=pause)
+    thread.join()
+    assert sorted(counted.values()) == [1024], counted  # `new` alone; counted at once, `held` (2,048 bytes) too
+    assert before_step.sum() + parameter.sum() + new.sum() > 0
+
+
 @pytest.mark.parametrize("model", ["gpt", "gpt_moe", "llama"])
 def test_bf16_mixed_activations_under_autocast_alone_and_under_fsdp(model):
     """Without FSDP (one rank, tp or pp alone) bf16-mixed is autocast alone: what the matmul family saves is bf16

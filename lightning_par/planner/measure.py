@@ -118,13 +118,14 @@ def live_storages() -> dict[int, tuple[int, StorageWeakRef]]:
 
 
 def settled_new_storages(before: dict[int, tuple[int, StorageWeakRef]], exclude: set[int],
-                         max_scans: int = 50) -> dict[int, int]:
+                         pause: Callable[[], None] | None = None, max_scans: int = 20) -> dict[int, int]:
     """The storages (address -> bytes) alive now that were not alive in ``before`` (a ``live_storages()`` taken
-    earlier) and are not in ``exclude``, once communication has let go of its buffers. A gloo worker thread drops a
+    earlier) and are not in ``exclude``, once other threads have let go of theirs. A gloo worker thread drops a
     finished collective, and the buffers it still references (an all-gather's raw output, before the copy that
-    rearranges it), just after waking the caller; a scan in between counted one whole-sequence tensor more, now and
-    then. So: one barrier per process group (every rank calls this at the same point), then scans, a short sleep
-    apart (the GIL released for the worker), until two agree."""
+    rearranges it), just after waking the caller, and it needs the GIL to free their Python objects: a scan in
+    between counted one whole-sequence tensor more, now and then. So: one barrier per process group (every rank
+    calls this at the same point), then scans a ``pause`` apart (by default 50 ms asleep, the GIL released), until
+    two agree."""
     import time
 
     import torch.distributed as dist
@@ -141,14 +142,15 @@ def settled_new_storages(before: dict[int, tuple[int, StorageWeakRef]], exclude:
 
         return {ptr: n for ptr, (n, _) in live_storages().items() if new(ptr) and ptr not in exclude}
 
-    last = scan()
+    pause = pause or (lambda: time.sleep(0.05))
+    last = None
     for _ in range(max_scans):
-        time.sleep(0.005)
+        pause()
         now = scan()
         if now == last:
             break
         last = now
-    return last
+    return now
 
 
 def probe_callback(probe_step: int, live: bool = False) -> Any:
