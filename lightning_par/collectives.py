@@ -18,19 +18,32 @@ def is_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def settle_process_groups(timeout: float = 120.0) -> None:
-    """Wait for every rank (a monitored barrier on gloo, naming a rank that does not come within ``timeout``
-    seconds), then one barrier on each other gloo group this rank belongs to, in creation order (the same on every
-    rank). A gloo barrier returns once every earlier collective of its group has completed, and it takes the group's
-    work lock, which a worker thread holds while it drops a finished collective (and the tensors it still
-    references): see ``lightning_par.strategies.base._destroy_process_group`` for why that matters at exit."""
+#: how long ``settle_process_groups`` waits for a rank before naming it
+SETTLE_SECONDS = 120.0
+
+
+def settle_process_groups(timeout: float = SETTLE_SECONDS) -> None:
+    """Wait for every rank, then let gloo's worker threads finish with what they ran.
+
+    A gloo worker (``pt_gloo_runloop``) drops its reference to a finished collective after waking the caller; where
+    it holds the last reference to a tensor with a Python object it takes the GIL to free it (seen in gdb:
+    ``~AsyncWork`` -> ``decref_pyobject`` -> ``THPVariable_dealloc``). Until then the tensor is alive: at exit the
+    interpreter may be finalizing (``terminate called without an active exception``, see
+    ``strategies.base._destroy_process_group``), and mid-step a memory measurement counts it
+    (``planner.measure``). So: a monitored barrier on the default group (it names a rank that does not come within
+    ``timeout`` seconds, instead of hanging; it only exchanges messages with rank 0), then a plain barrier on every
+    gloo group this rank belongs to, the default one included, in creation order (the same on every rank). A gloo
+    barrier waits for every earlier collective of its group and takes the group's work lock, which a worker holds
+    while it drops a finished collective. That narrows the window to a worker that has not yet taken the lock back:
+    it makes the exit abort rare, and a measurement also scans until its count is stable."""
     if dist.get_backend() == "gloo":
         dist.monitored_barrier(timeout=timedelta(seconds=timeout))
+    elif torch.cuda.is_available() and dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
     else:
         dist.barrier()
-    world = dist.group.WORLD
     for group in live_process_groups():
-        if group is not world and dist.get_backend(group) == "gloo":
+        if dist.get_backend(group) == "gloo":
             dist.barrier(group=group)
 
 

@@ -24,6 +24,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
@@ -53,13 +54,15 @@ def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-#: what the fork server imports once (a module that fails to import is left to the ranks)
+#: what the fork server imports once, when the first launch starts it (its environment and working directory are
+#: then the test process's of that moment, which is what these modules see at import). A module that raises
+#: ImportError is left to the ranks; any other error at import would take the server down, and every launch with it.
 PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch.distributed.pipelining",
            "lightning.pytorch", "transformers", "transformers.models.llama.modeling_llama", "lightning_par",
            "lightning_par.strategies", "lightning_par.planner", "workers", "hf_models"]
 
 
-def _context(fresh_interpreter: bool) -> Any:
+def _context(fresh_interpreter: bool) -> BaseContext:
     import torch
 
     if fresh_interpreter or torch.cuda.is_available():
@@ -69,16 +72,22 @@ def _context(fresh_interpreter: bool) -> Any:
     return ctx
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, parent_env: dict,
-            env: dict) -> None:
-    os.environ.clear()  # a forked rank starts with the server's environment: give it the test process's of now
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, parent: tuple[str, dict],
+            env: dict[str, str]) -> None:
+    # a forked rank starts in the server's state: give it the test process's working directory and environment of
+    # now, and numpy a seed of its own (Python's random reseeds itself after a fork; torch's seed is fixed anyway)
+    cwd, parent_env = parent
+    os.chdir(cwd)
+    os.environ.clear()
     os.environ.update(parent_env)
     os.environ.update(torchrun_env(rank, world_size, port))
     os.environ.update(env)
     out = Path(out_dir)
     try:
+        import numpy
         import torch
 
+        numpy.random.seed()
         torch.set_num_threads(1)
         result = fn(*args)
         (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
@@ -110,13 +119,15 @@ def launch(
     """Run ``fn(*args)`` on ``world_size`` ranks; return the list of per-rank results, rank 0 first.
 
     ``fn`` must be importable (a module-level function) and return picklable values (CPU tensors are fine).
+    ``env``: variables set on top of the test process's and torchrun's. ``fresh_interpreter``: start new
+    interpreters instead of forking from the server (for what a process reads only at start).
     """
     ctx = _context(fresh_interpreter)
     port = free_port()
+    parent = (os.getcwd(), dict(os.environ))
     with tempfile.TemporaryDirectory(prefix="lp_launch_") as out_dir:
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args, dict(os.environ), env or {}),
-                        daemon=False)
+            ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args, parent, env or {}), daemon=False)
             for r in range(world_size)
         ]
         for p in procs:

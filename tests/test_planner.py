@@ -568,9 +568,8 @@ def test_what_a_step_holds_is_counted_once_other_threads_let_go():
     from lightning_par.planner.measure import live_storages, settled_new_storages
 
     before_step = torch.ones(64)
-    parameter = torch.ones(128)
     before = live_storages()
-    new, held = torch.ones(256), [torch.ones(512)]
+    parameter, new, held = torch.ones(128), torch.ones(256), [torch.ones(512)]
     go, dropped = threading.Event(), threading.Event()
 
     def worker() -> None:
@@ -588,6 +587,46 @@ def test_what_a_step_holds_is_counted_once_other_threads_let_go():
     thread.join()
     assert sorted(counted.values()) == [1024], counted  # `new` alone; counted at once, `held` (2,048 bytes) too
     assert before_step.sum() + parameter.sum() + new.sum() > 0
+
+
+class TorchEncoderLM(pl.LightningModule):
+    """A language model of torch's own ``nn.TransformerEncoderLayer``s: attention through ``nn.MultiheadAttention``,
+    whose ``F.multi_head_attention_forward`` calls attention and its projections from inside an overridable Python
+    function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 64)
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+                                    for _ in range(2))
+        self.head = nn.Linear(64, 32)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.xfail(strict=True, reason="the trace marks attention and autocast at torch functions, and a call made "
+                   "inside another overridable Python function (F.multi_head_attention_forward) escapes the marks: "
+                   "the meta decomposition's attention probabilities are counted, 1.27 x the measured in fp32 and "
+                   "1.32 x under CPU autocast (docs/planner.md, 'How it predicts')")
+def test_activations_of_torch_multihead_attention_match():
+    from lightning_par.planner.measure import saved_activations
+
+    torch.manual_seed(0)
+    module = TorchEncoderLM()
+    ids = torch.randint(0, 32, (4, 16))
+    prof = profile_model(module, (ids, ids))
+    ratios = {}
+    for precision in ("32-true", "bf16-mixed"):
+        ctx, total = saved_activations()
+        with ctx, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            module.training_step((ids, ids), 0)
+        ratios[precision] = predict(Layout(), prof, CPU, 4, 16, precision).activations / total()
+    assert all(abs(r - 1) <= 0.02 for r in ratios.values()), ratios
 
 
 @pytest.mark.parametrize("model", ["gpt", "gpt_moe", "llama"])

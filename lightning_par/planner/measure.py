@@ -4,14 +4,19 @@ autograd saves for backward. Used by the planner's tests and benchmarks (and usa
 from __future__ import annotations
 
 import gc
+import time
+import warnings
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from lightning_par.collectives import settle_process_groups
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
@@ -117,40 +122,40 @@ def live_storages() -> dict[int, tuple[int, StorageWeakRef]]:
     return out
 
 
+def _pause_for_other_threads() -> None:
+    time.sleep(0.05)  # the GIL released: a thread about to drop its references gets to
+
+
 def settled_new_storages(before: dict[int, tuple[int, StorageWeakRef]], exclude: set[int],
-                         pause: Callable[[], None] | None = None, max_scans: int = 20) -> dict[int, int]:
+                         pause: Callable[[], None] = _pause_for_other_threads,
+                         max_scans: int = 20) -> dict[int, int]:
     """The storages (address -> bytes) alive now that were not alive in ``before`` (a ``live_storages()`` taken
-    earlier) and are not in ``exclude``, once other threads have let go of theirs. A gloo worker thread drops a
-    finished collective, and the buffers it still references (an all-gather's raw output, before the copy that
-    rearranges it), just after waking the caller, and it needs the GIL to free their Python objects: a scan in
-    between counted one whole-sequence tensor more, now and then. So: one barrier per process group (every rank
-    calls this at the same point), then scans a ``pause`` apart (by default 50 ms asleep, the GIL released), until
-    two agree."""
-    import time
+    earlier) and are not in ``exclude``, once other threads have let go of theirs: scans a ``pause`` apart until two
+    agree (a warning if ``max_scans`` never do). A gloo worker thread drops a finished collective, and the buffers it
+    still references (an all-gather's raw output, before the copy that rearranges it), just after waking the
+    caller, and it needs the GIL to free their Python objects: a single scan counted one whole-sequence tensor more
+    now and then. Across ranks, ``collectives.settle_process_groups`` first narrows that window."""
+    if max_scans < 2:
+        raise ValueError(f"max_scans={max_scans}: two scans must agree; pass 2 or more.")
 
-    import torch.distributed as dist
-
-    from lightning_par.collectives import settle_process_groups
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        settle_process_groups()
+    def is_new(ptr: int) -> bool:
+        old = before.get(ptr)
+        return old is None or old[1].expired()
 
     def scan() -> dict[int, int]:
-        def new(ptr: int) -> bool:
-            old = before.get(ptr)
-            return old is None or old[1].expired()
+        return {ptr: n for ptr, (n, _) in live_storages().items() if is_new(ptr) and ptr not in exclude}
 
-        return {ptr: n for ptr, (n, _) in live_storages().items() if new(ptr) and ptr not in exclude}
-
-    pause = pause or (lambda: time.sleep(0.05))
-    last = None
-    for _ in range(max_scans):
+    pause()
+    last = scan()
+    for _ in range(max_scans - 1):
         pause()
         now = scan()
         if now == last:
-            break
+            return now
         last = now
-    return now
+    warnings.warn(f"settled_new_storages: {max_scans} scans, {pause} apart, never agreed; the last one is returned "
+                  f"(another thread keeps allocating or freeing tensors)", stacklevel=2)
+    return last
 
 
 def probe_callback(probe_step: int, live: bool = False) -> Any:
@@ -179,6 +184,8 @@ def probe_callback(probe_step: int, live: bool = False) -> Any:
         def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
             if self.ctx is not None and live:
                 params = {_local(p).untyped_storage().data_ptr() for p in pl_module.parameters()}
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    settle_process_groups()  # every rank is here: a barrier per group (see settled_new_storages)
                 self.live_bytes = sum(settled_new_storages(self.before, params).values())
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -125,27 +125,22 @@ def _check_optimizers(model: nn.Module, optimizers: list[Optimizer], device: tor
 
 
 _EXIT = {"failed": False}  # set by on_exception: a failing rank leaves at once, without waiting for its peers
-EXIT_BARRIER_SECONDS = 120.0
 
 
 def _destroy_process_group() -> None:
     """At exit: wait until every rank is done, settle every gloo group, then take the process groups down.
 
     Without the wait a rank that finishes first destroys its gloo pairs (and rank 0 its TCPStore) while a peer still
-    talks to them. The settling is for gloo's worker threads (``pt_gloo_runloop``): a worker drops its reference to a
-    finished collective after waking the caller, and where it holds the last reference to a tensor with a Python
-    object (a parameter, a DTensor) it takes the GIL to free it (seen in gdb: ``~AsyncWork`` -> ``decref_pyobject``
-    -> ``THPVariable_dealloc`` on ``pt_gloo_runloop``). If the interpreter is finalizing by then, taking the GIL ends
-    the thread by forced unwinding through that ``noexcept`` destructor: ``terminate called without an active
-    exception`` (SIGABRT, exit -6/134) after a run that succeeded, about one job in 300 on a busy 2-core machine. A
-    barrier on a gloo group takes the group's work lock, which a worker holds while it drops a finished collective,
-    and returns only when every earlier collective of the group has completed, so after one barrier per group no
-    worker still holds a tensor. The waits are bounded (gloo's monitored barrier names a rank that never arrives)."""
+    talks to them. Without the settling (``collectives.settle_process_groups``), a gloo worker that frees a tensor's
+    Python object while the interpreter finalizes ends by forced unwinding through a ``noexcept`` destructor:
+    ``terminate called without an active exception`` (SIGABRT, exit -6/134) after a run that succeeded, about one
+    job in 300 on a busy 2-core machine. The waits are bounded (gloo's monitored barrier names a rank that never
+    arrives)."""
     if not dist.is_initialized():
         return
     if not _EXIT["failed"] and dist.get_world_size() > 1:
         try:
-            settle_process_groups(EXIT_BARRIER_SECONDS)
+            settle_process_groups()
         except Exception as e:  # noqa: BLE001 - a peer that died: nothing to wait for, still tear down
             print(f"[lightning_par] at exit, not every rank arrived: {e}", file=sys.stderr, flush=True)
     dist.destroy_process_group()
