@@ -46,10 +46,24 @@ NVLINK_HOP, PCIE_HOP, NET_HOP = 3.4e-6, 5.7e-6, 14e-6
 #: work (norms, activations, softmax, the optimizer, launches) is why it is far below :data:`MATMUL_EFFICIENCY`.
 DEFAULT_EFFICIENCY = 0.45
 
-#: Fraction of dense peak that one large bf16 matmul alone reaches: 8192 x 8192 x 8192 bf16 ran at 769-798 TFLOP/s
-#: on an H100 80GB HBM3 and an H200 lent to the project (2026-11), 0.78-0.81 of 989. This is what
-#: ``probe_matmul`` measures at large shapes; a training step's model FLOPs reach :data:`DEFAULT_EFFICIENCY`.
+#: Fraction of dense peak that one large bf16 matmul alone reaches on an H100: 8192 x 8192 x 8192 bf16 ran at
+#: 769-798 TFLOP/s on an H100 80GB HBM3 and an H200 lent to the project (2026-11), 0.78-0.81 of 989 (MAMF's table,
+#: :data:`MAMF_SOURCE`: 0.803, "H200 is the same"). This is what ``probe_matmul`` measures at large shapes; a
+#: training step's model FLOPs reach :data:`DEFAULT_EFFICIENCY`. Other devices reach other fractions of their peak
+#: (``DeviceSpec.matmul_efficiency``); this one is the figure for devices nobody measured.
 MATMUL_EFFICIENCY = 0.8
+
+#: The share of a training step's compute time that its matmuls take, at the rate one large matmul reaches:
+#: :data:`DEFAULT_EFFICIENCY` / :data:`MATMUL_EFFICIENCY`, both H100 figures (0.45 / 0.8 = 0.5625). The table
+#: prices a device's step at this share of its own matmul rate, so a device whose matmuls reach more of its peak
+#: (an A100 SXM: 0.869) computes a step at more of its peak too (0.489), as published A100 runs did (MosaicML's
+#: MPT on A100 at 0.62-0.66 of peak counting recomputation, against 0.56-0.59 on H100).
+STEP_SHARE = DEFAULT_EFFICIENCY / MATMUL_EFFICIENCY
+
+#: Where the per-device matmul efficiencies come from: Stas Bekman's "Maximum Achievable Matmul FLOPS" (MAMF)
+#: table, bf16, each the mean of 100 matmuls at the best of a search of shapes, on the torch of its row.
+MAMF_SOURCE = ("stas00/ml-engineering compute/accelerator/README.md, 'Maximum Achievable Matmul FLOPS comparison "
+               "table', BF16 (read 2026-11)")
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,9 @@ class DeviceSpec:
     memory_bandwidth: float  # bytes/s
     intra_link: str  # the LINKS key of its usual node-internal link
     source: str
+    #: the fraction of the dense peak one large matmul reaches (:data:`MAMF_SOURCE` where measured, else
+    #: :data:`MATMUL_EFFICIENCY`, an H100's); a step from the table computes at :data:`STEP_SHARE` of it
+    matmul_efficiency: float = MATMUL_EFFICIENCY
 
 
 _NVL_LAT = NCCL_TUNING.format("NVLINK") + " = 3.4 us"
@@ -124,30 +141,46 @@ _AMPERE = {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}  # A
 
 
 def _device(name: str, pattern: str, peak: dict[str, float], memory_gb: float, bandwidth_tb: float, link: str,
-            source: str) -> DeviceSpec:
-    """A table row: memory in the datasheet's GB (binary), bandwidth in TB/s."""
-    return DeviceSpec(name, pattern, peak, int(memory_gb * GiB), bandwidth_tb * 1e12, link, source)
+            source: str, mamf: tuple[float, str] | None = None) -> DeviceSpec:
+    """A table row: memory in the datasheet's GB (binary), bandwidth in TB/s; ``mamf``: the fraction of the bf16
+    peak one large matmul reaches, with the row of :data:`MAMF_SOURCE` it comes from (None: not measured, an
+    H100's :data:`MATMUL_EFFICIENCY`)."""
+    efficiency, row = mamf if mamf is not None else (MATMUL_EFFICIENCY, "not measured: an H100's")
+    return DeviceSpec(name, pattern, peak, int(memory_gb * GiB), bandwidth_tb * 1e12, link,
+                      f"{source}; one large matmul: {efficiency:g} of peak ({row})", efficiency)
+
+
+#: rows of :data:`MAMF_SOURCE` (MAMF TFLOP/s over the dense bf16 peak)
+_MAMF_A100_SXM = (0.869, "MAMF row 'NVIDIA A100 SXM': 271.2 of 312")
+_MAMF_A100_PCIE = (0.811, "MAMF row 'NVIDIA A100 PCIe': 252.9 of 312")
+_MAMF_H100_SXM = (MATMUL_EFFICIENCY, "measured here 0.78-0.81; MAMF row 'NVIDIA H100 SXM': 794.5 of 989, 'H200 is "
+                                     "the same'")
+_MAMF_GH200 = (0.838, "MAMF row 'NVIDIA GH200 SXM', 900 W 141 GiB HBM3e version: 828.6 of 989")
+_MAMF_B200 = (0.776, "MAMF row 'NVIDIA B200 SXM': 1,745 of 2,250")
+_MAMF_GB200 = (0.729, "MAMF row 'NVIDIA GB200 SXM': 1,822 of 2,500")
 
 
 #: Known GPUs, in matching order. Blackwell: only bf16/fp16 are tabulated.
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (
     _device("GB200", r"GB200", {"bf16": 2.5e15, "fp16": 2.5e15}, 186, 8.0, "nvswitch-nvl72",
             "GB200 NVL72 spec (nvidia.com/en-us/data-center/gb200-nvl72), 72 GPUs: FP16/BF16 360 PFLOPS* -> "
-            "2.5 PFLOP/s dense per GPU; HBM3e 13.4 TB at 576 TB/s -> 186 GB, 8 TB/s per GPU"),
+            "2.5 PFLOP/s dense per GPU; HBM3e 13.4 TB at 576 TB/s -> 186 GB, 8 TB/s per GPU", mamf=_MAMF_GB200),
     _device("B200", r"B200", {"bf16": 2.25e15, "fp16": 2.25e15}, 180, 8.0, "nvlink5",
             "HGX B200 spec (nvidia.com/en-us/data-center/hgx) and DGX B200 datasheet, 8 GPUs: FP16/BF16 "
-            "36 PFLOPS* -> 2.25 PFLOP/s dense per GPU; 1,440 GB HBM3e at 64 TB/s -> 180 GB, 8 TB/s per GPU"),
+            "36 PFLOPS* -> 2.25 PFLOP/s dense per GPU; 1,440 GB HBM3e at 64 TB/s -> 180 GB, 8 TB/s per GPU",
+            mamf=_MAMF_B200),
     _device("H200-NVL", r"H200 NVL", _HOPPER_NVL, 141, 4.8, "pcie5",
             f"{_H200}: H200 NVL bf16 1,671*, tf32 835*, fp32 60; 141 GB HBM3e, 4.8 TB/s; NVLink bridges join 2 or "
             "4 GPUs only, so a node's ring runs over PCIe Gen5"),
     _device("GH200-144GB", r"GH200.*144G", _HOPPER, 144, 4.9, "nvlink4",
             "GH200 Grace Hopper datasheet (nvidia.com/en-us/data-center/grace-hopper-superchip): H100 SXM compute; "
-            "144 GB HBM3e, 4.9 TB/s"),
+            "144 GB HBM3e, 4.9 TB/s", mamf=_MAMF_GH200),
     _device("GH200", r"GH200", _HOPPER, 96, 4.0, "nvlink4",
             "GH200 Grace Hopper datasheet: H100 SXM compute; 96 GB HBM3, 4 TB/s (torch names it 'GH200 480GB', "
             "the 480 GB being the Grace CPU's LPDDR5X)"),
     _device("H200", r"H200", _HOPPER, 141, 4.8, "nvlink4",
-            f"{_H200}: H200 SXM bf16 1,979*, tf32 989*, fp32 67; 141 GB HBM3e, 4.8 TB/s; NVLink 900 GB/s"),
+            f"{_H200}: H200 SXM bf16 1,979*, tf32 989*, fp32 67; 141 GB HBM3e, 4.8 TB/s; NVLink 900 GB/s",
+            mamf=_MAMF_H100_SXM),
     _device("H100-PCIe", r"H100.*PCIe|H100.*HBM2e", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12,
                                                      "fp32": 51e12}, 80, 2.0, "pcie5",
             f"{_H100}: H100 PCIe bf16 1,513*, tf32 756*, fp32 51; 80 GB HBM2e, 2 TB/s; PCIe Gen5 (NVLink bridges "
@@ -156,19 +189,23 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (
             f"{_H100}: H100 NVL bf16 1,671*, tf32 835*, fp32 60; 94 GB HBM3, 3.9 TB/s; PCIe Gen5 (NVLink bridges "
             "pair GPUs only)"),
     _device("H800", r"H800", _HOPPER, 80, 3.35, "nvlink4-h800",
-            "H800 SXM5 product page: H100 SXM compute and memory (80 GB HBM3, 3.35 TB/s), NVLink 400 GB/s"),
+            "H800 SXM5 product page: H100 SXM compute and memory (80 GB HBM3, 3.35 TB/s), NVLink 400 GB/s",
+            mamf=_MAMF_H100_SXM),
     _device("H100-SXM", r"H100", _HOPPER, 80, 3.35, "nvlink4",
-            f"{_H100}: H100 SXM bf16 1,979*, tf32 989*, fp32 67; 80 GB HBM3, 3.35 TB/s; NVLink 900 GB/s"),
+            f"{_H100}: H100 SXM bf16 1,979*, tf32 989*, fp32 67; 80 GB HBM3, 3.35 TB/s; NVLink 900 GB/s",
+            mamf=_MAMF_H100_SXM),
     _device("A100-80GB-PCIe", r"A100.*80GB.*PCIe|A100.*PCIe.*80GB", _AMPERE, 80, 1.935, "pcie4",
-            f"{_A100}: A100 80GB PCIe 1,935 GB/s; PCIe Gen4 (NVLink bridges pair GPUs only)"),
+            f"{_A100}: A100 80GB PCIe 1,935 GB/s; PCIe Gen4 (NVLink bridges pair GPUs only)", mamf=_MAMF_A100_PCIE),
     _device("A100-40GB-PCIe", r"A100.*PCIe", _AMPERE, 40, 1.555, "pcie4",
-            f"{_A100}: A100 40GB PCIe 1,555 GB/s; PCIe Gen4 (NVLink bridges pair GPUs only)"),
+            f"{_A100}: A100 40GB PCIe 1,555 GB/s; PCIe Gen4 (NVLink bridges pair GPUs only)", mamf=_MAMF_A100_PCIE),
     _device("A100-40GB", r"A100.*40GB", _AMPERE, 40, 1.555, "nvlink3",
-            f"{_A100}: A100 40GB SXM bf16 312 (624*), tf32 156, fp32 19.5; 1,555 GB/s; NVLink 600 GB/s"),
+            f"{_A100}: A100 40GB SXM bf16 312 (624*), tf32 156, fp32 19.5; 1,555 GB/s; NVLink 600 GB/s",
+            mamf=_MAMF_A100_SXM),
     _device("A800", r"A800", _AMPERE, 80, 2.039, "nvlink3-a800",
-            "A800 product page: A100 80GB SXM compute and memory (2,039 GB/s), NVLink 400 GB/s"),
+            "A800 product page: A100 80GB SXM compute and memory (2,039 GB/s), NVLink 400 GB/s", mamf=_MAMF_A100_SXM),
     _device("A100-80GB", r"A100", _AMPERE, 80, 2.039, "nvlink3",
-            f"{_A100}: A100 80GB SXM bf16 312 (624*), tf32 156, fp32 19.5; 2,039 GB/s; NVLink 600 GB/s"),
+            f"{_A100}: A100 80GB SXM bf16 312 (624*), tf32 156, fp32 19.5; 2,039 GB/s; NVLink 600 GB/s",
+            mamf=_MAMF_A100_SXM),
     _device("L40S", r"L40S", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}, 48, 0.864, "pcie4",
             "L40S datasheet: bf16/fp16 362.05 (733*), tf32 183 (366*), fp32 91.6; 48 GB GDDR6, 864 GB/s; PCIe Gen4"),
     _device("L4", r"\bL4\b", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}, 24, 0.3, "pcie4",
@@ -271,7 +308,7 @@ class Hardware:
     source: str  # "measured on this machine (...)" or "table: H100-SXM, nvlink4, ib-ndr400, ..."
     #: the share of a pass's compute time its matmuls take at ``matmul_flops``; the rest is non-matmul work (norms,
     #: activations, launches) that selective checkpointing recomputes in full. 1: matmuls only (as the probe
-    #: measures); from the table ``efficiency / MATMUL_EFFICIENCY`` (0.45 / 0.8: 56 %)
+    #: measures); from the table ``efficiency / DeviceSpec.matmul_efficiency`` (:data:`STEP_SHARE` by default: 56 %)
     matmul_share: float = 1.0
     #: links measured per shape of group within a node, ``((size, stride, bandwidth, latency), ...)``: the groups of
     #: ``size`` ranks ``stride`` apart, all communicating at once (as a mesh dimension's groups do). A mesh dimension
@@ -361,21 +398,30 @@ def known_hardware(
     precision: str = "bf16",
     gpus_per_node: int = 8,
     inter_link: str = "ib-ndr400",
-    efficiency: float = DEFAULT_EFFICIENCY,
+    efficiency: float | None = None,
     intra_link: str | None = None,
     nics_per_node: int | None = None,
 ) -> Hardware:
     """The :class:`Hardware` of a known device from the tables: ``matmul_flops`` is the dense peak for
-    ``precision`` times ``efficiency`` (see :data:`DEFAULT_EFFICIENCY`), the node-internal link is the device's usual
-    one unless ``intra_link`` names another, and ``inter_link`` joins the nodes with one NIC per GPU unless
-    ``nics_per_node`` says fewer (their bandwidth is then shared: ``bandwidth * nics_per_node / gpus_per_node``)."""
+    ``precision`` times ``efficiency``, the node-internal link is the device's usual one unless ``intra_link`` names
+    another, and ``inter_link`` joins the nodes with one NIC per GPU unless ``nics_per_node`` says fewer (their
+    bandwidth is then shared: ``bandwidth * nics_per_node / gpus_per_node``).
+
+    ``efficiency``: the fraction of dense peak a training step's model FLOPs reach; default :data:`STEP_SHARE` of
+    the fraction the device's matmuls reach alone (``DeviceSpec.matmul_efficiency``): 0.45 on an H100, 0.489 on
+    an A100 SXM."""
     spec = lookup_device(device)
+    rule = ""
+    if efficiency is None:
+        efficiency = STEP_SHARE * spec.matmul_efficiency
+        rule = f" ({STEP_SHARE:g} of its matmuls' {spec.matmul_efficiency:g})"
     if precision not in spec.peak_flops:
         raise ValueError(f"precision={precision!r}: {spec.name} has dense peaks for {sorted(spec.peak_flops)} only "
                          f"(of {list(PRECISIONS)}); pass one of those.")
     if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency!r} must be in (0, 1]: the fraction of dense peak the run reaches "
-                         f"(default {DEFAULT_EFFICIENCY}).")
+                         f"(default {STEP_SHARE:g} x the device's matmul efficiency, "
+                         f"{STEP_SHARE * spec.matmul_efficiency:.3g} for {spec.name}).")
     if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
         raise ValueError(f"gpus_per_node={gpus_per_node!r} must be a positive int.")
     if nics_per_node is not None and (isinstance(nics_per_node, bool) or not isinstance(nics_per_node, int)
@@ -394,6 +440,6 @@ def known_hardware(
         intra_latency=intra.latency,
         inter_bandwidth=inter.bandwidth * share,
         inter_latency=inter.latency,
-        source=f"table: {spec.name} {precision} x {efficiency:g}, {intra.name}, {inter.name}{nics}",
-        matmul_share=min(1.0, efficiency / MATMUL_EFFICIENCY),
+        source=f"table: {spec.name} {precision} x {efficiency:.3g}{rule}, {intra.name}, {inter.name}{nics}",
+        matmul_share=min(1.0, efficiency / spec.matmul_efficiency),
     )

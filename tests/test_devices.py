@@ -16,7 +16,9 @@ from lightning_par.devices import (
     DEFAULT_EFFICIENCY,
     DEVICES,
     LINKS,
+    MATMUL_EFFICIENCY,
     PEAK_FLOPS,
+    STEP_SHARE,
     GiB,
     Hardware,
     known_hardware,
@@ -122,7 +124,7 @@ def test_known_hardware_is_peak_times_efficiency_and_the_table_links():
     assert hw.matmul_flops == pytest.approx(989e12 * DEFAULT_EFFICIENCY)
     assert (hw.intra_bandwidth, hw.intra_latency) == (450e9, 3.4e-6)  # NVLink 4
     assert (hw.inter_bandwidth, hw.inter_latency) == (50e9, 14e-6)  # NDR 400 Gb/s per GPU
-    assert hw.source == "table: H100-SXM bf16 x 0.45, nvlink4, ib-ndr400"
+    assert hw.source == "table: H100-SXM bf16 x 0.45 (0.5625 of its matmuls' 0.8), nvlink4, ib-ndr400"
 
     a100 = known_hardware("A100-80GB", precision="tf32", gpus_per_node=4, inter_link="ib-hdr200", efficiency=0.5)
     assert a100.matmul_flops == pytest.approx(78e12) and a100.gpus_per_node == 4
@@ -132,6 +134,26 @@ def test_known_hardware_is_peak_times_efficiency_and_the_table_links():
     assert shared.intra_bandwidth == 32e9 and shared.inter_bandwidth == pytest.approx(12.5e9 / 4)
     bridged = known_hardware("H100-PCIe", intra_link="nvlink4")
     assert bridged.intra_bandwidth == 450e9 and "nvlink4" in bridged.source
+
+
+def test_a_step_from_the_table_computes_at_one_share_of_each_devices_own_matmul_rate():
+    """One large matmul reaches a different fraction of the peak on each device (the MAMF table: 0.869 on an A100
+    SXM, 0.80 on an H100, 0.776 on a B200); a step is priced at the same share of it (0.45 / 0.8), so published A100
+    runs, which reached more of their peak than H100 runs, are not under-predicted by an H100's figure."""
+    h100, a100 = known_hardware("H100-SXM"), known_hardware("NVIDIA A100-SXM4-80GB")
+    assert STEP_SHARE == pytest.approx(DEFAULT_EFFICIENCY / MATMUL_EFFICIENCY) == pytest.approx(0.5625)
+    assert a100.matmul_flops == pytest.approx(312e12 * 0.869 * STEP_SHARE)  # 0.489 of peak
+    assert known_hardware("A100-40GB-PCIe").matmul_flops == pytest.approx(312e12 * 0.811 * STEP_SHARE)
+    assert known_hardware("B200").matmul_flops == pytest.approx(2.25e15 * 0.776 * STEP_SHARE)
+    assert h100.matmul_share == a100.matmul_share == pytest.approx(STEP_SHARE)  # the same non-matmul share
+    for name, spec in DEVICES.items():  # every row says where its figure comes from
+        assert 0.5 < spec.matmul_efficiency <= 1 and "one large matmul" in spec.source, name
+        assert ("MAMF row" in spec.source) == (spec.matmul_efficiency != MATMUL_EFFICIENCY or name in (
+            "H100-SXM", "H800", "H200")), name
+    # an efficiency given by hand is the step's, whatever the device's matmuls reach; its share follows from both
+    custom = known_hardware("A100-80GB", efficiency=0.5)
+    assert custom.matmul_flops == pytest.approx(156e12) and custom.matmul_share == pytest.approx(0.5 / 0.869)
+    assert "0.5625" not in custom.source
 
 
 def test_known_hardware_bad_input():

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_par.devices import DEFAULT_EFFICIENCY, MATMUL_EFFICIENCY, Hardware
+from lightning_par.devices import STEP_SHARE, Hardware
 
 Shape = tuple[int, int, int]
 
@@ -347,12 +347,12 @@ def probe_hardware(
 def step_share(device: torch.device) -> float:
     """The share of the probed matmul rate at which a training step's model FLOPs run. On an accelerator a step
     also does non-matmul work (norms, activations, softmax, the loss, the optimizer, kernel launches) that the probe,
-    which times matmuls alone, does not see: the device table's rule, ``DEFAULT_EFFICIENCY / MATMUL_EFFICIENCY``
-    (0.45 / 0.8), so that a probed device and the same device from the table predict alike. Measured on an H200
+    which times matmuls alone, does not see: the device table's rule, ``devices.STEP_SHARE`` (0.45 / 0.8), so that
+    a probed device and the same device from the table predict alike. Measured on an H200
     (2026-11-26, ``bench_planner.py --device cuda``, 325 M-parameter GPT and Llama, bf16-mixed): their steps ran
     at 0.41 and 0.29 of the probed rate, which the raw rate had predicted at 0.45 and 0.32 of the measured time.
     On the CPU the raw rate (1): the CPU benchmark's predictions are calibrated on it (world 4)."""
-    return 1.0 if torch.device(device).type == "cpu" else DEFAULT_EFFICIENCY / MATMUL_EFFICIENCY
+    return 1.0 if torch.device(device).type == "cpu" else STEP_SHARE
 
 
 def _check_tp_sizes(tp_sizes: Sequence[int]) -> tuple[int, ...]:
