@@ -86,6 +86,9 @@ WANTED: list[tuple[str, dict[str, Any]]] = [
                                     accumulate_unsharded=True)),
     ("hsdp", dict(dp_replicate=2, dp_shard=2)),
     ("tp4", dict(tp=4)),
+    ("tp4_sp", dict(tp=4, sequence_parallel=True, loss_parallel=True)),
+    # the gathered layer inputs saved as chunks, gathered again in backward
+    ("tp4_sp_regather", dict(tp=4, sequence_parallel=True, loss_parallel=True, regather_sequence=True)),
     ("dp2_tp2", dict(dp_shard=2, tp=2)),
     ("dp2_tp2_ac", dict(dp_shard=2, tp=2, activation_checkpointing=True)),
     ("dp2_tp2_sac", dict(dp_shard=2, tp=2, activation_checkpointing="selective")),
@@ -175,7 +178,8 @@ def layouts_to_measure(full: Any, budgeted: Any, keys: list[str], world: int) ->
                   and p.layout.pp_stages_per_rank == fields.get("pp_stages_per_rank")
                   and p.layout.accumulate_grad_batches == fields.get("accumulate_grad_batches", 1)
                   and p.layout.reshard_after_forward == fields.get("reshard_after_forward", True)
-                  and p.layout.accumulate_unsharded == fields.get("accumulate_unsharded", False)]
+                  and p.layout.accumulate_unsharded == fields.get("accumulate_unsharded", False)
+                  and p.layout.regather_sequence == fields.get("regather_sequence", False)]
         out[key] = listed[0] if listed else Layout(**fields)
     for key, layout in (("pick", full.best.layout), ("budget_pick", budgeted.best.layout)):
         if layout not in out.values():
@@ -201,7 +205,7 @@ def run_one(cfg: dict[str, Any], model: str, layout: Any, yield_turn: Callable[[
     total_steps = probe_step + 1
     # checkpointing keeps what autograd's hooks do not see (the generator's state, selective checkpointing's cache):
     # there the activations are all that the forward left alive until backward
-    live = bool(layout.activation_checkpointing) and layout.pp == 1
+    live = bool(layout.activation_checkpointing or layout.regather_sequence) and layout.pp == 1
     cuda = cfg["device"] == "cuda"
     timer, probe = step_timer(cuda=cuda), probe_callback(probe_step, live=live)
     device_peak = device_peak_callback()

@@ -18,7 +18,7 @@ def measure(layouts: dict[str, dict[str, Any]], world: int, module_cls: type,
     for name, kwargs in layouts.items():
         kwargs = dict(kwargs)
         model = {**model_kwargs, **kwargs.pop("model", {})}  # a layout's own model options (experts)
-        probe = probe_callback(1, live=bool(kwargs.get("activation_checkpointing")))
+        probe = probe_callback(1, live=bool(kwargs.get("activation_checkpointing") or kwargs.get("regather_sequence")))
         dp = kwargs.get("dp_replicate", 1) * kwargs.get("dp_shard", 1)
         fit(NDParallelStrategy(**kwargs), devices=world, dp_size=dp, max_steps=2, callbacks=[probe],
             module_cls=module_cls, **model)

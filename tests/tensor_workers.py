@@ -8,6 +8,7 @@ trains both for a few steps. Ranks return plain numbers and error messages; the 
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel
 
 from example_projects.gpt.model import GPT, GPT_TP_PLAN, GPTConfig
+from lightning_par.parallel.sequence_regather import regathered_sequence
 from lightning_par.parallel.tensor import apply_tp, prefix_plan, resolve_tp_plan
 
 BATCH, SEQ = 4, 16
@@ -55,6 +57,7 @@ class Case:
     model: str = "gpt"  # gpt | wrapped | llama | gpt_style_objects
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    regather_sequence: bool = False  # trained inside ``regathered_sequence()``
     optimizer: str = "adamw"
     steps: int = 3
     overrides: dict = field(default_factory=dict, hash=False)
@@ -76,6 +79,8 @@ def extra_cases() -> list[Case]:
         Case("llama hf plan", model="llama"),
         Case("llama hf plan sp", model="llama", sequence_parallel=True),
         Case("llama hf plan sp lp (lm_head overridden)", model="llama", sequence_parallel=True, loss_parallel=True),
+        Case("gpt sp lp regather", sequence_parallel=True, loss_parallel=True, regather_sequence=True),
+        Case("llama hf plan sp regather", model="llama", sequence_parallel=True, regather_sequence=True),
     ]
 
 
@@ -102,26 +107,33 @@ def _logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def _train(model: nn.Module, batches: list, optimizer: str, use_loss_parallel: bool) -> list[float]:
+def _train(model: nn.Module, batches: list, optimizer: str, use_loss_parallel: bool,
+           regather: bool = False) -> list[float]:
     opt = (torch.optim.SGD(model.parameters(), lr=0.5) if optimizer == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1))
     losses = []
     for x, y in batches:
-        opt.zero_grad()
-        logits = _logits(model, x)
-        if use_loss_parallel:
-            assert isinstance(logits, DTensor), f"loss_parallel: logits are {type(logits).__name__}, not a DTensor"
-            with loss_parallel():
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                loss.backward()
-            loss = loss.full_tensor()
-        else:
-            assert not isinstance(logits, DTensor)
+        with regathered_sequence() if regather else nullcontext():
+            losses.append(_train_step(model, x, y, opt, use_loss_parallel))
+    return losses
+
+
+def _train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Optimizer,
+                use_loss_parallel: bool) -> float:
+    opt.zero_grad()
+    logits = _logits(model, x)
+    if use_loss_parallel:
+        assert isinstance(logits, DTensor), f"loss_parallel: logits are {type(logits).__name__}, not a DTensor"
+        with loss_parallel():
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
             loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
+        loss = loss.full_tensor()
+    else:
+        assert not isinstance(logits, DTensor)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+    opt.step()
+    return float(loss.detach())
 
 
 def _full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -138,7 +150,8 @@ def run_case(case: Case, mesh) -> dict:
         (torch.randint(0, vocab, (BATCH, SEQ), generator=g), torch.randint(0, vocab, (BATCH, SEQ), generator=g))
         for _ in range(case.steps)
     ]
-    apply_tp(model, mesh, plan, sequence_parallel=case.sequence_parallel, loss_parallel=case.loss_parallel)
+    apply_tp(model, mesh, plan, sequence_parallel=case.sequence_parallel, loss_parallel=case.loss_parallel,
+             regather_sequence=case.regather_sequence)
     sharded = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor) and p.to_local().numel()
                      < p.numel())
     # the residual stream leaving the first block: this rank's sequence chunk under SP, the full sequence without
@@ -146,7 +159,7 @@ def run_case(case: Case, mesh) -> dict:
     seen: list[tuple] = []
     first_block.register_forward_hook(lambda _m, _a, out: seen.append(tuple((out[0] if isinstance(out, tuple)
                                                                               else out).shape)))
-    losses = _train(model, batches, case.optimizer, case.loss_parallel)
+    losses = _train(model, batches, case.optimizer, case.loss_parallel, case.regather_sequence)
     ref_losses = _train(reference, batches, case.optimizer, False)
     got, want = _full_weights(model), _full_weights(reference)
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
@@ -198,6 +211,74 @@ def run_all(tp: int, cases: list[Case]) -> dict:
         out = {"errors": distributed_errors(mesh)}
         for case in cases:
             out[case.name] = run_case(case, mesh)
+        out["regather"] = regather_evidence(mesh)
         return out
     finally:
         dist.destroy_process_group()
+
+
+class _InPlaceAfterGather(nn.Module):
+    """A norm on the sequence chunks, a column-parallel layer that gathers its output, then the chunk scaled in
+    place: what backward would gather again is no longer what forward gathered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(32), nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x) * 1.0  # (torch's SequenceParallel output is a view autograd keeps from in-place ops)
+        out = self.down(F.gelu(self.up(h)))
+        h.mul_(2.0)
+        return out + h
+
+
+def regather_evidence(mesh) -> dict:
+    """What ``regather_sequence`` changes in one step of the tiny GPT (fp32, SP, tp over ``mesh``): the all-gathers
+    (CommDebugMode), the bytes alive at the end of forward (autograd's saved tensors held by Python objects in both
+    runs, so a scan sees them), the gradients; and the error for a chunk modified in place."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from lightning_par.planner.measure import live_storages
+
+    def step(regather: bool) -> dict:
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        apply_tp(model, mesh, GPT_TP_PLAN, sequence_parallel=True, regather_sequence=regather)
+        x = torch.randint(0, 32, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        passthrough = torch.autograd.graph.saved_tensors_hooks(lambda t: [t], lambda held: held[0])
+        comm = CommDebugMode()
+        before = live_storages()
+        with regathered_sequence() if regather else passthrough, comm:
+            loss = F.cross_entropy(_logits(model, x).flatten(0, 1), x.flatten())
+            alive = sum(nbytes for ptr, (nbytes, _) in live_storages().items() if ptr not in before)
+            forward = dict(comm.get_comm_counts())
+            loss.backward()
+        total = dict(comm.get_comm_counts())
+        all_gathers = {k: v for k, v in total.items() if "all_gather" in str(k)}
+        return {"alive": alive, "forward_gathers": sum(v for k, v in forward.items() if "all_gather" in str(k)),
+                "gathers": sum(all_gathers.values()),
+                "grads": {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                          for n, p in model.named_parameters()}}
+
+    plain, regathered = step(False), step(True)
+    model = _InPlaceAfterGather()
+    apply_tp(model, mesh, {"norm": "sequence_parallel", "up": "colwise", "down": "rowwise"}, sequence_parallel=True,
+             regather_sequence=True, whole_model=False)
+    chunk = torch.randn(BATCH, SEQ // mesh.size(), 32)
+    with regathered_sequence():
+        in_place = _error_of_run(lambda: model(chunk).sum().backward())
+    return {
+        "alive": (plain["alive"], regathered["alive"]),
+        "forward_gathers": (plain["forward_gathers"], regathered["forward_gathers"]),
+        "gathers": (plain["gathers"], regathered["gathers"]),
+        "grad_diff": max(float((plain["grads"][k] - regathered["grads"][k]).abs().max()) for k in plain["grads"]),
+        "in_place": in_place,
+    }
+
+
+def _error_of_run(fn) -> str:
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return ""

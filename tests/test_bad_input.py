@@ -5,7 +5,7 @@ import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_par import FSDP2Strategy, NDParallelStrategy
+from lightning_par import AutoParallelStrategy, FSDP2Strategy, NDParallelStrategy
 
 
 def _trainer(strategy, **kwargs):
@@ -40,6 +40,13 @@ def _trainer(strategy, **kwargs):
         (lambda: FSDP2Strategy(accumulate_unsharded=True, cpu_offload=True), ValueError,
          r"accumulate_unsharded=True with cpu_offload=True: .* Choose one"),
         (lambda: FSDP2Strategy(accumulate_unsharded="yes"), TypeError, r"accumulate_unsharded"),
+        (lambda: NDParallelStrategy(tp=2, regather_sequence=True), ValueError,
+         r"regather_sequence=True with sequence_parallel=False: .* Pass sequence_parallel=True too"),
+        (lambda: NDParallelStrategy(tp=2, sequence_parallel=True, regather_sequence=True, compile=True), ValueError,
+         r"regather_sequence=True with compile=True: .* Turn one of them off"),
+        (lambda: NDParallelStrategy(regather_sequence="yes"), TypeError, r"regather_sequence='yes' must be True"),
+        (lambda: AutoParallelStrategy(regather_sequence=True, compile=True), ValueError,
+         r"regather_sequence=True with compile=True"),
         (lambda: NDParallelStrategy(pp=2, pp_split_points="model.blocks.2"), TypeError,
          r"pp_split_points='model.blocks.2' must be a list of block FQNs"),
         (lambda: Trainer(accelerator="cpu", devices=4, logger=False,

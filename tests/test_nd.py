@@ -23,6 +23,9 @@ WORLD4 = {
     "pp2_x_tp2": (dict(pp=2, tp=2, dp_shard=1), 1),
     # stages hand on the sequence chunk; the last stage's loss is a DTensor under loss parallelism
     "pp2_x_tp2_sp_lp": (dict(pp=2, tp=2, dp_shard=1, sequence_parallel=True, loss_parallel=True), 1),
+    # the same, the gathered layer inputs saved as chunks: the schedule's backward gathers them again
+    "pp2_x_tp2_sp_lp_regather": (dict(pp=2, tp=2, dp_shard=1, sequence_parallel=True, loss_parallel=True,
+                                      regather_sequence=True, pp_microbatches=4), 1),
     "pp2_x_cp2": (dict(pp=2, cp=2, dp_shard=1, pp_schedule="gpipe", pp_microbatches=4), 1),
 }
 WORLD8 = {  # 3-D, with a 2-block model: each pipeline stage one block

@@ -35,6 +35,8 @@ LAYOUTS = {  # world 4, the tiny GPT with 4 blocks: one of each technique and th
     "dp_shard4": dict(dp_shard=4),
     "hsdp_2x2": dict(dp_replicate=2, dp_shard=2),
     "tp4_sp_lp": dict(dp_shard=1, tp=4, sequence_parallel=True, loss_parallel=True),
+    "tp4_sp_lp_regather": dict(dp_shard=1, tp=4, sequence_parallel=True, loss_parallel=True, regather_sequence=True),
+    "dp2_x_tp2_sp_regather": dict(dp_shard=2, tp=2, sequence_parallel=True, regather_sequence=True),
     "dp2_x_tp2": dict(dp_shard=2, tp=2),
     "cp4": dict(dp_shard=1, cp=4),
     "dp2_x_cp2": dict(dp_shard=2, cp=2),
@@ -183,6 +185,64 @@ def test_sequence_parallelism_is_weighed_on_and_off_and_can_be_fixed():
     off = plan_layouts(gpt(), batch(), 2, CPU, restrict=tp_only, sequence_parallel=(False,))
     assert {(p.layout.sequence_parallel, p.layout.loss_parallel) for p in off.predictions} == {(False, False)}
     assert len(both.predictions) == 2 * len(off.predictions)
+
+
+def test_regathered_sequence_is_priced_as_chunks_and_backward_all_gathers():
+    """``regather_sequence``: outside activation checkpointing each gathered layer input (a block's attention and
+    MLP inputs, the vocabulary-parallel head's) is saved as 1/tp of itself, and backward gathers it again (2 per
+    block, 1 for the head, each of the whole residual stream); under full checkpointing only the head's input is
+    affected; under autocast alone nothing is (its matmuls save autocast's own copy)."""
+    profile = profile_model(gpt(), batch())  # 4 blocks
+    base = Layout(tp=4, sequence_parallel=True, loss_parallel=True)
+
+    def both(layout: Layout, precision: str = "32-true") -> tuple:
+        a, b = (predict(x, profile, CPU, GLOBAL_BATCH, 16, precision) for x in (layout, replace(
+            layout, regather_sequence=True)))
+        extra = [t for t in account(replace(layout, regather_sequence=True), profile, GLOBAL_BATCH, 16,
+                                    precision).transfers if t not in account(layout, profile, GLOBAL_BATCH, 16,
+                                                                             precision).transfers]
+        return a, b, sorted((t.kind, t.collective, t.count, t.nbytes) for t in extra)
+
+    residual = GLOBAL_BATCH * 16 * profile.hidden_bytes
+    a, b, extra = both(base)
+    whole = sum(s.saved.layer_input for s in profile.sections.values())
+    head = profile.sections["last"].saved.layer_input
+    assert whole == 9 * head == 9 * residual  # 4 blocks x (attention, MLP) and the head, the residual stream each
+    assert a.activations - b.activations == pytest.approx(whole * (1 - 1 / 4))
+    assert extra == [("tp", "all_gather", 1, residual), ("tp", "all_gather", 8, residual)]
+    assert b.comm_s["tp"] > a.comm_s["tp"]
+    a, b, extra = both(replace(base, activation_checkpointing=True))
+    assert a.activations - b.activations == pytest.approx(head * (1 - 1 / 4))
+    assert extra == [("tp", "all_gather", 1, residual)]
+    a, b, extra = both(base, "bf16-mixed")  # tp alone: autocast without FSDP
+    assert (a.activations, a.step_s, extra) == (b.activations, b.step_s, [])
+    assert str(replace(base, regather_sequence=True)) == "tp4 (SP, regather, LP)"
+    assert replace(base, regather_sequence=True).strategy_kwargs()["regather_sequence"] is True
+
+
+def test_regather_twins_are_weighed_for_sequence_parallel_layouts_that_do_not_fit():
+    """Planned where they can matter: the twin of a layout that does not fit (none of one that does, which would
+    only add all-gathers); always or never when the option fixes it."""
+    only_tp = {"pp": [1], "cp": [1], "tp": [2], "dp_replicate": [1]}
+    profile = profile_model(gpt(), batch())
+    sp = Layout(dp_shard=2, tp=2, sequence_parallel=True)
+    needs = [predict(x, profile, CPU, GLOBAL_BATCH // 2, 16).memory for x in (sp, replace(sp, regather_sequence=True))]
+    assert needs[1] < needs[0]
+    plan = plan_layouts(profile, batch(), 4, CPU, restrict=only_tp, memory_budget=sum(needs) / 2,
+                        activation_checkpointing=(False,), gradient_accumulation=False)
+    twins = [p for p in plan.predictions if p.layout.regather_sequence]
+    assert twins and all(p.layout.sequence_parallel for p in twins)
+    assert plan.best.layout.regather_sequence and plan.best.fits
+    _, original = plan.find(**{**vars(plan.best.layout), "regather_sequence": False})
+    assert not original.fits
+    # what a user builds from the layout, and what auto_parallel trains, re-gathers
+    assert NDParallelStrategy(**plan.best.layout.strategy_kwargs()).tensor_parallel.regather_sequence
+    assert build_recipe(**_recipe_options(plan.best.layout))[1].regather_sequence
+    roomy = plan_layouts(profile, batch(), 4, CPU, restrict=only_tp)
+    assert not any(p.layout.regather_sequence for p in roomy.predictions)
+    forced = plan_layouts(profile, batch(), 4, CPU, restrict=only_tp, regather_sequence=(True,))
+    assert {p.layout.regather_sequence for p in forced.predictions} == {True, False}  # on wherever SP is
+    assert all(p.layout.regather_sequence == p.layout.sequence_parallel for p in forced.predictions)
 
 
 def test_zero2_like_twins_are_weighed_where_they_can_matter():
@@ -430,13 +490,14 @@ def test_memory_predictions_match_the_real_sharded_tensors(measured, name):
     """Model state (parameters, gradients, AdamW state: local shards) within 2 %; saved activations within 15 %.
     Checkpointing keeps the generator's state per block, and selective checkpointing matmul outputs in its own
     cache, beside autograd's saved tensors: there the activations are all the step's forward left alive until
-    backward."""
+    backward. So are they with the gathered inputs saved as chunks (``regather_sequence``: every saved tensor is then
+    held by a Python object, which the scan sees)."""
     options = dict(LAYOUTS[name])
     model = options.pop("model", {})
     layout = Layout(**options)
     p = predict(layout, profile_model(gpt(**model), batch()), CPU, GLOBAL_BATCH // layout.dp, 16)
     state = max(rank[name]["state"]["total"] for rank in measured)
-    kind = "live" if layout.activation_checkpointing and layout.pp == 1 else "activations"
+    kind = "live" if (layout.activation_checkpointing or layout.regather_sequence) and layout.pp == 1 else "activations"
     activations = max(rank[name][kind] for rank in measured)
     assert abs(p.model_state - state) / state <= 0.02, (p.model_state, state)
     assert abs(p.activations - activations) / activations <= 0.15, (p.activations, activations)
@@ -535,6 +596,7 @@ HF_LAYOUTS = {  # world 2, a Hugging Face Llama (its own tp plan; the first bloc
     "tp2_sp": dict(tp=2, sequence_parallel=True),
     "tp2_sp_ac": dict(tp=2, sequence_parallel=True, activation_checkpointing=True),
     "tp2_sp_sac": dict(tp=2, sequence_parallel=True, activation_checkpointing="selective"),
+    "tp2_sp_regather": dict(tp=2, sequence_parallel=True, regather_sequence=True),
 }
 
 
@@ -553,7 +615,7 @@ def test_hf_activations_under_sequence_parallelism_match_within_2_percent(measur
         module = HFCausalLM("llama")
     ids = torch.zeros(GLOBAL_BATCH, 16, dtype=torch.long)
     p = predict(layout, profile_model(module, (ids, ids)), CPU, GLOBAL_BATCH // layout.dp, 16)
-    kind = "live" if layout.activation_checkpointing else "activations"  # as in the GPT's test above
+    kind = "live" if layout.activation_checkpointing or layout.regather_sequence else "activations"  # as above
     activations = max(rank[name][kind] for rank in measured_llama)
     assert abs(p.activations - activations) / activations <= 0.02, (p.activations, activations)
 

@@ -95,7 +95,7 @@ CASES = [
         known_gaps={"rank": "the planner predicts layouts that avoid full activation checkpointing by splitting the "
                             "batch or the sequence (HSDP 4 x 16 x cp 4 with 8 micro-batches of accumulation first, "
                             "924 tokens/s; FSDP's gathers across hosts use every NIC of a host) above FSDP 32 x TP "
-                            "8 with full checkpointing (192nd, 1.05 of the published figure), whose TP collectives "
+                            "8 with full checkpointing (97th, 1.05 of the published figure), whose TP collectives "
                             "it counts as exposed; torchtitan did not measure those alternatives"}),
     PublishedCase(
         "torchtitan Llama 3.1 405B, 128 H100, FSDP 16 x TP 8",
@@ -129,7 +129,7 @@ CASES = [
                           "tokens/s, 0.50 of the published figure. Meta's FSDP kept the bf16 weights whole and fitted "
                           "with less recomputation (lighter first and last stages are not modelled)",
             "rank": "the same: the planner ranks HSDP 32 x 64 x cp 4 with full checkpointing first (136 tokens/s "
-                    "per GPU: cp 4 splits the activations, no pipeline bubble) and the published layout 675th"}),
+                    "per GPU: cp 4 splits the activations, no pipeline bubble) and the published layout 687th"}),
 ]
 
 _MEGATRON = ("Narayanan et al., 'Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM' "

@@ -67,6 +67,23 @@ def test_parity_tp4(world4, case):
     _check_parity(world4, case, 4)
 
 
+def test_regathered_sequence_saves_chunks_and_gathers_them_again_in_backward(world2, world4):
+    """The tiny GPT (3 blocks, 4 x 16 tokens of width 32, fp32) under sequence parallelism: with
+    ``regather_sequence`` each block's two gathered inputs (attention, MLP) and the head's are saved as this rank's
+    chunk, so 7 x (whole - chunk) fewer bytes are alive after forward; backward gathers each of them again (7 more
+    all-gathers, none more in forward); the gradients are the same bits. A chunk modified in place after its
+    gather is refused at backward, on every rank."""
+    whole = BATCH * SEQ * 32 * 4
+    for tp, results in ((2, world2), (4, world4)):
+        for rank, out in enumerate(results):
+            e, where = out["regather"], f"tp={tp} rank {rank}"
+            assert e["alive"][0] - e["alive"][1] == 7 * (whole - whole // tp), (where, e["alive"])
+            assert e["forward_gathers"][0] == e["forward_gathers"][1] > 0, (where, e["forward_gathers"])
+            assert e["gathers"][1] - e["gathers"][0] == 7, (where, e["gathers"])
+            assert e["grad_diff"] == 0.0, where
+            assert "modified in place after its layer gathered it" in e["in_place"], (where, e["in_place"])
+
+
 @pytest.mark.parametrize(
     "name, expected",
     [

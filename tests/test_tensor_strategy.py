@@ -24,12 +24,14 @@ WORLD2 = {
     "tp2_sequence_parallel": dict(sequence_parallel=True),
     "tp2_loss_parallel": dict(loss_parallel=True),
     "tp2_sp_lp": dict(sequence_parallel=True, loss_parallel=True),
+    "tp2_sp_lp_regather": dict(sequence_parallel=True, loss_parallel=True, regather_sequence=True),
 }
 WORLD4 = {
     "tp4": (dict(), 1),
     "tp4_sp_lp": (dict(sequence_parallel=True, loss_parallel=True), 1),
     "dp_shard2_x_tp2": (dict(tp=2, dp_shard=2), 2),
     "dp_shard2_x_tp2_sp_lp": (dict(tp=2, dp_shard=2, sequence_parallel=True, loss_parallel=True), 2),
+    "dp_shard2_x_tp2_sp_regather": (dict(tp=2, dp_shard=2, sequence_parallel=True, regather_sequence=True), 2),
 }
 
 
@@ -70,6 +72,8 @@ def _world2(ckpt_dir: str) -> dict:
     out = {name: fit(TensorParallelStrategy(**kw), devices=2, dp_size=1) for name, kw in WORLD2.items()}
     out["llama"] = fit(TensorParallelStrategy(), devices=2, dp_size=1, module_cls=TinyLlama)
     out["llama_sp"] = fit(TensorParallelStrategy(sequence_parallel=True), devices=2, dp_size=1, module_cls=TinyLlama)
+    out["llama_sp_regather"] = fit(TensorParallelStrategy(sequence_parallel=True, regather_sequence=True), devices=2,
+                                   dp_size=1, module_cls=TinyLlama)
     out["clipped"] = fit(TensorParallelStrategy(sequence_parallel=True), devices=2, dp_size=1, module_cls=SGDGPT,
                          gradient_clip_val=0.5)
     out["errors"] = _errors()
@@ -111,7 +115,7 @@ def test_parity_world4(world4, reference, name):
     assert_parity(world4[0][name], reference)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_sp"])
+@pytest.mark.parametrize("name", ["llama", "llama_sp", "llama_sp_regather"])
 def test_hugging_face_model_with_its_own_plan(world2, name):
     assert_parity(world2[0][name], fit_reference(module_cls=TinyLlama))
 

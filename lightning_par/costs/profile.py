@@ -61,22 +61,27 @@ class SavedBytes:
     """Bytes autograd saves for backward at the traced (batch, sequence), by tensor-parallel layout."""
 
     sharded: int = 0
-    gathered: int = 0
+    gathered: int = 0  # whole on every tp rank: index tensors, a 'colwise_rep' output, partial sums
     residual: int = 0
     vocab: int = 0  # downstream of a vocabulary-parallel head: split over tp under loss parallelism
+    #: a column-parallel layer's input, whole: under sequence parallelism all-gathered from the sequence chunks,
+    #: and saved as this rank's chunk with ``regather_sequence``
+    layer_input: int = 0
 
     def add(self, kind: str, nbytes: int) -> None:
         setattr(self, kind, getattr(self, kind) + nbytes)
 
     @property
     def total(self) -> int:
-        return self.sharded + self.gathered + self.residual + self.vocab
+        return self.sharded + self.gathered + self.residual + self.vocab + self.layer_input
 
-    def per_rank(self, tp: int, cp: int, sequence_parallel: bool, loss_parallel: bool, scale: float = 1.0) -> float:
+    def per_rank(self, tp: int, cp: int, sequence_parallel: bool, loss_parallel: bool, scale: float = 1.0,
+                 regather_sequence: bool = False) -> float:
         """This rank's share for a layout, ``scale`` times the traced tokens."""
         residual = self.residual / tp if sequence_parallel else self.residual
         vocab = self.vocab / tp if loss_parallel else self.vocab
-        return scale * (self.sharded / tp + self.gathered + residual + vocab) / cp
+        layer_input = self.layer_input / tp if sequence_parallel and regather_sequence else self.layer_input
+        return scale * (self.sharded / tp + self.gathered + residual + vocab + layer_input) / cp
 
 
 @dataclass
@@ -253,8 +258,9 @@ class _Trace(torch_dispatch_mode()):  # type: ignore[misc]
         self.kept_lse.setdefault(name, [])
 
     def kind(self, t: torch.Tensor) -> str:
-        """How tensor parallelism lays ``t`` out: "sharded", "vocab", "gathered" or "residual"."""
-        kind = self.layout.get(t) or ("gathered" if self.gathered_inputs.get(t) or _is_index(t) else "residual")
+        """How tensor parallelism lays ``t`` out: "sharded", "vocab", "gathered", "layer_input" or "residual"."""
+        kind = self.layout.get(t) or ("layer_input" if self.gathered_inputs.get(t)
+                                      else "gathered" if _is_index(t) else "residual")
         return "gathered" if kind == "whole" else kind
 
     def record_saved(self, t: torch.Tensor, nbytes: int | None = None) -> None:

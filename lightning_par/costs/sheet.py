@@ -64,6 +64,12 @@ class CostSheet:
     cp: int = 1
     shard: int = 1  # FSDP's shard group size (dp_shard x cp); 1: parameters whole on each rank
     sequence_parallel: bool = False
+    #: sequence parallelism's gathered layer inputs saved as chunks and gathered again in backward (not under
+    #: autocast alone, where the matmuls save autocast's own copy: ``TensorParallel.account`` leaves it False)
+    regather_sequence: bool = False
+    #: the blocks' re-gathers in backward, which activation checkpointing removes (a checkpointed block saves only
+    #: its input; its recomputation gathers anew)
+    regathered_in_blocks: Transfer | None = None
     loss_parallel: bool = False
     checkpointing: str = "none"  # activation checkpointing: "none", "full" or "selective"
     offload: bool = False  # parameters, gradients and optimizer state in host memory

@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_par.parallel.modules import local_parameters
+from lightning_par.parallel.sequence_regather import save_chunks_of_gathered_input
 from lightning_par.parallel.tensor_plan import (
     HF_ALIASES,
     STYLES,
@@ -66,6 +67,7 @@ def apply_tp(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     whole_model: bool = True,
+    regather_sequence: bool = False,
 ) -> None:
     """Shard ``module`` in place over the 1-D ``tp_mesh`` following ``plan`` (keys relative to ``module``).
     ``whole_model=False``: ``module`` holds a pipeline rank's stages only (see ``validate_tp_plan``).
@@ -73,6 +75,9 @@ def apply_tp(
     ``sequence_parallel``: norms/dropout on the residual stream run on sequence chunks (activation memory / tp).
     ``loss_parallel``: the 'vocab_parallel_head' output stays a vocab-sharded DTensor, so cross-entropy inside
     ``loss_parallel()`` never materializes the full logits; otherwise the logits are gathered to a plain tensor.
+    ``regather_sequence``: with ``sequence_parallel``, the layers that gather their input save its sequence chunk
+    and gather it again in backward while :func:`~lightning_par.parallel.sequence_regather.regathered_sequence`
+    is active (the step's context).
     """
     if tp_mesh.ndim != 1:
         raise ValueError(
@@ -115,6 +120,17 @@ def apply_tp(
         for name, p in module.named_parameters():
             if name in frozen and p.requires_grad:
                 p.requires_grad_(False)
+    if sequence_parallel and regather_sequence:
+        for name, style in resolved.items():
+            if _gathers_its_input(style, any(name.startswith(g + ".") for g in gathered)):
+                save_chunks_of_gathered_input(module.get_submodule(name), tp_mesh, SEQ_DIM)
+
+
+def _gathers_its_input(style: str | ParallelStyle, input_gathered: bool) -> bool:
+    """Under sequence parallelism: does a module of this style all-gather its input's sequence itself?"""
+    style = HF_ALIASES.get(style, style) if isinstance(style, str) else style
+    return (style in ("colwise", "colwise_rep") and not input_gathered) or style in (
+        "vocab_parallel_head", "gather_sequence")
 
 
 def build_style(

@@ -75,6 +75,8 @@ class Layout:
     pp_stages_per_rank: int | None = None  # interleaved schedules: None is their default, 2
     activation_checkpointing: bool | str = False  # True (full) or "selective"
     sequence_parallel: bool = False
+    #: with sequence parallelism: gathered layer inputs saved as this rank's chunk, gathered again in backward
+    regather_sequence: bool = False
     loss_parallel: bool = False
     cpu_offload: bool = False
     #: False: FSDP keeps each unit gathered from its forward through its backward (ZeRO-2-like: no all-gather in
@@ -108,7 +110,8 @@ class Layout:
             out.update(pp_schedule=self.pp_schedule, pp_microbatches=self.pp_microbatches)
             if self.pp_stages_per_rank is not None:
                 out.update(pp_stages_per_rank=self.pp_stages_per_rank)
-        for flag in ("activation_checkpointing", "sequence_parallel", "loss_parallel", "cpu_offload"):
+        for flag in ("activation_checkpointing", "sequence_parallel", "regather_sequence", "loss_parallel",
+                     "cpu_offload"):
             if getattr(self, flag):
                 out[flag] = getattr(self, flag)  # activation_checkpointing: True (full) or "selective"
         if not self.reshard_after_forward:
@@ -130,7 +133,8 @@ class Layout:
         if self.pp > 1:
             stages = f" v{self.pp_stages_per_rank}" if self.pp_stages_per_rank is not None else ""
             extras.append(f"{self.pp_schedule}{stages} m{self.pp_microbatches}")
-        extras += [name for flag, name in (("sequence_parallel", "SP"), ("loss_parallel", "LP"),
+        extras += [name for flag, name in (("sequence_parallel", "SP"), ("regather_sequence", "regather"),
+                                           ("loss_parallel", "LP"),
                                            ("activation_checkpointing", "AC"), ("cpu_offload", "offload"))
                    if getattr(self, flag)]
         if not self.reshard_after_forward:
@@ -208,7 +212,8 @@ def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, pre
                       gather_scale=gather, grad_scale=grad, microbatches=layout.accumulate_grad_batches)
     recipe = _planning_recipe(layout.pp_schedule, layout.pp_microbatches, layout.pp_stages_per_rank,
                               layout.sequence_parallel, layout.loss_parallel, layout.activation_checkpointing,
-                              layout.cpu_offload, layout.reshard_after_forward, layout.accumulate_unsharded)
+                              layout.cpu_offload, layout.reshard_after_forward, layout.accumulate_unsharded,
+                              layout.regather_sequence)
     for technique in recipe:
         technique.account(sheet)
     return sheet
@@ -224,12 +229,13 @@ def _planning_dims(*sizes: int) -> ParallelDims:
 @lru_cache(maxsize=4096)
 def _planning_recipe(pp_schedule: str, pp_microbatches: int | None, pp_stages_per_rank: int | None,
                      sequence_parallel: bool, loss_parallel: bool, activation_checkpointing: bool | str,
-                     cpu_offload: bool, reshard_after_forward: bool, accumulate_unsharded: bool) -> tuple:
+                     cpu_offload: bool, reshard_after_forward: bool, accumulate_unsharded: bool,
+                     regather_sequence: bool) -> tuple:
     return build_recipe(pp_schedule=pp_schedule, pp_microbatches=pp_microbatches,
                         pp_stages_per_rank=pp_stages_per_rank, sequence_parallel=sequence_parallel,
                         loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing,
                         cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
-                        accumulate_unsharded=accumulate_unsharded)
+                        accumulate_unsharded=accumulate_unsharded, regather_sequence=regather_sequence)
 
 
 def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: int, seq_len: int,
@@ -291,8 +297,8 @@ def _busiest_ranks(sheet: CostSheet, matmul_share: float) -> tuple[tuple[float, 
 
     return per_cut(sheet, ("busiest ranks", tuple(sheet.inflight), sheet.token_scale, sheet.sequence_scale,
                            sheet.activation_scale, sheet.autocast_only, sheet.tp, sheet.cp, sheet.shard,
-                           sheet.sequence_parallel, sheet.loss_parallel, sheet.checkpointing, sheet.dims.ep,
-                           sheet.microbatches, matmul_share), reduce)
+                           sheet.sequence_parallel, sheet.regather_sequence, sheet.loss_parallel, sheet.checkpointing,
+                           sheet.dims.ep, sheet.microbatches, matmul_share), reduce)
 
 
 def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float, ...]]:
@@ -322,7 +328,8 @@ def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float
             if state_key not in memo:
                 memo[state_key] = _rank_state(sheet, rank)
             act_key = ("activations", key, scale, sheet.activation_scale, sheet.autocast_only, sheet.tp, sheet.cp,
-                       sheet.sequence_parallel, sheet.loss_parallel, sheet.checkpointing, sheet.dims.ep)
+                       sheet.sequence_parallel, sheet.regather_sequence, sheet.loss_parallel, sheet.checkpointing,
+                       sheet.dims.ep)
             if act_key not in memo:
                 memo[act_key] = _rank_activations(sheet, rank)
             flops_key = ("flops", key, scale, sheet.sequence_scale, sheet.tp, sheet.cp, sheet.checkpointing,
@@ -347,7 +354,7 @@ def _section_kinds(profile: ModelProfile) -> dict[str, int]:
             end = name if name in ("first", "last") else ""  # activation checkpointing treats these apart
             key = (end, _signature(profile, name), section.flops, section.attention_flops,
                    tuple(section.attention_calls), section.input_bytes,
-                   section.kv_bytes, saved.sharded, saved.gathered, saved.residual, saved.vocab,
+                   section.kv_bytes, astuple(saved),
                    astuple(section.selective_kept), section.selective_recompute_flops, section.full_recompute_flops,
                    section.reduce_scattered_bytes, astuple(section.autocast_lowered),
                    astuple(section.autocast_kept), section.autocast_weight_bytes)
@@ -430,8 +437,8 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float, float]
                 if sp:  # its reduce-scatters' outputs, on this rank's sequence chunk
                     kept += section.reduce_scattered_bytes * scale / tp / cp
             peak_block = max(peak_block, full + copies)  # recomputed in backward, one block at a time
-        else:
-            kept += full
+        else:  # (the re-gathered inputs' chunks: only outside checkpointing, which saves nothing else)
+            kept += section.saved.per_rank(tp, cp, sp, lp, scale, True) if sheet.regather_sequence else full
             weight_copies += copies
     return kept, peak_block, weight_copies
 

@@ -109,7 +109,8 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
                  schedules: Iterable[str] = PIPELINE_SCHEDULES, allow_offload: bool = False,
                  block_list: str | None = None, sequence_parallel: Iterable[bool] = (True, False),
                  reshard_after_forward: Iterable[bool] = (True, False), memory_reserve: float = RESERVE,
-                 gradient_accumulation: bool = True, accumulate_unsharded: Iterable[bool] = (False, True)) -> Plan:
+                 gradient_accumulation: bool = True, accumulate_unsharded: Iterable[bool] = (False, True),
+                 regather_sequence: Iterable[bool] = (False, True)) -> Plan:
     """Predict and rank every valid layout of ``module`` on ``world_size`` devices of ``hardware``.
 
     Args:
@@ -132,6 +133,9 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
             weigh reducing the gradients in every micro-batch (``False``), once per step with every unit gathered
             and its gradients unsharded meanwhile (``True``; ZeRO-1-like without resharding after forward), or both
             (the twins of the layouts that could come near the fastest: ``reduce_once_twins``).
+        regather_sequence: with sequence parallelism, weigh saving the gathered layer inputs whole (``False``), as
+            this rank's chunk gathered again in backward (``True``: less memory, one more all-gather per input) or
+            both (the twins of the layouts that do not fit but could come near the fastest: ``regather_twins``).
         gradient_accumulation: for a layout without a pipeline whose batch does not fit, also weigh splitting each
             rank's batch into micro-batches (the Trainer's ``accumulate_grad_batches``, in the layout's
             ``trainer_kwargs()``; the fewest that fit: ``accumulated_variants``), as Megatron's and DeepSpeed's
@@ -142,7 +146,7 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
     batch, seq_len = profile.batch, profile.seq_len
     options = {}
     for name, given in (("sequence_parallel", sequence_parallel), ("reshard_after_forward", reshard_after_forward),
-                        ("accumulate_unsharded", accumulate_unsharded)):
+                        ("accumulate_unsharded", accumulate_unsharded), ("regather_sequence", regather_sequence)):
         options[name] = tuple(dict.fromkeys(bool(x) for x in given))
         if not options[name]:
             raise ValueError(f"{name}=() leaves nothing to weigh; pass (True,), (False,) or (True, False).")
@@ -177,6 +181,10 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
                            for p in predictions])
     elif len(options["accumulate_unsharded"]) == 2:
         predictions += run(reduce_once_twins(predictions))
+    if options["regather_sequence"] == (True,):
+        predictions = run([replace(p.layout, regather_sequence=p.layout.sequence_parallel) for p in predictions])
+    elif len(options["regather_sequence"]) == 2:
+        predictions += run(regather_twins(predictions))
     if allow_offload or not any(p.fits for p in predictions):
         predictions += run([replace(layout, cpu_offload=True) for layout in candidates
                             if layout.dp_shard * layout.dp_replicate * layout.cp > 1])
@@ -221,6 +229,19 @@ def zero2_twins(predictions: list[Prediction]) -> list[Layout]:
     return [replace(p.layout, reshard_after_forward=False) for p in predictions
             if p.layout.dp_shard * p.layout.cp > 1 and not p.layout.cpu_offload
             and _could_come_near(p, p.step_s - p.comm_s.get("fsdp_all_gather", 0.0), floor)]
+
+
+def regather_twins(predictions: list[Prediction]) -> list[Layout]:
+    """The ``regather_sequence`` twin of every sequence-parallel layout outside activation checkpointing that does
+    not fit and would be at least ``ZERO2_WINDOW`` as fast as the fastest fitting layout: the twin saves the
+    gathered layer inputs as chunks (it may fit where the layout does not, and run without recomputation where
+    the fitting variants recompute) for one more exposed all-gather per input. A layout that fits gains nothing."""
+    floor = _floor(predictions)
+    return [replace(p.layout, regather_sequence=True) for p in predictions
+            if p.layout.sequence_parallel and not p.layout.regather_sequence and not p.fits
+            and not p.layout.activation_checkpointing and _could_come_near(p, p.step_s, floor)
+            # at most every saved activation shrinks to 1/tp: a layout further over its budget stays over
+            and (p.budget is None or p.memory - p.activations * (1 - 1 / p.layout.tp) <= p.budget)]
 
 
 def _twin_could_fit(p: Prediction) -> bool:

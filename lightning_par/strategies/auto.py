@@ -39,6 +39,8 @@ class AutoParallelStrategy(NDParallelStrategy):
         activation_checkpointing: force it: ``False``, ``True`` (full) or ``"selective"`` (default: the planner
             decides among the three).
         sequence_parallel: force it on or off where the planner picks ``tp > 1`` (default: it weighs both).
+        regather_sequence: force it on or off where the planner picks sequence parallelism (default: it weighs
+            it for the layouts that do not fit without it; never with ``compile=True``).
         device: plan for a known device (``lightning_par.devices``) instead of measuring this machine.
         gpus_per_node: ranks per node (default: the devices per node the Trainer was given).
         plot_dir: write the plan's picture there (and to a TensorBoard logger).
@@ -48,7 +50,8 @@ class AutoParallelStrategy(NDParallelStrategy):
     def __init__(self, memory_budget: float | str | None = None, restrict: Mapping[str, Iterable[int]] | None = None,
                  activation_checkpointing: bool | str | None = None, device: str | None = None,
                  gpus_per_node: int | None = None, plot_dir: str | None = None,
-                 sequence_parallel: bool | None = None, **kwargs: Any) -> None:
+                 sequence_parallel: bool | None = None, regather_sequence: bool | None = None,
+                 **kwargs: Any) -> None:
         given = sorted(set(kwargs) & set(_OWN))
         if given:
             raise ValueError(f"AutoParallelStrategy chooses {given} itself; restrict the sizes it may choose with "
@@ -64,6 +67,11 @@ class AutoParallelStrategy(NDParallelStrategy):
         self.force_checkpointing = activation_checkpointing
         self.force_sequence_parallel = None if sequence_parallel is None else check_bool("sequence_parallel",
                                                                                           sequence_parallel)
+        self.force_regather = None if regather_sequence is None else check_bool("regather_sequence",
+                                                                                  regather_sequence)
+        if self.force_regather and kwargs.get("compile"):
+            raise ValueError("regather_sequence=True with compile=True: the saved-tensor hooks that keep the sequence "
+                             "chunks are not traced by torch.compile. Turn one of them off.")
         if device is not None:
             from lightning_par.devices import lookup_device
 
@@ -125,12 +133,16 @@ class AutoParallelStrategy(NDParallelStrategy):
         reshard = (True, False) if given_reshard is None else (bool(given_reshard),)
         given_once = self._options.get("accumulate_unsharded")
         once = (False, True) if given_once is None else (bool(given_once),)
+        if self.force_regather is not None:
+            regather = (self.force_regather,)
+        else:  # the hooks that keep the chunks are not traced by torch.compile
+            regather = (False,) if self._options.get("compile") else (False, True)
         return plan_layouts(module if self.plan_device is not None else profile, batch,
                             self.num_nodes * self.num_processes, hardware, precision=precision,
                             batch_is_global=False, memory_budget=self.memory_budget, restrict=self.restrict,
                             activation_checkpointing=checkpointing, block_list=self.block_list,
                             sequence_parallel=sequence_parallel, reshard_after_forward=reshard,
-                            accumulate_unsharded=once,
+                            accumulate_unsharded=once, regather_sequence=regather,
                             gradient_accumulation=False)  # each loader batch is one micro-batch already
 
     def _agree(self, layout: Layout) -> Layout:

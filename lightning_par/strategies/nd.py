@@ -77,6 +77,11 @@ class NDParallelStrategy(BaseParallelStrategy):
         tp_plan: FQN globs (relative to the LightningModule) -> style names or torch ``ParallelStyle`` objects.
             Default: the LightningModule's ``tp_plan`` attribute, else the plan a Hugging Face model carries.
         sequence_parallel: run norms and dropout on sequence shards between tensor-parallel regions.
+        regather_sequence: with ``sequence_parallel``, a layer that gathers its input from the sequence shards
+            saves its own shard for backward and gathers it again there (Megatron-LM's way): the saved input is
+            1/tp of the whole, for one more all-gather per gathered input in backward. Outside activation
+            checkpointing only; no effect under autocast without FSDP (autocast saves its own copy). Not with
+            ``compile``.
         loss_parallel: keep the head's output sharded over the vocabulary; the loss (``F.cross_entropy`` inside
             the step) is computed without gathering the logits.
         block_list: dotted name of the model's ``nn.ModuleList`` of blocks; found automatically if omitted.
@@ -130,6 +135,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         tp_plan: Mapping[str, Any] | None = None,
         ep_plan: list[str] | None = None,
         sequence_parallel: bool = False,
+        regather_sequence: bool = False,
         loss_parallel: bool = False,
         pp_schedule: str = "1f1b",
         pp_microbatches: int | None = None,
@@ -162,7 +168,8 @@ class NDParallelStrategy(BaseParallelStrategy):
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, cp_algorithm=cp_algorithm,
             cp_load_balance=cp_load_balance, cp_seq_dim=cp_seq_dim, activation_checkpointing=activation_checkpointing,
             compile=compile, shard_units=shard_units, reshard_after_forward=reshard_after_forward,
-            cpu_offload=cpu_offload, ep_plan=ep_plan, accumulate_unsharded=accumulate_unsharded)
+            cpu_offload=cpu_offload, ep_plan=ep_plan, accumulate_unsharded=accumulate_unsharded,
+            regather_sequence=regather_sequence)
         (self.pipeline_parallel, self.tensor_parallel, self.context_parallel, self.expert_parallel,
          self.activation_checkpointing, self.compile, self.fully_sharded) = self.techniques
         self.block_list = check_optional_str("block_list", block_list, "model.blocks")
@@ -171,6 +178,9 @@ class NDParallelStrategy(BaseParallelStrategy):
         self._window_open = False  # a window of micro-batches whose unused gradients are taken back together
         for technique in self.techniques:
             technique.check(dims)
+        if self.tensor_parallel.regather_sequence and self.compile.enabled:
+            raise ValueError("regather_sequence=True with compile=True: the saved-tensor hooks that keep the sequence "
+                             "chunks are not traced by torch.compile. Turn one of them off.")
         super().__init__(dims, process_group_backend=process_group_backend, timeout=timeout, pretrained=pretrained,
                          save_trainable_only=save_trainable_only, **lightning_kwargs)
 

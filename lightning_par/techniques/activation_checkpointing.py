@@ -54,6 +54,8 @@ class ActivationCheckpointing(Technique):
         sheet.checkpointing = self.mode
         if self.mode == "none":
             return
+        if sheet.regathered_in_blocks is not None:
+            sheet.transfers.remove(sheet.regathered_in_blocks)
         for t in list(sheet.transfers):
             count = t.recomputed_full if self.mode == "full" else t.recomputed_selective
             if count:

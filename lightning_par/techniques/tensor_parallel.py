@@ -3,8 +3,8 @@ runs; loss parallelism while a step runs."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ from lightning_par.checks import check_bool
 from lightning_par.costs.profile import ModelProfile
 from lightning_par.costs.sheet import CostSheet, Transfer, busiest_sections, params_by_planned_module, per_cut
 from lightning_par.dims import ParallelDims
+from lightning_par.parallel.sequence_regather import regathered_sequence
 from lightning_par.parallel.tensor import apply_tp, broadcast_replicated_parameters
 from lightning_par.parallel.tensor_plan import resolve_tp_plan, validate_tp_plan
 from lightning_par.techniques.technique import Target, Technique
@@ -25,13 +26,18 @@ class TensorParallel(Technique):
     checked on the whole (meta) model, so every rank refuses a bad plan alike, and applied to this rank's stages."""
 
     def __init__(self, plan: Mapping[str, Any] | None = None, sequence_parallel: bool = False,
-                 loss_parallel: bool = False) -> None:
+                 loss_parallel: bool = False, regather_sequence: bool = False) -> None:
         if plan is not None and not isinstance(plan, Mapping):
             raise TypeError(f"tp_plan must map FQN globs to style names, e.g. {{'model.blocks.*.attn.q': 'colwise'}}; "
                             f"got {type(plan).__name__}.")
         self.plan = dict(plan) if plan is not None else None
         self.sequence_parallel = check_bool("sequence_parallel", sequence_parallel)
         self.loss_parallel = check_bool("loss_parallel", loss_parallel)
+        self.regather_sequence = check_bool("regather_sequence", regather_sequence)
+        if self.regather_sequence and not self.sequence_parallel:
+            raise ValueError("regather_sequence=True with sequence_parallel=False: only sequence parallelism gathers "
+                             "a layer's input from sequence chunks. Pass sequence_parallel=True too, or drop "
+                             "regather_sequence.")
         self._sequence_multiple: tuple[int, int, int] | None = None  # (tp, cp, pp): see shard_batch
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
@@ -48,7 +54,8 @@ class TensorParallel(Technique):
         tp_mesh = dims.mesh("tp")
         broadcast_replicated_parameters(target.module, tp_mesh)
         apply_tp(target.module, tp_mesh, plan, sequence_parallel=self.sequence_parallel,
-                 loss_parallel=self.loss_parallel, whole_model=target.keep is None)
+                 loss_parallel=self.loss_parallel, whole_model=target.keep is None,
+                 regather_sequence=self.regather_sequence)
 
     def shard_batch(self, batch: Any) -> Any:
         """Under a pipeline only the first stage's ranks split the sequence (and would refuse an uneven split); the
@@ -67,8 +74,20 @@ class TensorParallel(Technique):
         return batch
 
     def step_context(self, dims: ParallelDims) -> AbstractContextManager | None:
-        # around backward too: its ops must see the DTensor gradients of the vocab-sharded logits
-        return loss_parallel() if self.loss_parallel and dims.tp > 1 else None
+        # around backward too: its ops must see the DTensor gradients of the vocab-sharded logits; the gathered
+        # inputs' chunks are packed in forward and gathered again in backward
+        if dims.tp == 1 or not (self.loss_parallel or self.regather_sequence):
+            return None
+        return self._step_context()
+
+    @contextmanager
+    def _step_context(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            if self.loss_parallel:
+                stack.enter_context(loss_parallel())
+            if self.regather_sequence:
+                stack.enter_context(regathered_sequence())
+            yield
 
     def account(self, sheet: CostSheet) -> None:
         """The plan's sharded parameters and the activations between a column- and a row-parallel layer split over
@@ -80,11 +99,15 @@ class TensorParallel(Technique):
         one number per token; and per step, under sequence parallelism, one all-reduce of the gradient of every
         parameter tp leaves whole on the sequence shards (norms, position embeddings): each rank saw only its
         part of the sequence; and per step one all-reduce of each 'head_norm' weight's gradient (each rank
-        normalized its own heads). Under sequence parallelism pipeline stages send 1/tp of the activations."""
+        normalized its own heads). Under sequence parallelism pipeline stages send 1/tp of the activations. With
+        ``regather_sequence`` (not under autocast alone, where it changes nothing) backward gathers two inputs per
+        block again (the attention's and the MLP's; not in checkpointed blocks) and each vocabulary-parallel
+        head's."""
         tp = sheet.dims.tp
         if tp == 1:
             return
         sheet.tp, sheet.sequence_parallel, sheet.loss_parallel = tp, self.sequence_parallel, self.loss_parallel
+        sheet.regather_sequence = self.regather_sequence and not sheet.autocast_only
         sections, blocks = per_cut(sheet, ("tp_sections",), lambda: (
             frozenset(busiest_sections(sheet)),
             max(sum(s not in ("first", "last") for s in r) for r in sheet.rank_sections)))
@@ -116,6 +139,12 @@ class TensorParallel(Technique):
         if head_norms:  # each rank normalized only its own heads
             sheet.transfers.append(
                 Transfer("tp", "tp", "all_reduce", sum(head_norms) / len(head_norms), len(head_norms), False))
+        if sheet.regather_sequence:  # backward gathers the attention's and the MLP's inputs again, and the heads'
+            sheet.regathered_in_blocks = Transfer("tp", "tp", "all_gather", residual, 2 * blocks * m, False)
+            sheet.transfers.append(sheet.regathered_in_blocks)
+            vocabulary_parallel = sum(style == "vocab_parallel_head" for style, _, _ in heads)
+            if vocabulary_parallel:
+                sheet.transfers.append(Transfer("tp", "tp", "all_gather", residual, vocabulary_parallel * m, False))
         if self.sequence_parallel:  # pipeline stages hand on this rank's sequence chunk, not the whole sequence
             sheet.transfers = [t.copy_with(nbytes=t.nbytes / tp) if t.kind == "pp_send_recv" else t
                                for t in sheet.transfers]
@@ -123,7 +152,9 @@ class TensorParallel(Technique):
     def describe(self, dims: ParallelDims) -> str | None:
         if dims.tp == 1:
             return None
-        return f"tensor parallel (sequence parallel {self.sequence_parallel}, loss parallel {self.loss_parallel})"
+        regather = ", sequence chunks gathered again in backward" if self.regather_sequence else ""
+        return (f"tensor parallel (sequence parallel {self.sequence_parallel}{regather}, loss parallel "
+                f"{self.loss_parallel})")
 
 
 def _planned_modules(
