@@ -230,7 +230,11 @@ def run_one(cfg: dict[str, Any], model: str, layout: Any, yield_turn: Callable[[
     loader = DataLoader(token_data(cfg, total_steps), batch_size=cfg["global_batch"] // dp_size(kwargs) // micro)
     trainer.fit(module, loader)
     steps = [sum(timer.times[i:i + micro]) for i in range(0, len(timer.times) - micro + 1, micro)]
-    return {"step_times_s": steps, "activation_bytes": probe.live_bytes if live else probe.activation_bytes,
+    # regather_sequence's own saved-tensor hooks sit inside the probe's, which then sees nothing, and the live scan
+    # needs pp == 1: a pipelined layout with it has no activation measurement
+    unmeasurable = layout.regather_sequence and not live
+    activations = None if unmeasurable else probe.live_bytes if live else probe.activation_bytes
+    return {"step_times_s": steps, "activation_bytes": activations,
             "state_bytes": probe.state, **(device_memory(device_peak) if cuda else {})}
 
 

@@ -1,6 +1,7 @@
 """The planner on published runs it was not built against: held out of tests/test_planner_published.py on purpose,
 so that they measure what a user meets (issue #25). Planned exactly as the test's cases are (its ``PublishedCase``
-and ``plan_case``: the device table at 45 % of bf16 peak, the run's world, global batch, sequence and precision),
+and ``plan_case``: the device table, a step at 0.5625 of the device's own matmul rate (0.45 of an H100's bf16 peak,
+0.489 of an A100's), the run's world, global batch, sequence and precision),
 and reported the same way: the predicted tokens/s per GPU of the published layout against the published figure, and
 where that layout ranks.
 

@@ -219,3 +219,17 @@ def ignore_profiler_ranges_in_selective_checkpointing() -> None:
     ignored = selective_checkpointing_ignored_ops()
     if ignored is not None:
         ignored.update(profiler_range_ops())
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor, without the autograd op ``to_local()`` records mid-step (inside a saved-tensor hook
+    none may run); any other tensor itself. torch 2.11-2.13: ``DTensor._local_tensor``."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The in-place version counter autograd checks saved tensors against (torch 2.11-2.13: ``Tensor._version``):
+    a saved-tensor hook that keeps a tensor must check it itself, since autograd does not under such hooks."""
+    return t._version

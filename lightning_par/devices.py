@@ -38,10 +38,11 @@ NCCL_TUNING = "NVIDIA/nccl src/graph/tuning.cc, hwLat[{}][Ring][Simple]"
 NVLINK_HOP, PCIE_HOP, NET_HOP = 3.4e-6, 5.7e-6, 14e-6
 
 #: Fraction of dense peak that the *model* FLOPs of a well-tuned bf16 training step reach on the compute alone
-#: (communication and pipeline bubble excluded: the planner adds those). Published end-to-end MFUs, which include
-#: exposed communication and bubble, sit just below: Megatron-LM's README "up to 47% MFU on H100 clusters";
-#: "The Llama 3 Herd of Models" (arXiv:2407.21783) table 4, 38-43 % bf16 MFU on 8-16 k H100s; torchtitan's
-#: docs/performance.md, 33-39 % for Llama 3.1 8B on 8 and 128 H100s at 500 W; this project's GPT at 370 M
+#: (communication and pipeline bubble excluded: the planner adds those), on an H100: other devices' steps reach
+#: :data:`STEP_SHARE` of their own matmul rate (``DeviceSpec.matmul_efficiency``) instead. Published end-to-end
+#: MFUs, which include exposed communication and bubble, sit just below: Megatron-LM's README "up to 47% MFU on
+#: H100 clusters"; "The Llama 3 Herd of Models" (arXiv:2407.21783) table 4, 38-43 % bf16 MFU on 8-16 k H100s;
+#: torchtitan's docs/performance.md, 33-39 % for Llama 3.1 8B on 8 and 128 H100s at 500 W; this project's GPT at 370 M
 #: parameters on one H100, no communication, 0.36 eager and 0.43 compiled (shared/GPU_FACTS.md). Non-matmul
 #: work (norms, activations, softmax, the optimizer, launches) is why it is far below :data:`MATMUL_EFFICIENCY`.
 DEFAULT_EFFICIENCY = 0.45

@@ -118,6 +118,10 @@ def world2(tmp: str, base_dir: str) -> dict[str, Any]:
         "pp2": run(nd(pp=2, pp_microbatches=2), 2, 1, **lora),
         "llama_fsdp2": run(nd(dp_shard=2), 2, 2, arch="llama", **lora),
         "llama_tp2": run(nd(tp=2), 2, 1, arch="llama", **lora),
+        # the adapters' outputs inside a gathering module are functional collectives' waiting results: not plain
+        # tensors, held as they are
+        "llama_tp2_sp_regather": run(nd(tp=2, sequence_parallel=True, regather_sequence=True), 2, 1, arch="llama",
+                                     **lora),
     }
     # start from pretrained weights on the meta device, adapters only in the checkpoints, resumed under TP
     adapters = str(ckpt / "adapters")

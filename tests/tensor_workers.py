@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel
 
 from example_projects.gpt.model import GPT, GPT_TP_PLAN, GPTConfig
-from lightning_par.parallel.sequence_regather import regathered_sequence
+from lightning_par.parallel.sequence_regather import gathered_again, regathered_sequence
 from lightning_par.parallel.tensor import apply_tp, prefix_plan, resolve_tp_plan
 
 BATCH, SEQ = 4, 16
@@ -159,7 +159,9 @@ def run_case(case: Case, mesh) -> dict:
     seen: list[tuple] = []
     first_block.register_forward_hook(lambda _m, _a, out: seen.append(tuple((out[0] if isinstance(out, tuple)
                                                                               else out).shape)))
+    before = gathered_again()
     losses = _train(model, batches, case.optimizer, case.loss_parallel, case.regather_sequence)
+    gathered = gathered_again() - before
     ref_losses = _train(reference, batches, case.optimizer, False)
     got, want = _full_weights(model), _full_weights(reference)
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
@@ -171,6 +173,7 @@ def run_case(case: Case, mesh) -> dict:
         "num_sharded": len(sharded),
         "block_output_shape": seen[0],
         "loss_decreased": ref_losses[-1] < ref_losses[0],
+        "gathered_again": gathered,
     }
 
 
@@ -267,12 +270,23 @@ def regather_evidence(mesh) -> dict:
     chunk = torch.randn(BATCH, SEQ // mesh.size(), 32)
     with regathered_sequence():
         in_place = _error_of_run(lambda: model(chunk).sum().backward())
+        # any other saved tensor: sigmoid saves its output, changed in place before backward (autograd, which does
+        # not check under saved-tensor hooks, would compute a wrong gradient)
+        x = torch.randn(3, requires_grad=True)
+
+        def sigmoid_then_in_place() -> None:
+            y = torch.sigmoid(x)
+            y.mul_(2.0)
+            y.sum().backward()
+
+        saved_in_place = _error_of_run(sigmoid_then_in_place)
     return {
         "alive": (plain["alive"], regathered["alive"]),
         "forward_gathers": (plain["forward_gathers"], regathered["forward_gathers"]),
         "gathers": (plain["gathers"], regathered["gathers"]),
         "grad_diff": max(float((plain["grads"][k] - regathered["grads"][k]).abs().max()) for k in plain["grads"]),
         "in_place": in_place,
+        "saved_in_place": saved_in_place,
     }
 
 

@@ -144,6 +144,27 @@ def test_local_chunk_of_a_dtensor_on_one_rank(tmp_path):
         dist.destroy_process_group()
 
 
+def test_local_tensor_and_version_counter(tmp_path):
+    """A DTensor's local tensor without an autograd op (the same object, even with grad on), a plain tensor itself;
+    the version counter in-place ops bump, shared with detached aliases."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        whole = distribute_tensor(torch.ones(4, 3, requires_grad=True), init_device_mesh("cpu", (1,)), [Shard(0)])
+        local = _compat.local_tensor(whole)
+        assert type(local) is torch.Tensor and local.grad_fn is None and _compat.local_tensor(whole) is local
+        plain = torch.zeros(2)
+        assert _compat.local_tensor(plain) is plain
+        alias, before = plain.detach(), _compat.tensor_version(plain)
+        plain.add_(1)
+        assert _compat.tensor_version(plain) == _compat.tensor_version(alias) == before + 1
+    finally:
+        dist.destroy_process_group()
+
+
 def test_in_backward_is_true_only_inside_a_backward():
     seen = []
 

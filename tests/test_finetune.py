@@ -96,11 +96,13 @@ def test_frozen_model_checkpoint_resumes_under_another_layout(w2):
     _frozen_unchanged(w2[0]["frozen_resumed_tp"]["weights"], initial())
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "tp2_sp", "pp2", "llama_fsdp2", "llama_tp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "tp2_sp", "pp2", "llama_fsdp2", "llama_tp2",
+                                    "llama_tp2_sp_regather"])
 def test_lora_in_parity_with_single_process_peft(w2, layout):
     arch = "llama" if layout.startswith("llama") else "qwen2"
     result = w2[0]["lora"][layout]
     assert_parity(result, reference(LoRALM, arch=arch), steps=STEPS)
+    assert (result["gathered_again"] > 0) == ("regather" in layout)
     start = initial(LoRALM, arch=arch)
     for k, v in result["weights"].items():
         if "lora_" not in k:

@@ -67,6 +67,7 @@ def test_parity_world4(world4, reference, name):
     result = world4[0][name]
     assert max_loss_diff(result["losses"], reference["losses"]) <= TOL
     assert max_weight_diff(result["weights"], reference["weights"]) <= TOL
+    assert (result["gathered_again"] > 0) == ("regather" in name)  # the schedule's backward gathered the chunks
 
 
 def test_sequence_parallel_pipeline_refuses_an_uneven_sequence_on_every_rank(world4):

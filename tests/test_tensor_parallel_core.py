@@ -51,6 +51,7 @@ def _check_parity(results: list[dict], case: Case, tp: int) -> None:
         assert r["loss_diff"] <= TOL, f"{where}: losses {r['losses']} vs one process {r['ref_losses']}"
         assert r["weight_diff"] <= TOL, f"{where}: final weights differ by {r['weight_diff']:.3g}"
         assert r["loss_decreased"], f"{where}: the reference did not learn, the comparison is vacuous"
+        assert (r["gathered_again"] > 0) == case.regather_sequence, f"{where}: {r['gathered_again']} re-gathers"
         assert r["num_sharded"] >= 16, f"{where}: only {r['num_sharded']} parameters were sharded"
         seq = SEQ // tp if case.sequence_parallel else SEQ
         assert r["block_output_shape"][:2] == (BATCH, seq), f"{where}: block 0 output {r['block_output_shape']}"
@@ -72,7 +73,8 @@ def test_regathered_sequence_saves_chunks_and_gathers_them_again_in_backward(wor
     ``regather_sequence`` each block's two gathered inputs (attention, MLP) and the head's are saved as this rank's
     chunk, so 7 x (whole - chunk) fewer bytes are alive after forward; backward gathers each of them again (7 more
     all-gathers, none more in forward); the gradients are the same bits. A chunk modified in place after its
-    gather is refused at backward, on every rank."""
+    gather, or any other saved tensor modified in place (autograd does not check under saved-tensor hooks), is
+    refused at backward, on every rank."""
     whole = BATCH * SEQ * 32 * 4
     for tp, results in ((2, world2), (4, world4)):
         for rank, out in enumerate(results):
@@ -81,7 +83,8 @@ def test_regathered_sequence_saves_chunks_and_gathers_them_again_in_backward(wor
             assert e["forward_gathers"][0] == e["forward_gathers"][1] > 0, (where, e["forward_gathers"])
             assert e["gathers"][1] - e["gathers"][0] == 7, (where, e["gathers"])
             assert e["grad_diff"] == 0.0, where
-            assert "modified in place after its layer gathered it" in e["in_place"], (where, e["in_place"])
+            assert "input chunk was modified in place after forward saved it" in e["in_place"], (where, e["in_place"])
+            assert "(3,) saved for backward" in e["saved_in_place"], (where, e["saved_in_place"])
 
 
 @pytest.mark.parametrize(

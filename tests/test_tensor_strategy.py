@@ -108,16 +108,19 @@ def world4():
 def test_parity_world2(world2, reference, name):
     assert_parity(world2[0][name], reference)
     assert world2[1][name]["losses"] == world2[0][name]["losses"]
+    assert (world2[0][name]["gathered_again"] > 0) == ("regather" in name)  # the option acted, and only with it
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_parity_world4(world4, reference, name):
     assert_parity(world4[0][name], reference)
+    assert (world4[0][name]["gathered_again"] > 0) == ("regather" in name)
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_sp", "llama_sp_regather"])
 def test_hugging_face_model_with_its_own_plan(world2, name):
     assert_parity(world2[0][name], fit_reference(module_cls=TinyLlama))
+    assert (world2[0][name]["gathered_again"] > 0) == ("regather" in name)
 
 
 def test_gradient_clipping_under_tp(world2):

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from example_projects.gpt.lit import GPTModule
 from lightning_par import full_state_dict
+from lightning_par.parallel.sequence_regather import gathered_again
 
 SEED = 1234
 GLOBAL_BATCH = 8
@@ -172,8 +173,11 @@ def fit(
     with trainer.init_module(empty_init=empty_init):
         model = module_cls(**_model_kwargs(module_cls, model_overrides))
     loader = DataLoader(token_dataset(num_samples, seq_len), batch_size=GLOBAL_BATCH // dp_size, shuffle=True)
+    before = gathered_again()
     trainer.fit(model, None if module_loader else loader, ckpt_path=resume_from)
-    return {"losses": record.losses, "weights": full_state_dict(model), "global_step": trainer.global_step}
+    # (regather_sequence: the sequence chunks backward gathered again; 0 without it)
+    return {"losses": record.losses, "weights": full_state_dict(model), "global_step": trainer.global_step,
+            "gathered_again": gathered_again() - before}
 
 
 def fit_reference(

@@ -42,7 +42,8 @@ from lightning_par.parallel.experts import find_experts, num_experts_of
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.modules import clean_name, find_block_list
 from lightning_par.parallel.recompute import SelectivePolicy
-from lightning_par.parallel.tensor_plan import resolve_tp_plan, sharded_dims, validate_tp_plan
+from lightning_par.parallel.sequence_regather import first_tensor_argument
+from lightning_par.parallel.tensor_plan import gathers_its_input, resolve_tp_plan, sharded_dims, validate_tp_plan
 
 _aten = torch.ops.aten
 #: styles whose module's output is split over tp (the math downstream is sharded until a row-parallel layer)
@@ -94,6 +95,8 @@ class Section:
     attention_calls: list[tuple[float, bool, int | None]] = field(default_factory=list)
     saved: SavedBytes = field(default_factory=SavedBytes)
     input_bytes: int = 0  # the block's input (what activation checkpointing keeps)
+    #: saved layer inputs sequence parallelism gathers from chunks: what ``regather_sequence`` gathers again
+    regathered_inputs: int = 0
     kv_bytes: int = 0  # keys and values entering attention (what context parallelism passes around the ring)
     selective_kept: SavedBytes = field(default_factory=SavedBytes)  # outputs selective checkpointing keeps
     #: forward FLOPs (attention apart) that full and selective checkpointing run again in backward: up to the last
@@ -241,6 +244,7 @@ class _Trace(torch_dispatch_mode()):  # type: ignore[misc]
         self.saved = _StorageMap()  # saved tensors stay alive until backward: their storages are not reused meanwhile
         self.params: set[int] = set()
         self.gathered_inputs = _StorageMap()
+        self.regatherable_inputs = _StorageMap()  # of those, the ones sequence parallelism gathers from chunks
         self.policy = SelectivePolicy()  # selective checkpointing's, for the current block
         self.kept: dict[str, list[torch.Tensor]] = {}  # per block: outputs selective checkpointing would keep
         self.kept_lse: dict[str, list[tuple[str, int]]] = {}  # per block: attention's log-sum-exp (layout, bytes)
@@ -259,8 +263,8 @@ class _Trace(torch_dispatch_mode()):  # type: ignore[misc]
 
     def kind(self, t: torch.Tensor) -> str:
         """How tensor parallelism lays ``t`` out: "sharded", "vocab", "gathered", "layer_input" or "residual"."""
-        kind = self.layout.get(t) or ("layer_input" if self.gathered_inputs.get(t)
-                                      else "gathered" if _is_index(t) else "residual")
+        kind = self.layout.get(t) or ("layer_input" if self.regatherable_inputs.get(t)
+                                      else "gathered" if self.gathered_inputs.get(t) or _is_index(t) else "residual")
         return "gathered" if kind == "whole" else kind
 
     def record_saved(self, t: torch.Tensor, nbytes: int | None = None) -> None:
@@ -281,7 +285,10 @@ class _Trace(torch_dispatch_mode()):  # type: ignore[misc]
         if self.saved.get(t) is not None:
             return
         self.saved.set(t, self.section)
-        self.sections[self.section].saved.add(self.kind(t), nbytes)
+        kind = self.kind(t)
+        self.sections[self.section].saved.add(kind, nbytes)
+        if kind == "layer_input":
+            self.sections[self.section].regathered_inputs += 1
 
     def _propagate_half(self, key: Any, inputs: Any, out: Any) -> None:
         """What autocast would hold in half precision: the outputs of the functions it lowers, and of any op whose
@@ -515,11 +522,17 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
                 trace.sections.setdefault("last", Section())
         hooks.append(model.get_submodule(name).register_forward_pre_hook(enter, with_kwargs=True))
         hooks.append(model.get_submodule(name).register_forward_hook(leave))
+    gathering = [name for name, style in resolved.items() if style == "gather_sequence"]
     for name, style in resolved.items():
         style_name = style if isinstance(style, str) else type(style).__name__
         sub = model.get_submodule(name)
         if style_name in GATHERING_STYLES:
             hooks.append(sub.register_forward_pre_hook(lambda _m, args: _mark(trace.gathered_inputs, args)))
+        if gathers_its_input(style, any(name.startswith(g + ".") for g in gathering)):
+            # the input the engine gathers from the sequence chunks (``regather_sequence`` saves the chunk)
+            hooks.append(sub.register_forward_pre_hook(
+                lambda _m, args, kwargs: _mark(trace.regatherable_inputs, (first_tensor_argument(args, kwargs),)),
+                with_kwargs=True))
         layout = ("sharded" if style_name in SHARDING_STYLES
                   else "vocab" if style_name == "vocab_parallel_head"
                   else "whole" if style_name == "colwise_rep" else None)  # gathered whole, sequence included

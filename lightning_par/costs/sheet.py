@@ -70,6 +70,9 @@ class CostSheet:
     #: the blocks' re-gathers in backward, which activation checkpointing removes (a checkpointed block saves only
     #: its input; its recomputation gathers anew)
     regathered_in_blocks: Transfer | None = None
+    #: the pipeline schedule runs backward in two passes (input gradients, then weight gradients: zero bubble),
+    #: each unpacking what forward saved
+    split_backward: bool = False
     loss_parallel: bool = False
     checkpointing: str = "none"  # activation checkpointing: "none", "full" or "selective"
     offload: bool = False  # parameters, gradients and optimizer state in host memory

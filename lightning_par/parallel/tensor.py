@@ -14,6 +14,7 @@ loss_parallel()`` (the logits are a vocab-sharded DTensor).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -31,12 +32,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_par.parallel.modules import local_parameters
-from lightning_par.parallel.sequence_regather import save_chunks_of_gathered_input
+from lightning_par.parallel.sequence_regather import first_tensor_argument, save_chunks_of_gathered_input
 from lightning_par.parallel.tensor_plan import (
     HF_ALIASES,
     STYLES,
     Plan,
     check_tp_size,
+    gathers_its_input,
     head_params,
     mla_rope_dim,
     partial_sum_params,
@@ -121,16 +123,16 @@ def apply_tp(
             if name in frozen and p.requires_grad:
                 p.requires_grad_(False)
     if sequence_parallel and regather_sequence:
-        for name, style in resolved.items():
-            if _gathers_its_input(style, any(name.startswith(g + ".") for g in gathered)):
-                save_chunks_of_gathered_input(module.get_submodule(name), tp_mesh, SEQ_DIM)
-
-
-def _gathers_its_input(style: str | ParallelStyle, input_gathered: bool) -> bool:
-    """Under sequence parallelism: does a module of this style all-gather its input's sequence itself?"""
-    style = HF_ALIASES.get(style, style) if isinstance(style, str) else style
-    return (style in ("colwise", "colwise_rep") and not input_gathered) or style in (
-        "vocab_parallel_head", "gather_sequence")
+        marked = [name for name, style in resolved.items()
+                  if gathers_its_input(style, any(name.startswith(g + ".") for g in gathered))]
+        for name in marked:
+            save_chunks_of_gathered_input(module.get_submodule(name), tp_mesh, SEQ_DIM)
+        if not marked:
+            warnings.warn(
+                f"regather_sequence=True: no module of the tensor-parallel plan gathers its input from the sequence "
+                f"chunks ({sorted(set(map(str, resolved.values())))}; ParallelStyle objects are not looked into), "
+                f"so nothing is saved as chunks. Name the styles ('colwise', 'gather_sequence', "
+                f"'vocab_parallel_head') or turn regather_sequence off.", stacklevel=2)
 
 
 def build_style(
@@ -227,10 +229,11 @@ class _FirstInput(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def hook(_mod: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-            if args and isinstance(args[0], torch.Tensor):
-                return (self.fn(args[0], device_mesh), *args[1:]), kwargs
-            if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-                return args, {**kwargs, "hidden_states": self.fn(kwargs["hidden_states"], device_mesh)}
+            x = first_tensor_argument(args, kwargs)
+            if x is not None and args and args[0] is x:
+                return (self.fn(x, device_mesh), *args[1:]), kwargs
+            if x is not None:
+                return args, {**kwargs, "hidden_states": self.fn(x, device_mesh)}
             raise TypeError(
                 f"{type(module).__name__}: 'split_sequence'/'gather_sequence' act on the first positional tensor "
                 f"argument or `hidden_states=`; this call passed neither."
@@ -255,8 +258,8 @@ class _GatherSequence(_FirstInput):
         local_len: list[int] = []
 
         def remember(_mod: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-            x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
-            local_len[:] = [x.size(SEQ_DIM)] if isinstance(x, torch.Tensor) else []
+            x = first_tensor_argument(args, kwargs)
+            local_len[:] = [x.size(SEQ_DIM)] if x is not None else []
 
         def cut(_mod: nn.Module, _args: tuple, _kwargs: dict[str, Any], out: Any) -> Any:
             first = out[0] if isinstance(out, tuple) else out

@@ -659,3 +659,13 @@ def _no_match_message(module: nn.Module, key: str, names: list[str]) -> str:
         f"the module TP is applied to (`*` = one dotted segment, `**` = any number); a LightningModule's plan starts "
         f"at the LightningModule (e.g. 'model.blocks.*.attn.q': use prefix_plan(plan, 'model'))."
     )
+
+
+def gathers_its_input(style: str | ParallelStyle, input_gathered: bool) -> bool:
+    """Under sequence parallelism: does a module of this style all-gather its input's sequence itself (a
+    column-parallel layer not inside a 'gather_sequence' module, a vocabulary-parallel head, a 'gather_sequence'
+    module)? ``input_gathered``: it sits inside a 'gather_sequence' module. What ``regather_sequence`` saves as
+    chunks, and what the planner prices so."""
+    style = HF_ALIASES.get(style, style) if isinstance(style, str) else style
+    return (style in ("colwise", "colwise_rep") and not input_gathered) or style in (
+        "vocab_parallel_head", "gather_sequence")

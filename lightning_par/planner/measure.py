@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from lightning_par._compat import local_tensor
 from lightning_par.collectives import settle_process_groups
 
 
@@ -25,9 +26,6 @@ def local_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor without an autograd op (``to_local()`` would record one mid-step)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def state_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -55,7 +53,7 @@ def saved_activations() -> tuple[AbstractContextManager, Callable[[], int]]:
     state = {"now": 0, "peak": 0}
 
     def storage(t: torch.Tensor) -> tuple[int, int]:
-        t = _local(t)  # no autograd op inside a pack hook
+        t = local_tensor(t)  # no autograd op inside a pack hook
         wait = getattr(t, "trigger_wait", None)
         if callable(wait):  # a functional collective's AsyncCollectiveTensor has no storage: count its result's
             t = wait()
@@ -183,7 +181,7 @@ def probe_callback(probe_step: int, live: bool = False) -> Any:
 
         def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
             if self.ctx is not None and live:
-                params = {_local(p).untyped_storage().data_ptr() for p in pl_module.parameters()}
+                params = {local_tensor(p).untyped_storage().data_ptr() for p in pl_module.parameters()}
                 if dist.is_initialized() and dist.get_world_size() > 1:
                     settle_process_groups()  # every rank is here: a barrier per group (see settled_new_storages)
                 self.live_bytes = sum(settled_new_storages(self.before, params).values())

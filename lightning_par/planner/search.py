@@ -181,13 +181,18 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
                            for p in predictions])
     elif len(options["accumulate_unsharded"]) == 2:
         predictions += run(reduce_once_twins(predictions))
-    if options["regather_sequence"] == (True,):
+    forced_regather = options["regather_sequence"] == (True,)
+    if forced_regather:
         predictions = run([replace(p.layout, regather_sequence=p.layout.sequence_parallel) for p in predictions])
     elif len(options["regather_sequence"]) == 2:
-        predictions += run(regather_twins(predictions))
+        regathered = run(regather_twins(predictions))
+        predictions += regathered
+        if gradient_accumulation:  # a twin that still does not fit, with its batch in micro-batches
+            predictions += accumulated_variants(regathered, local, run)
     if allow_offload or not any(p.fits for p in predictions):
-        predictions += run([replace(layout, cpu_offload=True) for layout in candidates
-                            if layout.dp_shard * layout.dp_replicate * layout.cp > 1])
+        predictions += run([replace(layout, cpu_offload=True,
+                                    regather_sequence=forced_regather and layout.sequence_parallel)
+                            for layout in candidates if layout.dp_shard * layout.dp_replicate * layout.cp > 1])
     # equal speed, within the model's resolution (SPEED_RESOLUTION): the one that moves less first, as it leaves
     # less to what the time model does not see (contention, jitter, per-stage scheduling)
     predictions = rank_predictions(predictions)

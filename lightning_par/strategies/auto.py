@@ -69,6 +69,10 @@ class AutoParallelStrategy(NDParallelStrategy):
                                                                                           sequence_parallel)
         self.force_regather = None if regather_sequence is None else check_bool("regather_sequence",
                                                                                   regather_sequence)
+        if self.force_regather and self.force_sequence_parallel is False:
+            raise ValueError("regather_sequence=True with sequence_parallel=False: only sequence parallelism gathers "
+                             "a layer's input from sequence chunks. Drop sequence_parallel=False (the planner then "
+                             "weighs it), or drop regather_sequence.")
         if self.force_regather and kwargs.get("compile"):
             raise ValueError("regather_sequence=True with compile=True: the saved-tensor hooks that keep the sequence "
                              "chunks are not traced by torch.compile. Turn one of them off.")

@@ -104,6 +104,7 @@ class PipelineParallel(Technique):
         v = SCHEDULES[self.schedule].stages_per_rank or self.stages_per_rank or 2
         m = self.microbatches or p * v
         sheet.microbatches = m
+        sheet.split_backward = self.schedule in ZERO_BUBBLE
         sheet.rank_sections, sheet.inflight, sheet.bubble, boundaries = pipeline_shape(self.schedule, tuple(blocks),
                                                                                        p, v, m)
         # the residual stream: in half precision where FSDP casts the parameters, in the traced dtype under autocast

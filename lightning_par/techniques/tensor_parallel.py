@@ -100,9 +100,9 @@ class TensorParallel(Technique):
         parameter tp leaves whole on the sequence shards (norms, position embeddings): each rank saw only its
         part of the sequence; and per step one all-reduce of each 'head_norm' weight's gradient (each rank
         normalized its own heads). Under sequence parallelism pipeline stages send 1/tp of the activations. With
-        ``regather_sequence`` (not under autocast alone, where it changes nothing) backward gathers two inputs per
-        block again (the attention's and the MLP's; not in checkpointed blocks) and each vocabulary-parallel
-        head's."""
+        ``regather_sequence`` (not under autocast alone, where it changes nothing) backward gathers each saved layer
+        input again that sequence parallelism gathered (the profile counts them: a block's attention and MLP
+        inputs, a head's; none in checkpointed blocks), twice under a schedule that splits backward in two."""
         tp = sheet.dims.tp
         if tp == 1:
             return
@@ -139,12 +139,13 @@ class TensorParallel(Technique):
         if head_norms:  # each rank normalized only its own heads
             sheet.transfers.append(
                 Transfer("tp", "tp", "all_reduce", sum(head_norms) / len(head_norms), len(head_norms), False))
-        if sheet.regather_sequence:  # backward gathers the attention's and the MLP's inputs again, and the heads'
-            sheet.regathered_in_blocks = Transfer("tp", "tp", "all_gather", residual, 2 * blocks * m, False)
+        if sheet.regather_sequence:  # backward gathers the saved layer inputs again (e.g. attention's and MLP's)
+            in_blocks, at_ends = (n * (2 if sheet.split_backward else 1)
+                                  for n in _regathered_inputs(sheet.profile, sections))
+            sheet.regathered_in_blocks = Transfer("tp", "tp", "all_gather", residual, in_blocks * m, False)
             sheet.transfers.append(sheet.regathered_in_blocks)
-            vocabulary_parallel = sum(style == "vocab_parallel_head" for style, _, _ in heads)
-            if vocabulary_parallel:
-                sheet.transfers.append(Transfer("tp", "tp", "all_gather", residual, vocabulary_parallel * m, False))
+            if at_ends:  # a head's input
+                sheet.transfers.append(Transfer("tp", "tp", "all_gather", residual, at_ends * m, False))
         if self.sequence_parallel:  # pipeline stages hand on this rank's sequence chunk, not the whole sequence
             sheet.transfers = [t.copy_with(nbytes=t.nbytes / tp) if t.kind == "pp_send_recv" else t
                                for t in sheet.transfers]
@@ -155,6 +156,15 @@ class TensorParallel(Technique):
         regather = ", sequence chunks gathered again in backward" if self.regather_sequence else ""
         return (f"tensor parallel (sequence parallel {self.sequence_parallel}{regather}, loss parallel "
                 f"{self.loss_parallel})")
+
+
+def _regathered_inputs(profile: ModelProfile, sections: frozenset[str]) -> tuple[int, int]:
+    """The layer inputs ``regather_sequence`` gathers again per micro-batch in ``sections``: in blocks (none under
+    activation checkpointing) and in what runs before and after them (a head's)."""
+    ends = ("first", "last")
+    counts = {name: profile.sections[name].regathered_inputs for name in sections}
+    return (sum(c for name, c in counts.items() if name not in ends),
+            sum(c for name, c in counts.items() if name in ends))
 
 
 def _planned_modules(
