@@ -33,7 +33,7 @@ from workers import (
 )
 
 from example_projects.gpt.lit import GPTModule
-from lightning_par import FSDP2Strategy, PipelineParallelStrategy
+from lightning_par import FSDP2Strategy, NDParallelStrategy, PipelineParallelStrategy
 from lightning_par.callbacks import PipelineTimelineMonitor
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -121,6 +121,13 @@ def _world4() -> dict:
     out["pp2_x_dp_shard2_accumulated"] = fit(pp("1f1b", 2, pp=2, dp_shard=2, accumulate_unsharded=True), 4, 2,
                                              n_layer=4, accumulate_grad_batches=2, callbacks=[accumulated])
     out["pp2_x_dp_shard2_accumulated"].update(per_batch=accumulated.per_batch, fsdp_units=accumulated.fsdp_units)
+    # zero bubble runs backward in two passes (input, then weight gradients), each unpacking what forward saved:
+    # the sequence chunks are gathered again in each
+    out["pp2_x_tp2_zbv_regather"] = {
+        schedule: fit(NDParallelStrategy(pp=2, tp=2, dp_shard=1, sequence_parallel=True, loss_parallel=True,
+                                         regather_sequence=True, pp_schedule=schedule, pp_microbatches=4),
+                      4, 1, n_layer=4, max_steps=4)
+        for schedule in ("zbv", "interleaved_1f1b")}
     return out
 
 
@@ -156,6 +163,18 @@ def test_pp2_every_schedule_matches_one_process(world2, ref4, name):
 @pytest.mark.parametrize("name", list(PP4))
 def test_pp4_every_schedule_matches_one_process(world4, ref8, name):
     assert_parity(world4[0]["pp4"][name], ref8)
+
+
+def test_sequence_chunks_are_gathered_again_in_each_pass_of_a_split_backward(world4, ref4):
+    """pp2 x tp2 with sequence parallelism and ``regather_sequence`` under zbv (backward in an input and a weight
+    pass) matches one process; the chunks are gathered again in each pass: about twice as often as under
+    interleaved 1F1B, whose one backward pass gathers each once (the stages differ: v against loop placement)."""
+    runs = world4[0]["pp2_x_tp2_zbv_regather"]
+    ref = {"losses": ref4["losses"][:4]}
+    for schedule, result in runs.items():
+        assert max_loss_diff(result["losses"], ref["losses"]) <= 1e-5, schedule
+    split, single = runs["zbv"]["gathered_again"], runs["interleaved_1f1b"]["gathered_again"]
+    assert 1.8 * single <= split <= 2.2 * single, (split, single)
 
 
 @pytest.mark.parametrize("name", list(PP2_DP2))
