@@ -85,6 +85,11 @@ def world2(ckpt_dir: str) -> dict[str, Any]:
     out["tp_sp_lp_head_norms"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="qwen3")
     out["tp_sp_lp_gathered_projections"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="phi3")
     out["tp_sp_lp_linear_attention"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="qwen3_5")
+    # the sequence chunks gathered again in backward: inputs gathered by the attention and MLP modules (inner
+    # activations inside them are not) and whole-output projections
+    regather = dict(sp_lp, regather_sequence=True)
+    out["tp_sp_lp_gathered_projections_regather"] = hf_fit(NDParallelStrategy(**regather), 2, 1, arch="phi3")
+    out["tp_sp_lp_linear_attention_regather"] = hf_fit(NDParallelStrategy(**regather), 2, 1, arch="qwen3_5")
     # bare per-head parameters split by head (Granite-SWA's attention sinks, with SP and LP: the attention also
     # gathers the sequence), and multi-head latent attention with sinks (HY-V4: the rope part's gradient summed)
     out["tp_sp_lp_attention_sinks"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="granite_swa")

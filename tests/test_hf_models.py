@@ -69,6 +69,8 @@ def test_pipeline_uneven_split_and_activation_checkpointing(w2, name):
 @pytest.mark.parametrize(("name", "arch"), [("cp_attention_sinks", "gpt_oss"), ("tp_sp_lp_head_norms", "qwen3"),
                                           ("tp_sp_lp_gathered_projections", "phi3"),
                                           ("tp_sp_lp_linear_attention", "qwen3_5"),
+                                          ("tp_sp_lp_gathered_projections_regather", "phi3"),
+                                          ("tp_sp_lp_linear_attention_regather", "qwen3_5"),
                                           ("tp_learnable_activation", "apertus"),
                                           ("tp_sp_lp_attention_sinks", "granite_swa"),
                                           ("tp_latent_attention_sinks", "hy_v4"),
@@ -88,6 +90,7 @@ def test_more_architectures(w2, name, arch):
     embedding (kept whole: a vocabulary split would normalize partial lookups)."""
     sgd = {"optimizer": "sgd"} if arch == "apertus" else {}
     assert_parity(w2[0][name], reference(arch, **sgd), steps=STEPS)
+    assert (w2[0][name]["gathered_again"] > 0) == name.endswith("_regather")  # regather_sequence acted
 
 
 def test_tied_embeddings_train_under_the_v_schedule(w2):
