@@ -23,6 +23,7 @@ from lightning_par.planner.predict import Layout
 from lightning_par.planner.search import CHECKPOINTING, RESTRICTABLE, Plan, plan_layouts
 from lightning_par.strategies.nd import NDParallelStrategy
 from lightning_par.techniques import build_recipe
+from lightning_par.techniques.tensor_parallel import check_regather_with_compile
 
 _OWN = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "pp_schedule", "pp_microbatches", "loss_parallel",
         "cpu_offload")
@@ -73,9 +74,7 @@ class AutoParallelStrategy(NDParallelStrategy):
             raise ValueError("regather_sequence=True with sequence_parallel=False: only sequence parallelism gathers "
                              "a layer's input from sequence chunks. Drop sequence_parallel=False (the planner then "
                              "weighs it), or drop regather_sequence.")
-        if self.force_regather and kwargs.get("compile"):
-            raise ValueError("regather_sequence=True with compile=True: the saved-tensor hooks that keep the sequence "
-                             "chunks are not traced by torch.compile. Turn one of them off.")
+        check_regather_with_compile(bool(self.force_regather), bool(kwargs.get("compile")))
         if device is not None:
             from lightning_par.devices import lookup_device
 

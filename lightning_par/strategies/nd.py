@@ -47,6 +47,7 @@ from lightning_par.strategies.fault_tolerant import CHECKPOINT_KEY, FaultToleran
 from lightning_par.strategies.startup_summary import describe_hand_parallelization
 from lightning_par.techniques import Target, Technique, build_recipe
 from lightning_par.techniques.fully_sharded import register_step_methods
+from lightning_par.techniques.tensor_parallel import check_regather_with_compile
 
 
 def is_parallelized(module: nn.Module) -> bool:
@@ -178,9 +179,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         self._window_open = False  # a window of micro-batches whose unused gradients are taken back together
         for technique in self.techniques:
             technique.check(dims)
-        if self.tensor_parallel.regather_sequence and self.compile.enabled:
-            raise ValueError("regather_sequence=True with compile=True: the saved-tensor hooks that keep the sequence "
-                             "chunks are not traced by torch.compile. Turn one of them off.")
+        check_regather_with_compile(self.tensor_parallel.regather_sequence, self.compile.enabled)
         super().__init__(dims, process_group_backend=process_group_backend, timeout=timeout, pretrained=pretrained,
                          save_trainable_only=save_trainable_only, **lightning_kwargs)
 

@@ -20,6 +20,13 @@ from lightning_par.parallel.tensor_plan import resolve_tp_plan, validate_tp_plan
 from lightning_par.techniques.technique import Target, Technique
 
 
+def check_regather_with_compile(regather_sequence: bool, compile: bool) -> None:
+    """The two do not combine: torch.compile does not trace the saved-tensor hooks that keep the chunks."""
+    if regather_sequence and compile:
+        raise ValueError("regather_sequence=True with compile=True: the saved-tensor hooks that keep the sequence "
+                         "chunks are not traced by torch.compile. Turn one of them off.")
+
+
 class TensorParallel(Technique):
     """``parallelize_module`` with the plan (FQN globs -> styles) over the tp mesh, after the weights are broadcast
     within the tp group so that every rank starts from the same values. Under pipeline parallelism the plan is
