@@ -146,10 +146,15 @@ def _hand_sharded_module(cfg: dict[str, Any], compiled: bool) -> Any:
 def _lightning(cfg: dict[str, Any], kind: str, compiled: bool, monitors: bool, teardown: bool, window: _Window,
                device: str) -> dict[str, Any]:
     import lightning.pytorch as pl
+    import torch
     from lightning.pytorch.callbacks import Callback
 
     from example_projects.gpt.lit import GPTModule
     from lightning_par.callbacks import CommOverlapMonitor, DeviceUtilizationMonitor, MemoryMonitor
+
+    # the MemoryMonitor resets the process's peak statistics after each of its logs, so the peaks are read here,
+    # before it runs (callbacks run in list order), and the run's peak is the largest of them
+    peaks = {"peak_allocated_bytes": 0, "peak_reserved_bytes": 0}
 
     class Timing(Callback):
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -157,6 +162,9 @@ def _lightning(cfg: dict[str, Any], kind: str, compiled: bool, monitors: bool, t
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             window.after(batch_idx)
+            if device == "cuda":  # host-side counters: no device synchronization
+                peaks["peak_allocated_bytes"] = max(peaks["peak_allocated_bytes"], torch.cuda.max_memory_allocated())
+                peaks["peak_reserved_bytes"] = max(peaks["peak_reserved_bytes"], torch.cuda.max_memory_reserved())
 
     callbacks: list[Any] = [Timing()]
     if monitors:  # the profiling window (batches 1-4) inside the warm-up: the timed steps come after it, as most
@@ -178,7 +186,7 @@ def _lightning(cfg: dict[str, Any], kind: str, compiled: bool, monitors: bool, t
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=10)
     trainer.fit(module, _loader(cfg))
-    return {"final_loss": float(trainer.callback_metrics.get("train/loss", float("nan")))}
+    return {"final_loss": float(trainer.callback_metrics.get("train/loss", float("nan"))), **peaks}
 
 
 def _count_flops(cfg: dict[str, Any], device: str) -> float:
@@ -226,9 +234,9 @@ def run_variant(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
     else:
         out.update(_lightning(cfg, kind, compiled, monitors, teardown, window, device))
     out["step_s"] = window.step_s
-    if device == "cuda":
-        out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-        out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    if device == "cuda":  # the peak since the reset above, or since the MemoryMonitor's last reset (see _lightning)
+        out["peak_allocated_bytes"] = max(out.get("peak_allocated_bytes", 0), torch.cuda.max_memory_allocated())
+        out["peak_reserved_bytes"] = max(out.get("peak_reserved_bytes", 0), torch.cuda.max_memory_reserved())
         out["device_name"] = torch.cuda.get_device_name()
     out["device"] = device
     return out
