@@ -34,7 +34,7 @@ for _path in (str(ROOT), str(ROOT / "tests")):  # the published cases' harness l
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from test_planner_published import PublishedCase  # noqa: E402
+from test_planner_published import _GRAND_TETON, LLAMA_8B, LLAMA_70B, PublishedCase  # noqa: E402
 
 from benchmarks.bench_planner import plan_published  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
@@ -53,6 +53,8 @@ ASSUMED = (
 _MEGATRON_CORE = ("NVIDIA/Megatron-LM README, 'Training Speed and Scalability' (commit f2e5db4, 2024-07-15), "
                   "images/model_table.png")
 _MPT = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (061f2c7)"
+_TT_ASYNC = ("pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (torch 38410cf9, torchtitan "
+             "820504e, 2025-06)")
 
 
 def gpt(layers: int, heads: int, hidden: int, vocab: int, seq: int) -> dict[str, int]:
@@ -67,7 +69,8 @@ def megatron_core(size: str, heads: int, hidden: int, layers: int, tp: int, pp: 
         f"GPT {size} ({heads} heads, hidden {hidden}, {layers} layers), vocab 131,072, seq 4096, batch {batch}; "
         f"{tflops} TFLOP/s per GPU, MFU {mfu} %",
         gpt(layers, heads, hidden, 131072, 4096), world=gpus, global_batch=batch, seq_len=4096,
-        published_tokens_per_s=None, published_tflops=tflops, layout=layout, inter_link="ib-ndr400", arch="gpt")
+        published_tokens_per_s=None, published_tflops=tflops, layout=layout, inter_link="ib-ndr400", arch="gpt",
+        async_tp=True)  # the README: "tensor-parallel (--tp-comm-overlap)" communication overlapped
 
 
 def mpt(row: str, size: str, layers: int, heads: int, hidden: int, gpus: int, device: str, batch: int,
@@ -109,6 +112,23 @@ CASES = [megatron_core(*row) for row in (
         gpt(70, 112, 14336, 250880, 2048), world=384, global_batch=2048, seq_len=2048,
         published_tokens_per_s=19.561 * 2048 / 384, layout={"dp_shard": 8, "tp": 4, "pp": 12}, device="A100-80GB",
         inter_link="eth-100", activation_checkpointing=True, arch="gpt"),
+    # torchtitan's async-TP runs (their vanilla-TP twins of the 70B is a test case): collected 2026-11-26
+    PublishedCase(
+        "torchtitan Llama 3.1 70B, 256 H100, FSDP 32 x TP 8, async TP",
+        f"{_TT_ASYNC}, 'Llama3 70b on 256 H100s', row 'None (bfloat16)', async TP",
+        f"Llama 3.1 70B, seq 8192, local batch 16 (global 512), bf16, full activation checkpointing, torch.compile, "
+        f"async TP; FSDP 32 x TP 8; {_GRAND_TETON}",
+        LLAMA_70B, world=256, global_batch=512, seq_len=8192, published_tokens_per_s=652.4,
+        layout={"dp_shard": 32, "tp": 8}, accumulate_grad_batches=1, memory_gib=96, activation_checkpointing=True,
+        async_tp=True),
+    PublishedCase(
+        "torchtitan Llama 3.1 8B, 64 H100, FSDP 8 x TP 8, async TP",
+        f"{_TT_ASYNC}, 'Llama3 8b on 64 H100s', row 'None (bfloat16)', async TP",
+        f"Llama 3.1 8B, seq 8192, local batch 12 (global 96), bf16, per-op selective activation checkpointing, "
+        f"torch.compile, async TP; FSDP 8 x TP 8; {_GRAND_TETON}",
+        LLAMA_8B, world=64, global_batch=96, seq_len=8192, published_tokens_per_s=4809.4,
+        layout={"dp_shard": 8, "tp": 8}, accumulate_grad_batches=1, memory_gib=96,
+        activation_checkpointing="selective", async_tp=True),
 ]
 
 

@@ -16,7 +16,8 @@ import torch
 # wrapper, and FSDP2's state-dict handling knows this one's ``_checkpoint_wrapped_module`` prefix
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-__all__ = ["all_to_all_single_autograd", "checkpoint_wrapper", "ignore_profiler_ranges_in_selective_checkpointing",
+__all__ = ["all_to_all_single_autograd", "async_tensor_parallel_enabled", "checkpoint_wrapper",
+           "enable_async_tensor_parallel", "ignore_profiler_ranges_in_selective_checkpointing",
            "in_backward", "live_process_groups", "local_chunk",
            "move_graph_to_device", "pipeline_stage_class", "set_device_mesh", "torch_dispatch_mode",
            "train_dataloader_of", "tree_leaves", "tree_map", "without_function_modes"]
@@ -233,3 +234,30 @@ def tensor_version(t: torch.Tensor) -> int:
     """The in-place version counter autograd checks saved tensors against (torch 2.11-2.13: ``Tensor._version``):
     a saved-tensor hook that keeps a tensor must check it itself, since autograd does not under such hooks."""
     return t._version
+
+
+def enable_async_tensor_parallel(group_name: str) -> None:
+    """Turn on Inductor's micro-pipelined tensor parallelism ("async TP") for the blocks compiled after this call:
+    each sequence-parallel all-gather before a matmul and reduce-scatter after one is cut into tp chunks, the
+    transfer of the next chunk in flight while the current one is multiplied (symmetric memory, CUDA only). torch
+    2.11-2.13: ``torch._inductor.config._micro_pipeline_tp`` (no public switch; torchtitan sets it the same way) and
+    ``torch.distributed._symmetric_memory.enable_symm_mem_for_group`` for the tp group (deprecated since 2.12 as no
+    longer needed, still called where it exists, as torchtitan does, pytorch/pytorch#193027)."""
+    import warnings
+
+    import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory
+
+    enable = getattr(_symmetric_memory, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(group_name)
+    inductor_config._micro_pipeline_tp = True
+
+
+def async_tensor_parallel_enabled() -> bool:
+    """Whether ``enable_async_tensor_parallel`` is in force (torch 2.11-2.13: the Inductor flag it sets)."""
+    import torch._inductor.config as inductor_config
+
+    return bool(inductor_config._micro_pipeline_tp)

@@ -67,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--regather-sequence", choices=("both", "on", "off"), default="both",
                        help="with sequence parallelism: weigh saving the gathered layer inputs as chunks gathered "
                        "again in backward on, off or both (default: for the layouts that do not fit without it)")
+    where.add_argument("--async-tp", choices=("both", "on", "off"), default="both",
+                       help="with sequence parallelism on a GPU, weigh its collectives pipelined with their matmuls "
+                       "(Inductor's async tensor parallelism; the layout then needs compile=True): both (default), on "
+                       "or off")
     where.add_argument("--reshard-after-forward", choices=("both", "on", "off"), default="both",
                        help="with FSDP: weigh resharding after forward (ZeRO-3) on, off (ZeRO-2-like) or both")
     where.add_argument("--accumulate-unsharded", choices=("both", "on", "off"), default="both",
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                         sequence_parallel=_CHOICES[args.sequence_parallel],
                         reshard_after_forward=_CHOICES[args.reshard_after_forward],
                         accumulate_unsharded=_CHOICES[args.accumulate_unsharded],
-                        regather_sequence=_CHOICES[args.regather_sequence],
+                        regather_sequence=_CHOICES[args.regather_sequence], async_tp=_CHOICES[args.async_tp],
                         gradient_accumulation=args.gradient_accumulation == "on")
     seconds = time.perf_counter() - start
     print(f"{profile.name}: {sum(p.numel for p in profile.params) / 1e9:.3f} B parameters, global batch "

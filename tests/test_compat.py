@@ -225,3 +225,22 @@ def test_tree_leaves_and_map_flatten_an_ops_arguments():
     assert [type(x) for x in leaves] == [torch.Tensor, int, torch.Tensor, type(None)]
     doubled = _compat.tree_map(lambda x: x * 2 if isinstance(x, torch.Tensor) else x, args)
     assert torch.equal(doubled[0][0], torch.full((1,), 2.0)) and doubled[0][1][0] == 2
+
+
+def test_async_tensor_parallel_switches_inductors_pass_on_for_a_group(tmp_path):
+    import torch._inductor.config as inductor_config
+    import torch.distributed as dist
+    from torch.distributed import _symmetric_memory
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    before = inductor_config._micro_pipeline_tp
+    try:
+        group = dist.new_group([0])
+        inductor_config._micro_pipeline_tp = False
+        assert not _compat.async_tensor_parallel_enabled()
+        _compat.enable_async_tensor_parallel(group.group_name)
+        assert _compat.async_tensor_parallel_enabled()
+        assert _symmetric_memory.is_symm_mem_enabled_for_group(group.group_name)
+    finally:
+        inductor_config._micro_pipeline_tp = before
+        dist.destroy_process_group()

@@ -58,6 +58,11 @@ class PublishedCase:
     inter_link: str = "roce-400"
     memory_gib: float | None = None  # the GPUs' memory when it differs from the table's device
     activation_checkpointing: bool | None = None  # fixed by the run (full AC), else None: the planner's choice
+    #: whether the run pipelined its tensor-parallel collectives with their matmuls (Megatron-Core's
+    #: ``--tp-comm-overlap``, torchtitan's async TP): then every sequence-parallel layout is planned with it (those
+    #: that re-gather sequence chunks without: Megatron pipelines those too, which this engine cannot compile); else
+    #: with none (as ``checkpointing``: what the run had)
+    async_tp: bool = False
     #: the run's gradient accumulation (torchtitan's benchmarks ran none), None: the planner's choice
     accumulate_grad_batches: int | None = None
     restrict: dict[str, list[int]] = field(default_factory=dict)
@@ -251,7 +256,8 @@ def plan(case: PublishedCase) -> Plan:
     hardware = known_hardware(case.device, precision=table_precision, gpus_per_node=8, inter_link=case.inter_link)
     budget = None if case.memory_gib is None else case.memory_gib * GiB * (1 - RESERVE)
     return plan_layouts(module, batch, case.world, hardware, precision=case.precision, memory_budget=budget,
-                        restrict=case.restrict, activation_checkpointing=case.checkpointing)
+                        restrict=case.restrict, activation_checkpointing=case.checkpointing,
+                        async_tp=(True,) if case.async_tp else (False,))
 
 
 def plan_case(case: PublishedCase) -> dict[str, Any]:

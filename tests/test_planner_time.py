@@ -181,3 +181,60 @@ def test_cpu_ranks_share_their_cores_with_communication_and_with_each_others_bub
     piped, flat = Layout(pp=4, pp_schedule="1f1b", pp_microbatches=4), Layout(dp_shard=4)
     assert predict(piped, gpt, CPU, GLOBAL_BATCH, SEQ).step_s < predict(piped, gpt, GPU, GLOBAL_BATCH, SEQ).step_s
     assert predict(flat, gpt, CPU, 2, SEQ).step_s > predict(flat, gpt, GPU, 2, SEQ).step_s
+
+
+def test_async_tp_pipelines_each_block_collective_with_its_own_matmul(gpt):
+    """Async tensor parallelism: per block and micro-batch, each of the attention's and the MLP's groups sends an
+    all-gather before its column-parallel matmuls and a reduce-scatter after its row-parallel one in forward, and
+    the mirror in backward: as many bytes as the plain account's four all-reduces per block. Each hides behind
+    (tp - 1) / tp of its matmul (the first chunk is the rank's own); what does not fit stays exposed, message by
+    message."""
+    from lightning_par.planner.predict import _cached_link, _transfer_time
+
+    plain, piped = Layout(tp=4, sequence_parallel=True), Layout(tp=4, sequence_parallel=True, async_tp=True)
+    sheet = account(piped, gpt, GLOBAL_BATCH, SEQ, "32-true")
+    matmul = [t for t in sheet.transfers if t.hides_behind == "matmul"]
+    assert len(matmul) == 4 * 2 * 4  # 4 blocks x (attention, MLP) x (gather, scatter) x (forward, backward)
+    assert sum(t.count for t in matmul) == 2 * 16  # two halves of each of the plain account's 16 all-reduces
+    assert sorted({t.collective for t in matmul}) == ["all_gather", "reduce_scatter"]
+    tokens, (width,) = GLOBAL_BATCH * SEQ, {TINY_GPT["n_embd"]}
+    assert sorted({t.behind_flops for t in matmul}) == pytest.approx(  # proj (h x h), fc and its proj (4h x h), qkv
+        [2 * tokens * n * width * width / 4 for n in (1, 3, 4)])
+    others = [t for t in sheet.transfers if t.kind == "tp" and t.hides_behind != "matmul"]
+    assert sorted((t.collective, t.count) for t in others) == sorted(
+        c for c in counts(plain, gpt, "tp") if c != ("all_reduce", 16))
+
+    shown = []
+    for flops in (1e3, 3e9, 1e18):  # all hidden, some, none
+        hw = replace(GPU, matmul_flops=flops)
+        exposed = sum(_transfer_time(t, *_cached_link("tp", sheet.dims, hw)) for t in others)
+        for t in matmul:
+            seconds = _transfer_time(t, *_cached_link("tp", sheet.dims, hw))
+            exposed += max(0.0, seconds - t.count * 3 / 4 * t.behind_flops / hw.matmul_rate(4))
+        got = predict(piped, gpt, hw, GLOBAL_BATCH, SEQ)
+        assert got.comm_s["tp"] == pytest.approx(exposed)
+        shown.append(exposed - sum(_transfer_time(t, *_cached_link("tp", sheet.dims, hw)) for t in others))
+        assert got.comm_total_s["tp"] == pytest.approx(predict(plain, gpt, hw, GLOBAL_BATCH, SEQ).comm_total_s["tp"])
+    assert shown[0] == 0.0 < shown[1] < shown[2]
+    assert predict(piped, gpt, replace(GPU, matmul_flops=1e18), GLOBAL_BATCH, SEQ).comm_s["tp"] == pytest.approx(
+        predict(plain, gpt, replace(GPU, matmul_flops=1e18), GLOBAL_BATCH, SEQ).comm_s["tp"])
+    # on CPU ranks nothing overlaps
+    assert predict(piped, gpt, CPU, GLOBAL_BATCH, SEQ).comm_s == predict(plain, gpt, CPU, GLOBAL_BATCH, SEQ).comm_s
+
+
+def test_async_tp_is_weighed_on_gpus_only_and_asks_for_compile(gpt):
+    from lightning_par.planner.search import plan_layouts
+
+    on_gpu = plan_layouts(gpt, None, 4, GPU, restrict={"pp": [1], "cp": [1]})
+    piped = [p for p in on_gpu.predictions if p.layout.async_tp]
+    assert piped and all(p.layout.tp > 1 and p.layout.sequence_parallel for p in piped)
+    assert all(p.layout.strategy_kwargs()["compile"] is True and p.layout.strategy_kwargs()["async_tp"] is True
+               for p in piped)
+    assert "async TP" in str(piped[0].layout)
+    assert not any(p.layout.async_tp for p in plan_layouts(gpt, None, 4, CPU, restrict={"pp": [1]}).predictions)
+    assert not any(p.layout.async_tp for p in plan_layouts(gpt, None, 4, GPU, async_tp=(False,)).predictions)
+    forced = plan_layouts(gpt, None, 4, GPU, async_tp=(True,), restrict={"pp": [1], "cp": [1]}).predictions
+    assert all(p.layout.async_tp for p in forced if p.layout.tp > 1 and p.layout.sequence_parallel
+               and not p.layout.regather_sequence)
+    with pytest.raises(ValueError, match=r"regather_sequence=\(True,\) with async_tp=\(True,\)"):
+        plan_layouts(gpt, None, 4, GPU, async_tp=(True,), regather_sequence=(True,))

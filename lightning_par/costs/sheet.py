@@ -32,8 +32,11 @@ class Transfer:
     recomputed_full: float = 0.0
     recomputed_selective: float = 0.0
     # what an overlappable transfer hides behind: any compute ("compute": FSDP's prefetch runs beside every kernel),
-    # or only the attention kernels' ("attention": the ring's next hop is in flight while a block is computed)
+    # or only the attention kernels' ("attention": the ring's next hop is in flight while a block is computed); or,
+    # not overlappable in that sense, "matmul": pipelined chunk by chunk with one matmul of ``behind_flops`` (async
+    # tensor parallelism)
     hides_behind: str = "compute"
+    behind_flops: float = 0.0
 
     def copy_with(self, *, count: float | None = None, nbytes: float | None = None,
                   recomputed: bool = True) -> Transfer:
@@ -42,7 +45,7 @@ class Transfer:
         return Transfer(self.kind, self.dim, self.collective, self.nbytes if nbytes is None else nbytes,
                         self.count if count is None else count, self.overlappable,
                         self.recomputed_full if recomputed else 0.0, self.recomputed_selective if recomputed else 0.0,
-                        self.hides_behind)
+                        self.hides_behind, self.behind_flops)
 
 
 @dataclass

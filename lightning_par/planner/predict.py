@@ -77,6 +77,9 @@ class Layout:
     sequence_parallel: bool = False
     #: with sequence parallelism: gathered layer inputs saved as this rank's chunk, gathered again in backward
     regather_sequence: bool = False
+    #: with sequence parallelism: its all-gathers and reduce-scatters pipelined with their matmuls (Inductor's
+    #: async tensor parallelism: ``compile=True``, CUDA)
+    async_tp: bool = False
     loss_parallel: bool = False
     cpu_offload: bool = False
     #: False: FSDP keeps each unit gathered from its forward through its backward (ZeRO-2-like: no all-gather in
@@ -118,6 +121,8 @@ class Layout:
             out["reshard_after_forward"] = False
         if self.accumulate_unsharded:
             out["accumulate_unsharded"] = True
+        if self.async_tp:  # a pass of torch.compile's
+            out.update(async_tp=True, compile=True)
         return out
 
     def trainer_kwargs(self) -> dict[str, Any]:
@@ -134,7 +139,7 @@ class Layout:
             stages = f" v{self.pp_stages_per_rank}" if self.pp_stages_per_rank is not None else ""
             extras.append(f"{self.pp_schedule}{stages} m{self.pp_microbatches}")
         extras += [name for flag, name in (("sequence_parallel", "SP"), ("regather_sequence", "regather"),
-                                           ("loss_parallel", "LP"),
+                                           ("async_tp", "async TP"), ("loss_parallel", "LP"),
                                            ("activation_checkpointing", "AC"), ("cpu_offload", "offload"))
                    if getattr(self, flag)]
         if not self.reshard_after_forward:
@@ -213,7 +218,7 @@ def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, pre
     recipe = _planning_recipe(layout.pp_schedule, layout.pp_microbatches, layout.pp_stages_per_rank,
                               layout.sequence_parallel, layout.loss_parallel, layout.activation_checkpointing,
                               layout.cpu_offload, layout.reshard_after_forward, layout.accumulate_unsharded,
-                              layout.regather_sequence)
+                              layout.regather_sequence, layout.async_tp)
     for technique in recipe:
         technique.account(sheet)
     return sheet
@@ -230,12 +235,13 @@ def _planning_dims(*sizes: int) -> ParallelDims:
 def _planning_recipe(pp_schedule: str, pp_microbatches: int | None, pp_stages_per_rank: int | None,
                      sequence_parallel: bool, loss_parallel: bool, activation_checkpointing: bool | str,
                      cpu_offload: bool, reshard_after_forward: bool, accumulate_unsharded: bool,
-                     regather_sequence: bool) -> tuple:
+                     regather_sequence: bool, async_tp: bool) -> tuple:
     return build_recipe(pp_schedule=pp_schedule, pp_microbatches=pp_microbatches,
                         pp_stages_per_rank=pp_stages_per_rank, sequence_parallel=sequence_parallel,
                         loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing,
                         cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
-                        accumulate_unsharded=accumulate_unsharded, regather_sequence=regather_sequence)
+                        accumulate_unsharded=accumulate_unsharded, regather_sequence=regather_sequence,
+                        async_tp=async_tp, compile=async_tp)
 
 
 def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: int, seq_len: int,
@@ -253,15 +259,21 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     total = {t.kind: 0.0 for t in sheet.transfers}
     hidden = {t.kind: 0.0 for t in sheet.transfers}  # behind any compute
     behind_attention = {t.kind: 0.0 for t in sheet.transfers}  # behind the attention kernels only
+    pipelined = {t.kind: 0.0 for t in sheet.transfers}  # with their own matmul (async tp): what it leaves exposed
     links: dict[str, tuple[int, float, float]] = {}  # per mesh dimension: its group size and link
+    shared = shares_cores(hardware)
     for t in sheet.transfers:
         if t.dim not in links:
             links[t.dim] = _cached_link(t.dim, sheet.dims, hardware)
         seconds = _transfer_time(t, *links[t.dim])
         total[t.kind] += seconds
-        if t.overlappable:
+        if t.hides_behind == "matmul" and not shared:
+            # cut into n chunks, the next in flight while this one is multiplied: (n - 1) / n of the matmul hides
+            # the transfer, per message (a transfer larger than its matmul shows the rest)
+            n = links[t.dim][0]
+            pipelined[t.kind] += seconds - max(0.0, seconds - t.count * (n - 1) / n * t.behind_flops / rate)
+        elif t.overlappable:
             (behind_attention if t.hides_behind == "attention" else hidden)[t.kind] += seconds
-    shared = shares_cores(hardware)
     overlap = 0.0 if shared else OVERLAP
     # what hides behind attention first (up to OVERLAP of the attention kernels' time), the rest of the compute
     # for the others
@@ -271,8 +283,8 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     overlapped = sum(hidden.values())
     for kind in total:
         share = hidden[kind] / overlapped if overlapped else 0.0
-        exposed[kind] += total[kind] - hidden[kind] - behind_attention[kind] + share * max(0.0,
-                                                                                           overlapped - hideable)
+        exposed[kind] += (total[kind] - hidden[kind] - behind_attention[kind] - pipelined[kind]
+                          + share * max(0.0, overlapped - hideable))
     busy = compute + sum(exposed.values())
     step = busy if shared else busy / (1.0 - sheet.bubble)
     budget = memory_budget if memory_budget is not None else (

@@ -18,7 +18,7 @@ from torch import nn
 from lightning_par.costs.profile import ModelProfile, profile_model
 from lightning_par.parallel.pipeline import validate_pipeline
 from lightning_par.parallel.tensor_plan import validate_tp_plan
-from lightning_par.planner.predict import RESERVE, Layout, Prediction, predict
+from lightning_par.planner.predict import RESERVE, Layout, Prediction, predict, shares_cores
 
 if TYPE_CHECKING:
     from lightning_par.devices import Hardware
@@ -110,7 +110,7 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
                  block_list: str | None = None, sequence_parallel: Iterable[bool] = (True, False),
                  reshard_after_forward: Iterable[bool] = (True, False), memory_reserve: float = RESERVE,
                  gradient_accumulation: bool = True, accumulate_unsharded: Iterable[bool] = (False, True),
-                 regather_sequence: Iterable[bool] = (False, True)) -> Plan:
+                 regather_sequence: Iterable[bool] = (False, True), async_tp: Iterable[bool] = (False, True)) -> Plan:
     """Predict and rank every valid layout of ``module`` on ``world_size`` devices of ``hardware``.
 
     Args:
@@ -136,6 +136,10 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
         regather_sequence: with sequence parallelism, weigh saving the gathered layer inputs whole (``False``), as
             this rank's chunk gathered again in backward (``True``: less memory, one more all-gather per input) or
             both (the twins of the layouts that do not fit but could come near the fastest: ``regather_twins``).
+        async_tp: with sequence parallelism on a GPU (not on CPUs: ``shares_cores``), weigh its collectives exposed
+            (``False``), pipelined with their matmuls (``True``: Inductor's async tensor parallelism, which needs
+            ``compile=True``; the layout's ``strategy_kwargs()`` include it) or both (the twins of the layouts that
+            could come near the fastest: ``async_tp_twins``).
         gradient_accumulation: for a layout without a pipeline whose batch does not fit, also weigh splitting each
             rank's batch into micro-batches (the Trainer's ``accumulate_grad_batches``, in the layout's
             ``trainer_kwargs()``; the fewest that fit: ``accumulated_variants``), as Megatron's and DeepSpeed's
@@ -146,10 +150,14 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
     batch, seq_len = profile.batch, profile.seq_len
     options = {}
     for name, given in (("sequence_parallel", sequence_parallel), ("reshard_after_forward", reshard_after_forward),
-                        ("accumulate_unsharded", accumulate_unsharded), ("regather_sequence", regather_sequence)):
+                        ("accumulate_unsharded", accumulate_unsharded), ("regather_sequence", regather_sequence),
+                        ("async_tp", async_tp)):
         options[name] = tuple(dict.fromkeys(bool(x) for x in given))
         if not options[name]:
             raise ValueError(f"{name}=() leaves nothing to weigh; pass (True,), (False,) or (True, False).")
+    if options["regather_sequence"] == (True,) and options["async_tp"] == (True,):
+        raise ValueError("regather_sequence=(True,) with async_tp=(True,): async tensor parallelism is compiled and "
+                         "re-gathering is not (see NDParallelStrategy). Weigh one of them, or both: (False, True).")
     if not isinstance(gradient_accumulation, bool):
         raise TypeError(f"gradient_accumulation={gradient_accumulation!r} must be True (weigh micro-batches for "
                         f"layouts whose batch does not fit) or False.")
@@ -189,6 +197,12 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
         predictions += regathered
         if gradient_accumulation:  # a twin that still does not fit, with its batch in micro-batches
             predictions += accumulated_variants(regathered, local, run)
+    if options["async_tp"] != (False,) and not shares_cores(hardware):
+        pipelined = async_tp_twins(predictions, everyone=options["async_tp"] == (True,))
+        if options["async_tp"] == (True,):  # every such layout pipelined instead, the others as they are
+            twinned = {replace(layout, async_tp=False) for layout in pipelined}
+            predictions = [p for p in predictions if p.layout not in twinned]
+        predictions += run(pipelined)
     if allow_offload or not any(p.fits for p in predictions):
         predictions += run([replace(layout, cpu_offload=True,
                                     regather_sequence=forced_regather and layout.sequence_parallel)
@@ -255,6 +269,19 @@ def _twin_could_fit(p: Prediction) -> bool:
     twins that cannot fit (Llama 3 405B on 8,192 GPUs). Not a test for the ZeRO-2-like twins: they are weighed
     before gradient accumulation, whose micro-batches may make them fit."""
     return p.budget is None or p.memory - p.buffers <= p.budget
+
+
+def async_tp_twins(predictions: list[Prediction], everyone: bool = False) -> list[Layout]:
+    """The async tensor-parallel twin of every sequence-parallel layout (not re-gathering: that is not compiled)
+    that, with all its exposed tensor-parallel time gone (more than the twin saves: what does not fit behind its
+    matmul stays), would be at least ``ZERO2_WINDOW`` as fast as the fastest fitting layout (``everyone``: of
+    each). Same memory, same compute: only the time differs, so only layouts that fit get a twin (``everyone``:
+    all)."""
+    floor = _floor(predictions)
+    return [replace(p.layout, async_tp=True) for p in predictions
+            if p.layout.tp > 1 and p.layout.sequence_parallel and not p.layout.regather_sequence
+            and not p.layout.async_tp
+            and (everyone or (p.fits and _could_come_near(p, p.step_s - p.comm_s.get("tp", 0.0), floor)))]
 
 
 def _floor(predictions: list[Prediction]) -> float:

@@ -26,12 +26,13 @@ from lightning_par.techniques import build_recipe
 from lightning_par.techniques.tensor_parallel import check_regather_with_compile
 
 _OWN = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "pp_schedule", "pp_microbatches", "loss_parallel",
-        "cpu_offload")
+        "cpu_offload", "async_tp")
 
 
 class AutoParallelStrategy(NDParallelStrategy):
     """Chooses the layout (``pp x dp_replicate x dp_shard x cp x tp``, schedule, micro-batches, activation
-    checkpointing, offload) that the planner predicts fastest among those that fit, and trains it.
+    checkpointing, offload) that the planner predicts fastest among those that fit, and trains it. With
+    ``compile=True`` on CUDA it also weighs async tensor parallelism (``async_tp``) for sequence-parallel layouts.
 
     Args:
         memory_budget: bytes (or a string such as ``"20GiB"``) one device may use; default: the device's memory
@@ -140,12 +141,14 @@ class AutoParallelStrategy(NDParallelStrategy):
             regather = (self.force_regather,)
         else:  # the hooks that keep the chunks are not traced by torch.compile
             regather = (False,) if self._options.get("compile") else (False, True)
+        # Inductor's async tensor parallelism: a pass of the compile the user asked for, on CUDA symmetric memory
+        async_tp = (False, True) if self._options.get("compile") and self.root_device.type == "cuda" else (False,)
         return plan_layouts(module if self.plan_device is not None else profile, batch,
                             self.num_nodes * self.num_processes, hardware, precision=precision,
                             batch_is_global=False, memory_budget=self.memory_budget, restrict=self.restrict,
                             activation_checkpointing=checkpointing, block_list=self.block_list,
                             sequence_parallel=sequence_parallel, reshard_after_forward=reshard,
-                            accumulate_unsharded=once, regather_sequence=regather,
+                            accumulate_unsharded=once, regather_sequence=regather, async_tp=async_tp,
                             gradient_accumulation=False)  # each loader batch is one micro-batch already
 
     def _agree(self, layout: Layout) -> Layout:

@@ -47,7 +47,11 @@ from lightning_par.strategies.fault_tolerant import CHECKPOINT_KEY, FaultToleran
 from lightning_par.strategies.startup_summary import describe_hand_parallelization
 from lightning_par.techniques import Target, Technique, build_recipe
 from lightning_par.techniques.fully_sharded import register_step_methods
-from lightning_par.techniques.tensor_parallel import check_regather_with_compile
+from lightning_par.techniques.tensor_parallel import (
+    check_async_tp_device,
+    check_async_tp_with_compile,
+    check_regather_with_compile,
+)
 
 
 def is_parallelized(module: nn.Module) -> bool:
@@ -83,6 +87,10 @@ class NDParallelStrategy(BaseParallelStrategy):
             1/tp of the whole, for one more all-gather per gathered input in backward. Outside activation
             checkpointing only; no effect under autocast without FSDP (autocast saves its own copy). Not with
             ``compile``.
+        async_tp: with ``sequence_parallel`` and ``compile``, on CUDA: Inductor's async tensor parallelism (as
+            torchtitan's ``enable_async_tensor_parallel``): each all-gather before a column-parallel matmul and
+            reduce-scatter after a row-parallel one is cut into tp chunks over symmetric memory, the next chunk in
+            flight while the current one is multiplied (what Megatron-LM's ``--tp-comm-overlap`` does by hand).
         loss_parallel: keep the head's output sharded over the vocabulary; the loss (``F.cross_entropy`` inside
             the step) is computed without gathering the logits.
         block_list: dotted name of the model's ``nn.ModuleList`` of blocks; found automatically if omitted.
@@ -137,6 +145,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         ep_plan: list[str] | None = None,
         sequence_parallel: bool = False,
         regather_sequence: bool = False,
+        async_tp: bool = False,
         loss_parallel: bool = False,
         pp_schedule: str = "1f1b",
         pp_microbatches: int | None = None,
@@ -170,7 +179,7 @@ class NDParallelStrategy(BaseParallelStrategy):
             cp_load_balance=cp_load_balance, cp_seq_dim=cp_seq_dim, activation_checkpointing=activation_checkpointing,
             compile=compile, shard_units=shard_units, reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload, ep_plan=ep_plan, accumulate_unsharded=accumulate_unsharded,
-            regather_sequence=regather_sequence)
+            regather_sequence=regather_sequence, async_tp=async_tp)
         (self.pipeline_parallel, self.tensor_parallel, self.context_parallel, self.expert_parallel,
          self.activation_checkpointing, self.compile, self.fully_sharded) = self.techniques
         self.block_list = check_optional_str("block_list", block_list, "model.blocks")
@@ -180,6 +189,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         for technique in self.techniques:
             technique.check(dims)
         check_regather_with_compile(self.tensor_parallel.regather_sequence, self.compile.enabled)
+        check_async_tp_with_compile(self.tensor_parallel.async_tp, self.compile.enabled)
         super().__init__(dims, process_group_backend=process_group_backend, timeout=timeout, pretrained=pretrained,
                          save_trainable_only=save_trainable_only, **lightning_kwargs)
 
@@ -192,6 +202,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         super()._validate_configuration()  # resolves -1 sizes against the world size
         for technique in self.techniques:
             technique.check(self.dims)
+        check_async_tp_device(self.tensor_parallel.async_tp, self.root_device.type)
 
     def build_mesh(self) -> None:
         super().build_mesh()

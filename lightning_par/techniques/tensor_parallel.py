@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
+from lightning_par._compat import enable_async_tensor_parallel
 from lightning_par.checks import check_bool
 from lightning_par.costs.profile import ModelProfile
 from lightning_par.costs.sheet import CostSheet, Transfer, busiest_sections, params_by_planned_module, per_cut
@@ -27,13 +28,30 @@ def check_regather_with_compile(regather_sequence: bool, compile: bool) -> None:
                          "chunks are not traced by torch.compile. Turn one of them off.")
 
 
+def check_async_tp_with_compile(async_tp: bool, compile: bool) -> None:
+    """Async tensor parallelism is a pass of Inductor's over the compiled blocks: eager blocks have nothing to
+    pipeline."""
+    if async_tp and not compile:
+        raise ValueError("async_tp=True with compile=False: the all-gathers and reduce-scatters are pipelined with "
+                         "their matmuls by a torch.compile (Inductor) pass over each block. Pass compile=True too, "
+                         "or drop async_tp.")
+
+
+def check_async_tp_device(async_tp: bool, device_type: str) -> None:
+    """Async tensor parallelism moves its chunks through CUDA symmetric memory."""
+    if async_tp and device_type != "cuda":
+        raise ValueError(f"async_tp=True on accelerator {device_type!r}: the pipelined all-gathers and "
+                         f"reduce-scatters run on CUDA symmetric memory (NVLink). Run with accelerator='cuda', or "
+                         f"drop async_tp.")
+
+
 class TensorParallel(Technique):
     """``parallelize_module`` with the plan (FQN globs -> styles) over the tp mesh, after the weights are broadcast
     within the tp group so that every rank starts from the same values. Under pipeline parallelism the plan is
     checked on the whole (meta) model, so every rank refuses a bad plan alike, and applied to this rank's stages."""
 
     def __init__(self, plan: Mapping[str, Any] | None = None, sequence_parallel: bool = False,
-                 loss_parallel: bool = False, regather_sequence: bool = False) -> None:
+                 loss_parallel: bool = False, regather_sequence: bool = False, async_tp: bool = False) -> None:
         if plan is not None and not isinstance(plan, Mapping):
             raise TypeError(f"tp_plan must map FQN globs to style names, e.g. {{'model.blocks.*.attn.q': 'colwise'}}; "
                             f"got {type(plan).__name__}.")
@@ -45,7 +63,18 @@ class TensorParallel(Technique):
             raise ValueError("regather_sequence=True with sequence_parallel=False: only sequence parallelism gathers "
                              "a layer's input from sequence chunks. Pass sequence_parallel=True too, or drop "
                              "regather_sequence.")
+        self.async_tp = check_bool("async_tp", async_tp)
+        if self.async_tp and not self.sequence_parallel:
+            raise ValueError("async_tp=True with sequence_parallel=False: async tensor parallelism pipelines the "
+                             "all-gathers and reduce-scatters that sequence parallelism puts around the matmuls "
+                             "(without it they are all-reduces, which it leaves alone). Pass sequence_parallel=True "
+                             "too, or drop async_tp.")
         self._sequence_multiple: tuple[int, int, int] | None = None  # (tp, cp, pp): see shard_batch
+
+    def check(self, dims: ParallelDims) -> None:
+        if self.async_tp and dims.tp == 1:
+            raise ValueError("async_tp=True with tp=1: there are no tensor-parallel collectives to pipeline. Set "
+                             "tp > 1, or drop async_tp.")
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
         if dims.tp == 1:
@@ -63,6 +92,8 @@ class TensorParallel(Technique):
         apply_tp(target.module, tp_mesh, plan, sequence_parallel=self.sequence_parallel,
                  loss_parallel=self.loss_parallel, whole_model=target.keep is None,
                  regather_sequence=self.regather_sequence)
+        if self.async_tp:  # before the Compile technique compiles the blocks
+            enable_async_tensor_parallel(tp_mesh.get_group().group_name)
 
     def shard_batch(self, batch: Any) -> Any:
         """Under a pipeline only the first stage's ranks split the sequence (and would refuse an uneven split); the
@@ -129,8 +160,12 @@ class TensorParallel(Technique):
         # recomputed forwards send their two again; selective keeps the reduce-scatters of sequence parallelism,
         # and the all-gathers it sends again cost half an all-reduce each
         forward = 2 * blocks * m
-        sheet.transfers.append(Transfer("tp", "tp", "all_reduce", block, 4 * blocks * m, False, forward,
-                                        forward / 2 if self.sequence_parallel else forward))
+        pipelined = _pipelined_block_transfers(sheet, sections, block) if self.async_tp else []
+        if pipelined:
+            sheet.transfers += pipelined
+        else:
+            sheet.transfers.append(Transfer("tp", "tp", "all_reduce", block, 4 * blocks * m, False, forward,
+                                            forward / 2 if self.sequence_parallel else forward))
         embeddings, heads, whole, head_norms = _planned_modules(sheet.profile, sections)
         for _ in range(embeddings):
             sheet.transfers.append(Transfer("tp", "tp", "all_reduce", whole_dtype, m, False))
@@ -161,8 +196,54 @@ class TensorParallel(Technique):
         if dims.tp == 1:
             return None
         regather = ", sequence chunks gathered again in backward" if self.regather_sequence else ""
+        regather += ", async (collectives pipelined with their matmuls)" if self.async_tp else ""
         return (f"tensor parallel (sequence parallel {self.sequence_parallel}{regather}, loss parallel "
                 f"{self.loss_parallel})")
+
+
+def _pipelined_block_transfers(sheet: CostSheet, sections: frozenset[str], nbytes: float) -> list[Transfer]:
+    """Async tensor parallelism's block collectives, each priced behind the matmul it is pipelined with. Per group
+    of a row-parallel layer and the column-parallel layers beside it (attention's projections, the MLP's), per
+    micro-batch: forward all-gathers the group's input for its column-parallel matmuls and reduce-scatters the
+    row-parallel matmul's output; backward reduce-scatters the column-parallel input gradients (their matmuls'
+    size) and all-gathers the output gradient for the row-parallel one. Each carries the FLOPs of that matmul on
+    this rank (``behind_flops``); the time model hides (tp - 1) / tp of them (the first chunk is this rank's own).
+    Empty where the plan has no such groups in the blocks (the plain account stands then)."""
+    groups = per_cut(sheet, ("tp_groups",), lambda: _column_row_groups(sheet.profile, sections))
+    if not groups:
+        return []
+    m, per_param = sheet.microbatches, 2 * sheet.microbatch_tokens / sheet.dims.tp  # FLOPs of a matmul's forward
+    out = []
+    for column, row in groups:
+        out += [Transfer("tp", "tp", "all_gather", nbytes, m, False, m, m, "matmul", per_param * column),
+                Transfer("tp", "tp", "reduce_scatter", nbytes, m, False, m, 0.0, "matmul", per_param * row),
+                Transfer("tp", "tp", "reduce_scatter", nbytes, m, False, 0.0, 0.0, "matmul", per_param * column),
+                Transfer("tp", "tp", "all_gather", nbytes, m, False, 0.0, 0.0, "matmul", per_param * row)]
+    return out
+
+
+_COLUMN_STYLES = ("colwise", "local_colwise")  # the styles whose input sequence parallelism all-gathers
+_ROW_STYLES = ("rowwise", "local_rowwise")  # and whose output it reduce-scatters
+
+
+def _column_row_groups(profile: ModelProfile, sections: frozenset[str]) -> list[tuple[int, int]]:
+    """(column-parallel weight elements, row-parallel weight elements) of each row-parallel layer in the blocks of
+    ``sections`` together with the column-parallel layers under the same parent module (a block's attention, its
+    MLP). Weights only (the matmuls' operands), whole (before tp)."""
+    column: dict[str, int] = {}
+    row: dict[str, int] = {}
+    for module, owned in params_by_planned_module(profile).items():
+        style = profile.tp_plan[module]
+        weights = [p for p in owned if p.section in sections and p.section not in ("first", "last")
+                   and len(p.shape) == 2]
+        if not weights or not isinstance(style, str):
+            continue
+        parent = module.rpartition(".")[0]
+        if style in _COLUMN_STYLES:
+            column[parent] = column.get(parent, 0) + sum(p.numel for p in weights)
+        elif style in _ROW_STYLES:
+            row[parent] = row.get(parent, 0) + sum(p.numel for p in weights)
+    return [(column.get(parent, 0), elements) for parent, elements in row.items()]
 
 
 def _regathered_inputs(profile: ModelProfile, sections: frozenset[str]) -> tuple[int, int]:
