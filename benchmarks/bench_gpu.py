@@ -156,15 +156,21 @@ def _lightning(cfg: dict[str, Any], kind: str, compiled: bool, monitors: bool, t
     # before it runs (callbacks run in list order), and the run's peak is the largest of them
     peaks = {"peak_allocated_bytes": 0, "peak_reserved_bytes": 0}
 
+    def read_peaks() -> None:
+        if device == "cuda":  # host-side counters: no device synchronization
+            peaks["peak_allocated_bytes"] = max(peaks["peak_allocated_bytes"], torch.cuda.max_memory_allocated())
+            peaks["peak_reserved_bytes"] = max(peaks["peak_reserved_bytes"], torch.cuda.max_memory_reserved())
+
     class Timing(Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            read_peaks()  # setup's (materialization, sharding), before the monitor resets them
+
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             window.before(batch_idx)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             window.after(batch_idx)
-            if device == "cuda":  # host-side counters: no device synchronization
-                peaks["peak_allocated_bytes"] = max(peaks["peak_allocated_bytes"], torch.cuda.max_memory_allocated())
-                peaks["peak_reserved_bytes"] = max(peaks["peak_reserved_bytes"], torch.cuda.max_memory_reserved())
+            read_peaks()
 
     callbacks: list[Any] = [Timing()]
     if monitors:  # the profiling window (batches 1-4) inside the warm-up: the timed steps come after it, as most

@@ -15,6 +15,12 @@ said in ``ASSUMED``):
   061f2c7; model shapes from scripts/train/yamls/pretrain/mpt-*.yaml): pure FSDP (FULL_SHARD), tokens/s per GPU;
 - BLOOM-176B (bigscience-workshop/bigscience train/tr11-176B-ml/README.md at 00327f8): 384 A100 80GB, TP 4 x PP 12 x
   DP 8 with ZeRO-1, full activation checkpointing, 19.561 samples/s at global batch 2048.
+- torchtitan's async-TP runs (pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, collected
+  2026-11-26): Llama 3.1 70B on 256 H100 (FSDP 32 x TP 8, full AC) and 8B on 64 H100 (FSDP 8 x TP 8, per-op SAC),
+  bf16, async TP; their vanilla-TP 70B twin is a test case.
+
+Megatron-Core's runs overlapped their TP communication (``--tp-comm-overlap``, said beside the table): they are
+planned with async TP (``PublishedCase.async_tp``), as torchtitan's async runs are; the others without.
 
 Not used: NeMo's and Megatron-Bridge's H100 tables (FP8: the device table has no FP8 peak), Korthikanti et al. 2022
 and OPT-175B (their layouts could not be read from a primary source here).

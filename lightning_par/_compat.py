@@ -240,9 +240,11 @@ def enable_async_tensor_parallel(group_name: str) -> None:
     """Turn on Inductor's micro-pipelined tensor parallelism ("async TP") for the blocks compiled after this call:
     each sequence-parallel all-gather before a matmul and reduce-scatter after one is cut into tp chunks, the
     transfer of the next chunk in flight while the current one is multiplied (symmetric memory, CUDA only). torch
-    2.11-2.13: ``torch._inductor.config._micro_pipeline_tp`` (no public switch; torchtitan sets it the same way) and
-    ``torch.distributed._symmetric_memory.enable_symm_mem_for_group`` for the tp group (deprecated since 2.12 as no
-    longer needed, still called where it exists, as torchtitan does, pytorch/pytorch#193027)."""
+    2.11-2.13: ``torch._inductor.config._micro_pipeline_tp`` (no public switch; torchtitan sets it the same way; it
+    holds for the process, but the pass fuses only collectives of groups with symmetric memory) and
+    ``torch.distributed._symmetric_memory.enable_symm_mem_for_group`` for the tp group (marked deprecated since 2.12,
+    yet the pass skips a group until it is called: torchtitan calls it too, pytorch/pytorch#193027). A torch where
+    the group is still not enabled afterwards gets a warning: its blocks would compile without the pipelining."""
     import warnings
 
     import torch._inductor.config as inductor_config
@@ -253,6 +255,11 @@ def enable_async_tensor_parallel(group_name: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             enable(group_name)
+    enabled = getattr(_symmetric_memory, "is_symm_mem_enabled_for_group", None)
+    if enabled is None or not enabled(group_name):
+        warnings.warn(f"async_tp=True: symmetric memory could not be confirmed for the tensor-parallel group "
+                      f"{group_name!r} with torch {torch.__version__}; Inductor may compile the blocks without "
+                      f"pipelining their collectives.", stacklevel=2)
     inductor_config._micro_pipeline_tp = True
 
 

@@ -215,9 +215,35 @@ def run_all(tp: int, cases: list[Case]) -> dict:
         for case in cases:
             out[case.name] = run_case(case, mesh)
         out["regather"] = regather_evidence(mesh)
+        out["async_tp"] = async_tp_evidence(tp)
         return out
     finally:
         dist.destroy_process_group()
+
+
+def async_tp_evidence(tp: int) -> dict:
+    """What ``TensorParallel(async_tp=True).apply`` switches on for the tp group (Inductor's pass and symmetric
+    memory; compiling and running it needs CUDA), and that eager steps are unchanged by it."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory
+
+    from lightning_par.dims import ParallelDims
+    from lightning_par.techniques import Target, TensorParallel
+
+    before = inductor_config._micro_pipeline_tp
+    inductor_config._micro_pipeline_tp = False
+    try:
+        dims = ParallelDims(dp_shard=1, tp=tp).resolve(tp)
+        dims.build_mesh("cpu")
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        TensorParallel(GPT_TP_PLAN, sequence_parallel=True, async_tp=True).apply(
+            Target(model, torch.device("cpu"), "32-true"), dims)
+        group = dims.mesh("tp").get_group().group_name
+        return {"inductor_pass": bool(inductor_config._micro_pipeline_tp),
+                "symmetric_memory": bool(_symmetric_memory.is_symm_mem_enabled_for_group(group))}
+    finally:
+        inductor_config._micro_pipeline_tp = before
 
 
 class _InPlaceAfterGather(nn.Module):

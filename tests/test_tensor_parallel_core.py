@@ -422,3 +422,8 @@ def test_experts_a_plan_marks_moe_tp_experts_stay_whole_without_an_ep_plan():
     assert not any(".experts" in key for key in plan)
     assert "mla_kv_a_proj" in plan.values() and "colwise" in plan.values()
     assert validate_tp_plan(model, plan, 2)["model.layers.0.self_attn.0.kv_a_proj_with_mqa"] == "mla_kv_a_proj"
+
+
+def test_async_tp_switches_on_inductors_pass_and_symmetric_memory_for_the_tp_group(world2):
+    """The engine's side of ``async_tp`` (running the pipelined collectives needs two CUDA GPUs: not here)."""
+    assert [r["async_tp"] for r in world2] == [{"inductor_pass": True, "symmetric_memory": True}] * 2

@@ -259,7 +259,7 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     total = {t.kind: 0.0 for t in sheet.transfers}
     hidden = {t.kind: 0.0 for t in sheet.transfers}  # behind any compute
     behind_attention = {t.kind: 0.0 for t in sheet.transfers}  # behind the attention kernels only
-    pipelined = {t.kind: 0.0 for t in sheet.transfers}  # with their own matmul (async tp): what it leaves exposed
+    pipelined = {t.kind: 0.0 for t in sheet.transfers}  # hidden behind their own matmul (async tp)
     links: dict[str, tuple[int, float, float]] = {}  # per mesh dimension: its group size and link
     shared = shares_cores(hardware)
     for t in sheet.transfers:
@@ -279,7 +279,8 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     # for the others
     exposed = {kind: max(0.0, seconds - overlap * attention) if seconds else 0.0
                for kind, seconds in behind_attention.items()}
-    hideable = overlap * compute - sum(behind_attention.values()) + sum(exposed.values())
+    # the matmuls that async tp's chunks hide behind are not there for FSDP's prefetch too
+    hideable = overlap * compute - sum(behind_attention.values()) + sum(exposed.values()) - sum(pipelined.values())
     overlapped = sum(hidden.values())
     for kind in total:
         share = hidden[kind] / overlapped if overlapped else 0.0

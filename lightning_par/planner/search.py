@@ -138,8 +138,9 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
             both (the twins of the layouts that do not fit but could come near the fastest: ``regather_twins``).
         async_tp: with sequence parallelism on a GPU (not on CPUs: ``shares_cores``), weigh its collectives exposed
             (``False``), pipelined with their matmuls (``True``: Inductor's async tensor parallelism, which needs
-            ``compile=True``; the layout's ``strategy_kwargs()`` include it) or both (the twins of the layouts that
-            could come near the fastest: ``async_tp_twins``).
+            ``compile=True``; the layout's ``strategy_kwargs()`` include it; not with cp > 1 or re-gathered chunks,
+            which are not compiled, nor for the CPU-offload variants) or both (the twins of the layouts that could
+            come near the fastest: ``async_tp_twins``).
         gradient_accumulation: for a layout without a pipeline whose batch does not fit, also weigh splitting each
             rank's batch into micro-batches (the Trainer's ``accumulate_grad_batches``, in the layout's
             ``trainer_kwargs()``; the fewest that fit: ``accumulated_variants``), as Megatron's and DeepSpeed's
@@ -272,7 +273,8 @@ def _twin_could_fit(p: Prediction) -> bool:
 
 
 def async_tp_twins(predictions: list[Prediction], everyone: bool = False) -> list[Layout]:
-    """The async tensor-parallel twin of every sequence-parallel layout (not re-gathering: that is not compiled)
+    """The async tensor-parallel twin of every sequence-parallel layout (not re-gathering, not context-parallel:
+    neither is compiled yet)
     that, with all its exposed tensor-parallel time gone (more than the twin saves: what does not fit behind its
     matmul stays), would be at least ``ZERO2_WINDOW`` as fast as the fastest fitting layout (``everyone``: of
     each). Same memory, same compute: only the time differs, so only layouts that fit get a twin (``everyone``:
@@ -280,7 +282,7 @@ def async_tp_twins(predictions: list[Prediction], everyone: bool = False) -> lis
     floor = _floor(predictions)
     return [replace(p.layout, async_tp=True) for p in predictions
             if p.layout.tp > 1 and p.layout.sequence_parallel and not p.layout.regather_sequence
-            and not p.layout.async_tp
+            and p.layout.cp == 1 and not p.layout.async_tp
             and (everyone or (p.fits and _could_come_near(p, p.step_s - p.comm_s.get("tp", 0.0), floor)))]
 
 

@@ -23,16 +23,21 @@ from lightning_par.planner.predict import Layout
 from lightning_par.planner.search import CHECKPOINTING, RESTRICTABLE, Plan, plan_layouts
 from lightning_par.strategies.nd import NDParallelStrategy
 from lightning_par.techniques import build_recipe
-from lightning_par.techniques.tensor_parallel import check_regather_with_compile
+from lightning_par.techniques.tensor_parallel import (
+    check_async_tp_device,
+    check_async_tp_with_compile,
+    check_regather_with_compile,
+)
 
 _OWN = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "pp_schedule", "pp_microbatches", "loss_parallel",
-        "cpu_offload", "async_tp")
+        "cpu_offload")
 
 
 class AutoParallelStrategy(NDParallelStrategy):
     """Chooses the layout (``pp x dp_replicate x dp_shard x cp x tp``, schedule, micro-batches, activation
     checkpointing, offload) that the planner predicts fastest among those that fit, and trains it. With
-    ``compile=True`` on CUDA it also weighs async tensor parallelism (``async_tp``) for sequence-parallel layouts.
+    ``compile=True`` it plans without context parallelism (not compiled yet) and, on CUDA, also weighs async tensor
+    parallelism for sequence-parallel layouts.
 
     Args:
         memory_budget: bytes (or a string such as ``"20GiB"``) one device may use; default: the device's memory
@@ -43,6 +48,8 @@ class AutoParallelStrategy(NDParallelStrategy):
         sequence_parallel: force it on or off where the planner picks ``tp > 1`` (default: it weighs both).
         regather_sequence: force it on or off where the planner picks sequence parallelism (default: it weighs
             it for the layouts that do not fit without it; never with ``compile=True``).
+        async_tp: force Inductor's async tensor parallelism on or off where the planner picks sequence
+            parallelism (default: with ``compile=True`` on CUDA it weighs both; ``True`` needs both).
         device: plan for a known device (``lightning_par.devices``) instead of measuring this machine.
         gpus_per_node: ranks per node (default: the devices per node the Trainer was given).
         plot_dir: write the plan's picture there (and to a TensorBoard logger).
@@ -53,7 +60,7 @@ class AutoParallelStrategy(NDParallelStrategy):
                  activation_checkpointing: bool | str | None = None, device: str | None = None,
                  gpus_per_node: int | None = None, plot_dir: str | None = None,
                  sequence_parallel: bool | None = None, regather_sequence: bool | None = None,
-                 **kwargs: Any) -> None:
+                 async_tp: bool | None = None, **kwargs: Any) -> None:
         given = sorted(set(kwargs) & set(_OWN))
         if given:
             raise ValueError(f"AutoParallelStrategy chooses {given} itself; restrict the sizes it may choose with "
@@ -76,6 +83,12 @@ class AutoParallelStrategy(NDParallelStrategy):
                              "a layer's input from sequence chunks. Drop sequence_parallel=False (the planner then "
                              "weighs it), or drop regather_sequence.")
         check_regather_with_compile(bool(self.force_regather), bool(kwargs.get("compile")))
+        self.force_async_tp = None if async_tp is None else check_bool("async_tp", async_tp)
+        check_async_tp_with_compile(bool(self.force_async_tp), bool(kwargs.get("compile")))
+        if self.force_async_tp and (self.force_sequence_parallel is False or self.force_regather):
+            raise ValueError("async_tp=True with sequence_parallel=False or regather_sequence=True: async tensor "
+                             "parallelism pipelines sequence parallelism's collectives in compiled blocks. Drop one "
+                             "of them.")
         if device is not None:
             from lightning_par.devices import lookup_device
 
@@ -88,6 +101,10 @@ class AutoParallelStrategy(NDParallelStrategy):
     @property
     def layout_known(self) -> bool:
         return False  # chosen in setup, once the model and the data exist
+
+    def _validate_configuration(self) -> None:
+        super()._validate_configuration()
+        check_async_tp_device(bool(self.force_async_tp), self.root_device.type)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -142,10 +159,16 @@ class AutoParallelStrategy(NDParallelStrategy):
         else:  # the hooks that keep the chunks are not traced by torch.compile
             regather = (False,) if self._options.get("compile") else (False, True)
         # Inductor's async tensor parallelism: a pass of the compile the user asked for, on CUDA symmetric memory
-        async_tp = (False, True) if self._options.get("compile") and self.root_device.type == "cuda" else (False,)
+        if self.force_async_tp is not None:
+            async_tp = (self.force_async_tp,)
+        else:
+            async_tp = (False, True) if self._options.get("compile") and self.root_device.type == "cuda" else (False,)
+        restrict = dict(self.restrict)
+        if self._options.get("compile"):  # compiled blocks do not run context parallelism yet (Compile.check)
+            restrict["cp"] = [1]
         return plan_layouts(module if self.plan_device is not None else profile, batch,
                             self.num_nodes * self.num_processes, hardware, precision=precision,
-                            batch_is_global=False, memory_budget=self.memory_budget, restrict=self.restrict,
+                            batch_is_global=False, memory_budget=self.memory_budget, restrict=restrict,
                             activation_checkpointing=checkpointing, block_list=self.block_list,
                             sequence_parallel=sequence_parallel, reshard_after_forward=reshard,
                             accumulate_unsharded=once, regather_sequence=regather, async_tp=async_tp,

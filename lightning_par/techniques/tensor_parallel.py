@@ -160,12 +160,15 @@ class TensorParallel(Technique):
         # recomputed forwards send their two again; selective keeps the reduce-scatters of sequence parallelism,
         # and the all-gathers it sends again cost half an all-reduce each
         forward = 2 * blocks * m
-        pipelined = _pipelined_block_transfers(sheet, sections, block) if self.async_tp else []
-        if pipelined:
-            sheet.transfers += pipelined
-        else:
-            sheet.transfers.append(Transfer("tp", "tp", "all_reduce", block, 4 * blocks * m, False, forward,
-                                            forward / 2 if self.sequence_parallel else forward))
+        pipelined = _pipelined_block_transfers(sheet, block) if self.async_tp else []
+        sheet.transfers += pipelined
+        # what async tp does not pipeline (blocks without a column/row pair: a mixture of experts' MLP) is sent as
+        # it would be without it: the plain account's four all-reduces per block, less the pipelined halves
+        plain = 4 * blocks * m - sum(t.count for t in pipelined) / 2
+        if plain > 0:
+            share = plain / (4 * blocks * m)
+            sheet.transfers.append(Transfer("tp", "tp", "all_reduce", block, plain, False, forward * share,
+                                            (forward / 2 if self.sequence_parallel else forward) * share))
         embeddings, heads, whole, head_norms = _planned_modules(sheet.profile, sections)
         for _ in range(embeddings):
             sheet.transfers.append(Transfer("tp", "tp", "all_reduce", whole_dtype, m, False))
@@ -201,23 +204,27 @@ class TensorParallel(Technique):
                 f"{self.loss_parallel})")
 
 
-def _pipelined_block_transfers(sheet: CostSheet, sections: frozenset[str], nbytes: float) -> list[Transfer]:
+def _pipelined_block_transfers(sheet: CostSheet, nbytes: float) -> list[Transfer]:
     """Async tensor parallelism's block collectives, each priced behind the matmul it is pipelined with. Per group
-    of a row-parallel layer and the column-parallel layers beside it (attention's projections, the MLP's), per
-    micro-batch: forward all-gathers the group's input for its column-parallel matmuls and reduce-scatters the
-    row-parallel matmul's output; backward reduce-scatters the column-parallel input gradients (their matmuls'
-    size) and all-gathers the output gradient for the row-parallel one. Each carries the FLOPs of that matmul on
-    this rank (``behind_flops``); the time model hides (tp - 1) / tp of them (the first chunk is this rank's own).
-    Empty where the plan has no such groups in the blocks (the plain account stands then)."""
-    groups = per_cut(sheet, ("tp_groups",), lambda: _column_row_groups(sheet.profile, sections))
-    if not groups:
-        return []
+    of a row-parallel layer and the column-parallel layers beside it (attention's projections, the MLP's; at most
+    two per block, as the plain account counts), per micro-batch: forward all-gathers the group's input for its
+    column-parallel matmuls (one all-gather feeds them all) and reduce-scatters the row-parallel matmul's output;
+    backward all-gathers the output gradient for the row-parallel one and reduce-scatters the column-parallel input
+    gradient: behind that matmul only where one column-parallel layer makes it (Inductor fuses a reduce-scatter
+    with the one matmul that produces it; the sum of q's, k's and v's input gradients has none, so it stays
+    exposed). Each carries the FLOPs of its matmul on this rank (``behind_flops``); the time model hides (tp - 1) /
+    tp of them. On the pipeline rank that runs the most blocks, as the plain account."""
+    ends = ("first", "last")
+    rank = max(sheet.rank_sections, key=lambda r: sum(s not in ends for s in r))
+    groups = per_cut(sheet, ("tp_groups",), lambda: [
+        g for section in rank if section not in ends for g in _column_row_groups(sheet.profile, section)[:2]])
     m, per_param = sheet.microbatches, 2 * sheet.microbatch_tokens / sheet.dims.tp  # FLOPs of a matmul's forward
     out = []
-    for column, row in groups:
+    for column, row, columns in groups:
+        backward_scatter = per_param * column if columns == 1 else 0.0
         out += [Transfer("tp", "tp", "all_gather", nbytes, m, False, m, m, "matmul", per_param * column),
                 Transfer("tp", "tp", "reduce_scatter", nbytes, m, False, m, 0.0, "matmul", per_param * row),
-                Transfer("tp", "tp", "reduce_scatter", nbytes, m, False, 0.0, 0.0, "matmul", per_param * column),
+                Transfer("tp", "tp", "reduce_scatter", nbytes, m, False, 0.0, 0.0, "matmul", backward_scatter),
                 Transfer("tp", "tp", "all_gather", nbytes, m, False, 0.0, 0.0, "matmul", per_param * row)]
     return out
 
@@ -226,24 +233,28 @@ _COLUMN_STYLES = ("colwise", "local_colwise")  # the styles whose input sequence
 _ROW_STYLES = ("rowwise", "local_rowwise")  # and whose output it reduce-scatters
 
 
-def _column_row_groups(profile: ModelProfile, sections: frozenset[str]) -> list[tuple[int, int]]:
-    """(column-parallel weight elements, row-parallel weight elements) of each row-parallel layer in the blocks of
-    ``sections`` together with the column-parallel layers under the same parent module (a block's attention, its
-    MLP). Weights only (the matmuls' operands), whole (before tp)."""
-    column: dict[str, int] = {}
+def _column_row_groups(profile: ModelProfile, section: str) -> list[tuple[int, int, int]]:
+    """(column-parallel weight elements, row-parallel weight elements, column-parallel layers) of each row-parallel
+    layer of the block ``section`` with the column-parallel layers under the same parent module (the block's
+    attention, its MLP), in the order the plan names them. Weights only (the matmuls' operands), whole (before tp)."""
+    cache = profile.__dict__.setdefault("_tp_groups", {})
+    if section in cache:
+        return cache[section]
+    column: dict[str, list[int]] = {}
     row: dict[str, int] = {}
     for module, owned in params_by_planned_module(profile).items():
         style = profile.tp_plan[module]
-        weights = [p for p in owned if p.section in sections and p.section not in ("first", "last")
-                   and len(p.shape) == 2]
+        weights = [p for p in owned if p.section == section and len(p.shape) == 2]
         if not weights or not isinstance(style, str):
             continue
         parent = module.rpartition(".")[0]
         if style in _COLUMN_STYLES:
-            column[parent] = column.get(parent, 0) + sum(p.numel for p in weights)
+            column.setdefault(parent, []).append(sum(p.numel for p in weights))
         elif style in _ROW_STYLES:
             row[parent] = row.get(parent, 0) + sum(p.numel for p in weights)
-    return [(column.get(parent, 0), elements) for parent, elements in row.items()]
+    cache[section] = [(sum(column.get(parent, [])), elements, len(column.get(parent, [])))
+                      for parent, elements in row.items()]
+    return cache[section]
 
 
 def _regathered_inputs(profile: ModelProfile, sections: frozenset[str]) -> tuple[int, int]:
