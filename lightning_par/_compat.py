@@ -19,7 +19,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 __all__ = ["all_to_all_single_autograd", "async_tensor_parallel_enabled", "checkpoint_wrapper",
            "enable_async_tensor_parallel", "ignore_profiler_ranges_in_selective_checkpointing",
            "in_backward", "live_process_groups", "local_chunk",
-           "move_graph_to_device", "pipeline_stage_class", "set_device_mesh", "torch_dispatch_mode",
+           "move_graph_to_device", "pipeline_stage_class", "set_device_mesh", "symmetric_memory_enabled",
+           "torch_dispatch_mode",
            "train_dataloader_of", "tree_leaves", "tree_map", "without_function_modes"]
 
 
@@ -255,12 +256,20 @@ def enable_async_tensor_parallel(group_name: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             enable(group_name)
-    enabled = getattr(_symmetric_memory, "is_symm_mem_enabled_for_group", None)
-    if enabled is None or not enabled(group_name):
+    if not symmetric_memory_enabled(group_name):
         warnings.warn(f"async_tp=True: symmetric memory could not be confirmed for the tensor-parallel group "
                       f"{group_name!r} with torch {torch.__version__}; Inductor may compile the blocks without "
                       f"pipelining their collectives.", stacklevel=2)
     inductor_config._micro_pipeline_tp = True
+
+
+def symmetric_memory_enabled(group_name: str) -> bool:
+    """Whether Inductor's async-TP pass will fuse this group's collectives (torch 2.11-2.13:
+    ``torch.distributed._symmetric_memory.is_symm_mem_enabled_for_group``; False where it does not exist)."""
+    from torch.distributed import _symmetric_memory
+
+    enabled = getattr(_symmetric_memory, "is_symm_mem_enabled_for_group", None)
+    return enabled is not None and bool(enabled(group_name))
 
 
 def async_tensor_parallel_enabled() -> bool:

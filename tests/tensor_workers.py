@@ -225,8 +225,8 @@ def async_tp_evidence(tp: int) -> dict:
     """What ``TensorParallel(async_tp=True).apply`` switches on for the tp group (Inductor's pass and symmetric
     memory; compiling and running it needs CUDA), and that eager steps are unchanged by it."""
     import torch._inductor.config as inductor_config
-    from torch.distributed import _symmetric_memory
 
+    from lightning_par._compat import symmetric_memory_enabled
     from lightning_par.dims import ParallelDims
     from lightning_par.techniques import Target, TensorParallel
 
@@ -241,7 +241,7 @@ def async_tp_evidence(tp: int) -> dict:
             Target(model, torch.device("cpu"), "32-true"), dims)
         group = dims.mesh("tp").get_group().group_name
         return {"inductor_pass": bool(inductor_config._micro_pipeline_tp),
-                "symmetric_memory": bool(_symmetric_memory.is_symm_mem_enabled_for_group(group))}
+                "symmetric_memory": symmetric_memory_enabled(group)}
     finally:
         inductor_config._micro_pipeline_tp = before
 

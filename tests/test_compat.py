@@ -230,7 +230,6 @@ def test_tree_leaves_and_map_flatten_an_ops_arguments():
 def test_async_tensor_parallel_switches_inductors_pass_on_for_a_group(tmp_path):
     import torch._inductor.config as inductor_config
     import torch.distributed as dist
-    from torch.distributed import _symmetric_memory
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     before = inductor_config._micro_pipeline_tp
@@ -240,7 +239,7 @@ def test_async_tensor_parallel_switches_inductors_pass_on_for_a_group(tmp_path):
         assert not _compat.async_tensor_parallel_enabled()
         _compat.enable_async_tensor_parallel(group.group_name)
         assert _compat.async_tensor_parallel_enabled()
-        assert _symmetric_memory.is_symm_mem_enabled_for_group(group.group_name)
+        assert _compat.symmetric_memory_enabled(group.group_name)
     finally:
         inductor_config._micro_pipeline_tp = before
         dist.destroy_process_group()

@@ -271,7 +271,7 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
             # cut into n chunks, the next in flight while this one is multiplied: (n - 1) / n of the matmul hides
             # the transfer, per message (a transfer larger than its matmul shows the rest)
             n = links[t.dim][0]
-            pipelined[t.kind] += seconds - max(0.0, seconds - t.count * (n - 1) / n * t.behind_flops / rate)
+            pipelined[t.kind] += min(seconds, t.count * (n - 1) / n * t.behind_flops / rate)
         elif t.overlappable:
             (behind_attention if t.hides_behind == "attention" else hidden)[t.kind] += seconds
     overlap = 0.0 if shared else OVERLAP

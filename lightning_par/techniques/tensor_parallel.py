@@ -148,7 +148,7 @@ class TensorParallel(Technique):
         sheet.regather_sequence = self.regather_sequence and not sheet.autocast_only
         sections, blocks = per_cut(sheet, ("tp_sections",), lambda: (
             frozenset(busiest_sections(sheet)),
-            max(sum(s not in ("first", "last") for s in r) for r in sheet.rank_sections)))
+            max(sum(s not in _ENDS for s in r) for r in sheet.rank_sections)))
         tokens, m = sheet.microbatch_tokens, sheet.microbatches
         residual = tokens * sheet.profile.hidden_bytes * sheet.activation_scale
         # under autocast alone only the row-parallel matmuls' outputs are in half precision (the forward
@@ -214,10 +214,11 @@ def _pipelined_block_transfers(sheet: CostSheet, nbytes: float) -> list[Transfer
     with the one matmul that produces it; the sum of q's, k's and v's input gradients has none, so it stays
     exposed). Each carries the FLOPs of its matmul on this rank (``behind_flops``); the time model hides (tp - 1) /
     tp of them. On the pipeline rank that runs the most blocks, as the plain account."""
-    ends = ("first", "last")
-    rank = max(sheet.rank_sections, key=lambda r: sum(s not in ends for s in r))
-    groups = per_cut(sheet, ("tp_groups",), lambda: [
-        g for section in rank if section not in ends for g in _column_row_groups(sheet.profile, section)[:2]])
+    def groups_of_the_rank_with_most_blocks() -> list[tuple[int, int, int]]:
+        rank = max(sheet.rank_sections, key=lambda r: sum(s not in _ENDS for s in r))
+        return [g for section in rank if section not in _ENDS for g in _column_row_groups(sheet.profile, section)[:2]]
+
+    groups = per_cut(sheet, ("tp_groups",), groups_of_the_rank_with_most_blocks)
     m, per_param = sheet.microbatches, 2 * sheet.microbatch_tokens / sheet.dims.tp  # FLOPs of a matmul's forward
     out = []
     for column, row, columns in groups:
@@ -229,6 +230,7 @@ def _pipelined_block_transfers(sheet: CostSheet, nbytes: float) -> list[Transfer
     return out
 
 
+_ENDS = ("first", "last")  # the profile's sections before and after the blocks
 _COLUMN_STYLES = ("colwise", "local_colwise")  # the styles whose input sequence parallelism all-gathers
 _ROW_STYLES = ("rowwise", "local_rowwise")  # and whose output it reduce-scatters
 
@@ -260,10 +262,9 @@ def _column_row_groups(profile: ModelProfile, section: str) -> list[tuple[int, i
 def _regathered_inputs(profile: ModelProfile, sections: frozenset[str]) -> tuple[int, int]:
     """The layer inputs ``regather_sequence`` gathers again per micro-batch in ``sections``: in blocks (none under
     activation checkpointing) and in what runs before and after them (a head's)."""
-    ends = ("first", "last")
     counts = {name: profile.sections[name].regathered_inputs for name in sections}
-    return (sum(c for name, c in counts.items() if name not in ends),
-            sum(c for name, c in counts.items() if name in ends))
+    return (sum(c for name, c in counts.items() if name not in _ENDS),
+            sum(c for name, c in counts.items() if name in _ENDS))
 
 
 def _planned_modules(
