@@ -111,7 +111,8 @@ class ParallelDims:
     @property
     def resolved(self) -> bool:
         """Whether every size is known (no ``-1`` left)."""
-        return -1 not in self.sizes().values()
+        # (no dict: the planner asks this some 150,000 times at 8,192 GPUs)
+        return -1 not in (self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp)
 
     def _check_resolved(self) -> None:
         if not self.resolved:

@@ -34,6 +34,9 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                       "linear_num_key_heads": 2, "linear_num_value_heads": 4}),
     # a learnable activation (xIELU) between the MLP's column- and row-parallel layers, which its tp plan leaves whole
     "apertus": ("ApertusConfig", {"head_dim": 8}),
+    # Megatron's GPT layer (one fused, head-interleaved qkv projection, a 4h GeLU MLP, biases) with sequential
+    # residuals; the planner's stand-in for Megatron-Core's published GPT runs (benchmarks/planner_heldout.py)
+    "gpt_neox": ("GPTNeoXConfig", {"num_key_value_heads": 4, "use_parallel_residual": False, "rotary_pct": 1.0}),
 }
 #: more mixtures of experts, for expert parallelism (tests/test_expert_parallel.py)
 TINY_CONFIGS.update({

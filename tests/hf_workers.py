@@ -84,6 +84,7 @@ def world2(ckpt_dir: str) -> dict[str, Any]:
     sp_lp = dict(dp_shard=1, tp=2, sequence_parallel=True, loss_parallel=True)
     out["tp_sp_lp_head_norms"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="qwen3")
     out["tp_sp_lp_gathered_projections"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="phi3")
+    out["tp_sp_lp_fused_qkv"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="gpt_neox")
     out["tp_sp_lp_linear_attention"] = hf_fit(NDParallelStrategy(**sp_lp), 2, 1, arch="qwen3_5")
     # the sequence chunks gathered again in backward: inputs gathered by the attention and MLP modules (inner
     # activations inside them are not) and whole-output projections

@@ -68,6 +68,7 @@ def test_pipeline_uneven_split_and_activation_checkpointing(w2, name):
 
 @pytest.mark.parametrize(("name", "arch"), [("cp_attention_sinks", "gpt_oss"), ("tp_sp_lp_head_norms", "qwen3"),
                                           ("tp_sp_lp_gathered_projections", "phi3"),
+                                          ("tp_sp_lp_fused_qkv", "gpt_neox"),
                                           ("tp_sp_lp_linear_attention", "qwen3_5"),
                                           ("tp_sp_lp_gathered_projections_regather", "phi3"),
                                           ("tp_sp_lp_linear_attention_regather", "qwen3_5"),
@@ -76,17 +77,17 @@ def test_pipeline_uneven_split_and_activation_checkpointing(w2, name):
                                           ("tp_latent_attention_sinks", "hy_v4"),
                                           ("tp_stacked_shared_experts", "inkling_text")])
 def test_more_architectures(w2, name, arch):
-    """gpt-oss's attention sinks under cp; under tp with SP and LP: Qwen3's per-head q/k norms (weights whole,
-    gradients summed over tp), Phi-3's projections whose outputs its plan gathers whole (the sequence is gathered
-    before the attention and MLP), Qwen3.5's linear-attention layers (their output cut back to the chunk); and
-    Apertus's learnable activation under tp, marked 'head_norm' in the user's plan (with SGD: 1e-8; AdamW's first
-    steps, ~lr x sign(gradient), turn rounding in one v_proj's near-zero gradients into 1.4e-5). Bare per-head
-    parameters under tp (attention sinks: split by head, the attention run on this rank's shards) with SP and LP,
-    and multi-head latent attention (HY-V4's kv_a_proj_with_mqa: whole, its rope output's gradient summed over
-    tp; without that sum its gradients differ across the tp ranks, which the strategy refuses after the first
-    backward). Inkling's stacked shared experts (bare 3-D parameters split on the intermediate dim, HF's
-    'all_reduce' owner: output summed over tp, and the gradients of its hidden states and router weights too;
-    without the latter the ranks' gradients differ, refused after the first backward) and its normalizing
+    """gpt-oss's attention sinks under cp; under tp with SP and LP: Qwen3's per-head q/k norms (weights whole, gradients
+    summed over tp), Phi-3's projections whose outputs its plan gathers whole (the sequence is gathered before the
+    attention and MLP), GPT-NeoX's fused head-interleaved qkv projection (Megatron's GPT layer), Qwen3.5's
+    linear-attention layers (their output cut back to the chunk); and Apertus's learnable activation under tp, marked
+    'head_norm' in the user's plan (with SGD: 1e-8; AdamW's first steps, ~lr x sign(gradient), turn rounding in one
+    v_proj's near-zero gradients into 1.4e-5). Bare per-head parameters under tp (attention sinks: split by head, the
+    attention run on this rank's shards) with SP and LP, and multi-head latent attention (HY-V4's kv_a_proj_with_mqa:
+    whole, its rope output's gradient summed over tp; without that sum its gradients differ across the tp ranks, which
+    the strategy refuses after the first backward). Inkling's stacked shared experts (bare 3-D parameters split on the
+    intermediate dim, HF's 'all_reduce' owner: output summed over tp, and the gradients of its hidden states and router
+    weights too; without the latter the ranks' gradients differ, refused after the first backward) and its normalizing
     embedding (kept whole: a vocabulary split would normalize partial lookups)."""
     sgd = {"optimizer": "sgd"} if arch == "apertus" else {}
     assert_parity(w2[0][name], reference(arch, **sgd), steps=STEPS)

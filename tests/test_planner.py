@@ -25,7 +25,7 @@ from lightning_par.costs.profile import profile_model
 from lightning_par.costs.sheet import CostSheet
 from lightning_par.devices import Hardware, known_hardware
 from lightning_par.planner.predict import Layout, account, predict
-from lightning_par.planner.search import SPEED_RESOLUTION, _dimensions
+from lightning_par.planner.search import SPEED_RESOLUTION, _dimensions, zero2_twins
 from lightning_par.strategies.auto import _recipe_options
 from lightning_par.techniques import build_recipe
 
@@ -259,6 +259,30 @@ def test_zero2_like_twins_are_weighed_where_they_can_matter():
                                                    and twin.buffers == original.buffers)
     zero3_only = plan_layouts(gpt(), batch(), 4, CPU, reshard_after_forward=(True,))
     assert all(p.layout.reshard_after_forward for p in zero3_only.predictions)
+
+
+def test_a_layout_held_back_by_its_per_micro_batch_reductions_gets_its_zero1_twin():
+    """``zero2_twins`` weighs a layout whose own FSDP traffic keeps it from the fastest: one that would come near
+    without its gathers gets the ZeRO-2-like twin; one with several micro-batches that comes near only without its
+    per-micro-batch reductions too gets the ZeRO-1-like twin directly (gathered once, reduced once; its ZeRO-2-like
+    stepping stone alone would not come near), unless reducing once is not weighed."""
+    plan = plan_layouts(gpt(), batch(), 4, CPU, restrict={"pp": [2], "dp_shard": [2]}, reshard_after_forward=(True,),
+                        accumulate_unsharded=(False,))
+    base = next(p for p in plan.predictions if p.fits and p.layout.pp_microbatches > 1)
+    # the fastest: plain replicas (no FSDP twin of its own)
+    fastest = replace(base, layout=replace(base.layout, dp_shard=1, dp_replicate=2), step_s=1.0,
+                      tokens_per_s=1000.0, comm_s={}, bubble_s=0.0)
+
+    def slowed(**exposed: float) -> object:
+        return replace(base, step_s=2.0, tokens_per_s=500.0, comm_s=exposed, bubble_s=0.0)
+
+    held_by_both = slowed(fsdp_all_gather=0.5, fsdp_reduce_scatter=0.5)
+    [twin] = zero2_twins([fastest, held_by_both])
+    assert twin == replace(base.layout, reshard_after_forward=False, accumulate_unsharded=True)
+    assert zero2_twins([fastest, held_by_both], reduce_once=False) == []
+    [twin] = zero2_twins([fastest, slowed(fsdp_all_gather=1.0)])
+    assert twin == replace(base.layout, reshard_after_forward=False)
+    assert zero2_twins([fastest, slowed(fsdp_all_gather=0.2, fsdp_reduce_scatter=0.2)]) == []
 
 
 def test_reducing_once_per_step_is_weighed_for_fsdp_with_micro_batches():

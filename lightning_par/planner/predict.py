@@ -173,17 +173,16 @@ class Prediction:
     host_bytes: float = 0.0  # state kept in host memory (CPU offload)
     extra: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def model_state(self) -> float:
-        return self.params + self.grads + self.optimizer
+    #: worked out once, at creation: ranking and filtering a plan of tens of thousands of layouts asks for them
+    #: several times each (a property's call costs a second at 8,192 GPUs)
+    model_state: float = field(init=False)
+    memory: float = field(init=False)
+    fits: bool = field(init=False)
 
-    @property
-    def memory(self) -> float:
-        return self.model_state + self.activations + self.buffers
-
-    @property
-    def fits(self) -> bool:
-        return self.budget is None or self.memory <= self.budget
+    def __post_init__(self) -> None:
+        self.model_state = self.params + self.grads + self.optimizer
+        self.memory = self.model_state + self.activations + self.buffers
+        self.fits = self.budget is None or self.memory <= self.budget
 
     @property
     def over_by(self) -> float:

@@ -182,7 +182,7 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
 
     predictions = run(candidates)
     if twins:
-        predictions += run(zero2_twins(predictions))
+        predictions += run(zero2_twins(predictions, reduce_once=True in options["accumulate_unsharded"]))
     if gradient_accumulation:
         predictions += accumulated_variants(predictions, local, run)
     if options["accumulate_unsharded"] == (True,):
@@ -241,14 +241,32 @@ def rank_predictions(predictions: list[Prediction]) -> list[Prediction]:
 ZERO2_WINDOW = 0.8
 
 
-def zero2_twins(predictions: list[Prediction]) -> list[Layout]:
+def zero2_twins(predictions: list[Prediction], reduce_once: bool = True) -> list[Layout]:
     """The ZeRO-2-like twin of every FSDP layout that, with all its exposed all-gather time gone (more than the
     twin saves: it still gathers before forward), would be at least ``ZERO2_WINDOW`` as fast as the fastest fitting
-    layout; the twin keeps every unit gathered until its backward, so it needs more memory."""
+    layout; the twin keeps every unit gathered until its backward, so it needs more memory. With several
+    micro-batches per step and ``reduce_once`` weighed, a layout that comes near only with its per-micro-batch
+    reductions gone too gets the ZeRO-1-like twin instead (gathered once, reduced once: ``accumulate_unsharded``),
+    where that could fit: else a pipeline whose reduce-scatters cost as much as its gathers would never reach its
+    fastest variant."""
     floor = _floor(predictions)
-    return [replace(p.layout, reshard_after_forward=False) for p in predictions
-            if p.layout.dp_shard * p.layout.cp > 1 and not p.layout.cpu_offload
-            and _could_come_near(p, p.step_s - p.comm_s.get("fsdp_all_gather", 0.0), floor)]
+    out = []
+    for p in predictions:
+        if p.layout.dp_shard * p.layout.cp == 1 or p.layout.cpu_offload:
+            continue
+        gathers = p.comm_s.get("fsdp_all_gather", 0.0)
+        reductions = p.comm_s.get("fsdp_reduce_scatter", 0.0)
+        if _could_come_near(p, p.step_s - _stretched(p, gathers), floor):
+            out.append(replace(p.layout, reshard_after_forward=False))
+        elif (reduce_once and _accumulates(p.layout) and _twin_could_fit(p)
+              and _could_come_near(p, p.step_s - _stretched(p, gathers + reductions), floor)):
+            out.append(replace(p.layout, reshard_after_forward=False, accumulate_unsharded=True))
+    return out
+
+
+def _stretched(p: Prediction, busy_seconds: float) -> float:
+    """``busy_seconds`` of the rank's work as step time: the pipeline's bubble stretches it by step / busy."""
+    return busy_seconds * p.step_s / max(p.step_s - p.bubble_s, 1e-30)
 
 
 def regather_twins(predictions: list[Prediction]) -> list[Layout]:
@@ -313,8 +331,7 @@ def reduce_once_twins(predictions: list[Prediction]) -> list[Layout]:
         if not _accumulates(p.layout) or not _twin_could_fit(p):
             continue
         fsdp = p.comm_s.get("fsdp_all_gather", 0.0) + p.comm_s.get("fsdp_reduce_scatter", 0.0)
-        busy = max(p.step_s - p.bubble_s, 1e-30)  # the bubble stretches what the rank does by step / busy
-        if _could_come_near(p, p.step_s - fsdp * p.step_s / busy, floor):
+        if _could_come_near(p, p.step_s - _stretched(p, fsdp), floor):
             out.append(replace(p.layout, accumulate_unsharded=True))
     return out
 
@@ -401,10 +418,10 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
             continue
         for sp, ac, reshard, ep in product(sp_choices, checkpointing, reshard_choices, eps):
             lp = sp and vocab_parallel_head
-            base = Layout(**dims, activation_checkpointing=ac, sequence_parallel=sp, loss_parallel=lp,
-                          reshard_after_forward=reshard, ep=ep)
+            options = dict(dims, activation_checkpointing=ac, sequence_parallel=sp, loss_parallel=lp,
+                           reshard_after_forward=reshard, ep=ep)
             if dims["pp"] == 1:
-                out.append(base)
+                out.append(Layout(**options))
                 continue
             for schedule in schedules:
                 if schedule in ("interleaved_zb", "zbv") and dims["dp_shard"] * dims["dp_replicate"] * dims["cp"] > 1:
@@ -417,7 +434,8 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
                     except ValueError:
                         skip("pipeline does not fit the blocks or the batch")
                         continue
-                    out.append(replace(base, pp_schedule=schedule, pp_microbatches=m, pp_stages_per_rank=v))
+                    # (built directly: ``dataclasses.replace`` costs a third of a second at 8,192 GPUs)
+                    out.append(Layout(**options, pp_schedule=schedule, pp_microbatches=m, pp_stages_per_rank=v))
     return out, skipped
 
 
@@ -429,6 +447,7 @@ def _expert_splits(profile: ModelProfile, borrowed: int, allowed: set[int] | Non
             and (allowed is None or ep in allowed)]
 
 
+@cache
 def _stages_per_rank(schedule: str, blocks: int, pp: int) -> tuple[int | None, ...]:
     """Stages per rank to weigh: the schedule's own (None: 2 for the interleaved ones), and for the interleaved
     ones every other count up to ``MAX_STAGES_PER_RANK`` that cuts the blocks into ``pp x v`` equal stages (fewer
