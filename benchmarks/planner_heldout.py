@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner_heldout.json"))
     parser.add_argument("--only", default="", help="plan only the runs whose name contains this")
     args = parser.parse_args(argv)
+    if args.only and args.out == parser.get_default("out"):
+        parser.error("--only plans some of the runs: give --out too (the default file holds all of them)")
     start = time.perf_counter()
     cases = [c for c in CASES if args.only in c.name]
     table, records = plan_published(cases, "held-out run")

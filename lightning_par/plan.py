@@ -35,6 +35,9 @@ _CHOICES = {"both": (True, False), "on": (True,), "off": (False,)}
 
 
 def _parser() -> argparse.ArgumentParser:
+    from lightning_par.parallel.pipeline import SCHEDULES
+    from lightning_par.planner.search import PIPELINE_SCHEDULES
+
     p = argparse.ArgumentParser(prog="python -m lightning_par.plan", description=__doc__.split("\n\n")[0])
     model = p.add_argument_group("the model")
     model.add_argument("--hf-config", help="a Hugging Face config.json (or its directory), or a model type (llama)")
@@ -62,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                        default=list(_CHECKPOINTING), help="the options to weigh (default: all three)")
     where.add_argument("--restrict", nargs="*", default=[], metavar="DIM=SIZES",
                        help="allowed sizes, e.g. pp=1 tp=1,2,4")
+    where.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULES), default=list(PIPELINE_SCHEDULES),
+                       help=f"the pipeline schedules to weigh (default: {' '.join(PIPELINE_SCHEDULES)}); interleaved "
+                       f"ones with every stage count per rank that cuts the blocks evenly")
     where.add_argument("--sequence-parallel", choices=("both", "on", "off"), default="both",
                        help="with tp > 1: weigh sequence parallelism on, off or both (default)")
     where.add_argument("--regather-sequence", choices=("both", "on", "off"), default="both",
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_layouts(profile, batch, args.world, hardware, precision=args.precision, batch_is_global=True,
                         memory_budget=args.memory_budget, memory_reserve=args.memory_reserve, restrict=restrict,
                         activation_checkpointing=[_CHECKPOINTING[c] for c in args.activation_checkpointing],
-                        sequence_parallel=_CHOICES[args.sequence_parallel],
+                        schedules=args.schedules, sequence_parallel=_CHOICES[args.sequence_parallel],
                         reshard_after_forward=_CHOICES[args.reshard_after_forward],
                         accumulate_unsharded=_CHOICES[args.accumulate_unsharded],
                         regather_sequence=_CHOICES[args.regather_sequence], async_tp=_CHOICES[args.async_tp],

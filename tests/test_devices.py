@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import replace
 
@@ -379,8 +380,12 @@ def test_probe_on_gloo_is_the_same_on_every_rank(world_size, gpus_per_node):
         assert "one node" in hw.source
     else:
         assert "2 nodes" in hw.source
-        # 4 processes on 2 cores: each gets about half of what one process alone gets
-        assert hw.matmul_flops < 0.8 * results[0]["alone"], (hw.matmul_flops, results[0]["alone"])
+        # 4 single-threaded processes on fewer cores (2 here and in CI) share them: each gets about half of what one
+        # process alone gets; with a core each (a GPU machine's 16) they do not
+        if len(os.sched_getaffinity(0)) < world_size:
+            assert hw.matmul_flops < 0.8 * results[0]["alone"], (hw.matmul_flops, results[0]["alone"])
+        else:
+            assert hw.matmul_flops > 0.5 * results[0]["alone"], (hw.matmul_flops, results[0]["alone"])
         assert hw.group_links == ()  # 2 ranks per node: the node is the only group shape within it
         one_node = results[0]["one_node"]
         assert all(r["one_node"] == one_node for r in results) and "one node" in one_node.source

@@ -144,6 +144,10 @@ def test_restrict_and_the_reasons_for_what_was_left_out():
     assert plan.skipped["restricted"] > 0
     with pytest.raises(ValueError, match=r"restrict=.*\['dp'\] are not layout dimensions"):
         plan_layouts(gpt(), batch(), 4, CPU, restrict={"dp": [2]})
+    # a misspelt schedule is named, not taken for pipelines that do not fit
+    with pytest.raises(ValueError, match=r"schedules=\('1fb1',\): \['1fb1'\] are not pipeline schedules; choose "
+                                         r"from \['1f1b', 'gpipe'"):
+        plan_layouts(gpt(), batch(), 4, CPU, schedules=("1fb1",))
 
 
 def test_replicas_smaller_than_a_node_only_where_restrict_forbids_sharding_them():
@@ -265,7 +269,8 @@ def test_a_layout_held_back_by_its_per_micro_batch_reductions_gets_its_zero1_twi
     """``zero2_twins`` weighs a layout whose own FSDP traffic keeps it from the fastest: one that would come near
     without its gathers gets the ZeRO-2-like twin; one with several micro-batches that comes near only without its
     per-micro-batch reductions too gets the ZeRO-1-like twin directly (gathered once, reduced once; its ZeRO-2-like
-    stepping stone alone would not come near), unless reducing once is not weighed."""
+    stepping stone alone would not come near), unless reducing once is not weighed or the twin could not fit. The
+    exposed time is the rank's busy time, which a pipeline's bubble stretches by step / busy."""
     plan = plan_layouts(gpt(), batch(), 4, CPU, restrict={"pp": [2], "dp_shard": [2]}, reshard_after_forward=(True,),
                         accumulate_unsharded=(False,))
     base = next(p for p in plan.predictions if p.fits and p.layout.pp_microbatches > 1)
@@ -273,16 +278,24 @@ def test_a_layout_held_back_by_its_per_micro_batch_reductions_gets_its_zero1_twi
     fastest = replace(base, layout=replace(base.layout, dp_shard=1, dp_replicate=2), step_s=1.0,
                       tokens_per_s=1000.0, comm_s={}, bubble_s=0.0)
 
-    def slowed(**exposed: float) -> object:
-        return replace(base, step_s=2.0, tokens_per_s=500.0, comm_s=exposed, bubble_s=0.0)
+    def slowed(bubble_s: float = 0.0, budget: float | None = None, **exposed: float) -> object:
+        return replace(base, step_s=2.0, tokens_per_s=500.0, comm_s=exposed, bubble_s=bubble_s, budget=budget)
 
+    zero1 = replace(base.layout, reshard_after_forward=False, accumulate_unsharded=True)
     held_by_both = slowed(fsdp_all_gather=0.5, fsdp_reduce_scatter=0.5)
-    [twin] = zero2_twins([fastest, held_by_both])
-    assert twin == replace(base.layout, reshard_after_forward=False, accumulate_unsharded=True)
+    assert zero2_twins([fastest, held_by_both]) == [zero1]
     assert zero2_twins([fastest, held_by_both], reduce_once=False) == []
-    [twin] = zero2_twins([fastest, slowed(fsdp_all_gather=1.0)])
-    assert twin == replace(base.layout, reshard_after_forward=False)
+    assert zero2_twins([fastest, slowed(fsdp_all_gather=1.0)]) == [replace(base.layout, reshard_after_forward=False)]
     assert zero2_twins([fastest, slowed(fsdp_all_gather=0.2, fsdp_reduce_scatter=0.2)]) == []
+    # half the step is bubble: 0.5 s of exposed traffic is 1 s of step
+    assert zero2_twins([fastest, slowed(bubble_s=1.0, fsdp_all_gather=0.25, fsdp_reduce_scatter=0.25)]) == [zero1]
+    # over budget even without its FSDP buffers: the twin (same state and activations) could not fit
+    over = held_by_both.memory - held_by_both.buffers - 1.0
+    assert zero2_twins([fastest, slowed(budget=over, fsdp_all_gather=0.5, fsdp_reduce_scatter=0.5)]) == []
+    # plan_layouts passes whether reducing once is weighed
+    plain = plan_layouts(gpt(), batch(), 4, CPU, restrict={"pp": [2], "dp_shard": [2]}, accumulate_unsharded=(False,))
+    assert any(not p.layout.reshard_after_forward for p in plain.predictions)
+    assert not any(p.layout.accumulate_unsharded for p in plain.predictions)
 
 
 def test_reducing_once_per_step_is_weighed_for_fsdp_with_micro_batches():
@@ -295,7 +308,10 @@ def test_reducing_once_per_step_is_weighed_for_fsdp_with_micro_batches():
     once = [p for p in plan.predictions if p.layout.accumulate_unsharded]
     assert once and all(p.layout.pp_microbatches > 1 for p in once)
     for twin in once:
-        _, default = plan.find(**{**vars(twin.layout), "accumulate_unsharded": False})
+        # (a ZeRO-1-like twin that zero2_twins made directly has no ZeRO-2-like sibling in the plan)
+        sibling = replace(twin.layout, accumulate_unsharded=False)
+        default = next((p for p in plan.predictions if p.layout == sibling), None) or predict(
+            sibling, plan.profile, plan.hardware, plan.batch // sibling.dp, plan.seq_len, plan.precision)
         m = twin.layout.pp_microbatches
 
         def count(prediction, kind):
@@ -594,7 +610,7 @@ def test_cli_plans_a_hugging_face_config_on_a_big_cluster(tmp_path):
     out = subprocess.run([sys.executable, "-m", "lightning_par.plan", "--hf-config", str(config), "--world", "1024",
                           "--device", "H100", "--seq-len", "4096", "--batch", "1024", "--json",
                           str(tmp_path / "plan.json"), "--plot", str(tmp_path / "plan.png"), "--top", "5",
-                          "--activation-checkpointing", "none", "full"],
+                          "--activation-checkpointing", "none", "full", "--schedules", "1f1b", "interleaved_1f1b"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "1024 devices" in out.stdout and "layouts in" in out.stdout
@@ -604,6 +620,9 @@ def test_cli_plans_a_hugging_face_config_on_a_big_cluster(tmp_path):
     assert best["fits"] and best["memory"] <= best["budget"]
     # none and full checkpointing weighed, selective left out
     assert {lay["strategy_kwargs"].get("activation_checkpointing", False) for lay in record["layouts"]} == {False, True}
+    # the schedules asked for, no others
+    schedules = {lay["strategy_kwargs"].get("pp_schedule") for lay in record["layouts"]}
+    assert schedules == {None, "1f1b", "interleaved_1f1b"}
     assert (tmp_path / "plan.png").stat().st_size > 10_000
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from lightning_par.costs.profile import ModelProfile, profile_model
-from lightning_par.parallel.pipeline import validate_pipeline
+from lightning_par.parallel.pipeline import SCHEDULES, validate_pipeline
 from lightning_par.parallel.tensor_plan import validate_tp_plan
 from lightning_par.planner.predict import RESERVE, Layout, Prediction, predict, shares_cores
 
@@ -128,11 +128,14 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
         sequence_parallel: with ``tp > 1``, weigh sequence parallelism on (``True``), off (``False``) or both.
         reshard_after_forward: with FSDP, weigh resharding after forward (``True``, ZeRO-3), keeping units gathered
             until their backward (``False``, ZeRO-2-like: no all-gather in backward, more memory) or both (the
-            ZeRO-2-like twins of the layouts that could come near the fastest: ``zero2_twins``).
+            ZeRO-2-like twins of the layouts that could come near the fastest: ``zero2_twins``; where reducing once
+            is weighed too, the ZeRO-1-like twin of a layout that comes near only without its per-micro-batch
+            reductions as well).
         accumulate_unsharded: with FSDP and several micro-batches per step (a pipeline's, or accumulation's),
             weigh reducing the gradients in every micro-batch (``False``), once per step with every unit gathered
             and its gradients unsharded meanwhile (``True``; ZeRO-1-like without resharding after forward), or both
-            (the twins of the layouts that could come near the fastest: ``reduce_once_twins``).
+            (the twins of the layouts that could come near the fastest: ``reduce_once_twins``, and those
+            ``zero2_twins`` makes).
         regather_sequence: with sequence parallelism, weigh saving the gathered layer inputs whole (``False``), as
             this rank's chunk gathered again in backward (``True``: less memory, one more all-gather per input) or
             both (the twins of the layouts that do not fit but could come near the fastest: ``regather_twins``).
@@ -156,6 +159,11 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
         options[name] = tuple(dict.fromkeys(bool(x) for x in given))
         if not options[name]:
             raise ValueError(f"{name}=() leaves nothing to weigh; pass (True,), (False,) or (True, False).")
+    schedules = tuple(schedules)
+    unknown = [name for name in schedules if name not in SCHEDULES]
+    if unknown:  # (else each pipeline layout would be skipped as one that does not fit)
+        raise ValueError(f"schedules={schedules!r}: {unknown} are not pipeline schedules; choose from "
+                         f"{sorted(SCHEDULES)}, or restrict={{'pp': [1]}} for no pipeline.")
     if options["regather_sequence"] == (True,) and options["async_tp"] == (True,):
         raise ValueError("regather_sequence=(True,) with async_tp=(True,): async tensor parallelism is compiled and "
                          "re-gathering is not (see NDParallelStrategy). Weigh one of them, or both: (False, True).")
@@ -164,7 +172,7 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
                         f"layouts whose batch does not fit) or False.")
     twins = len(options["reshard_after_forward"]) == 2  # ZeRO-2 variants weighed where they can matter, below
     candidates, skipped = enumerate_layouts(profile, world_size, hardware.gpus_per_node, batch, batch_is_global,
-                                            restrict or {}, tuple(activation_checkpointing), tuple(schedules),
+                                            restrict or {}, tuple(activation_checkpointing), schedules,
                                             options["sequence_parallel"],
                                             (True,) if twins else options["reshard_after_forward"])
     if not candidates:
@@ -243,8 +251,9 @@ ZERO2_WINDOW = 0.8
 
 def zero2_twins(predictions: list[Prediction], reduce_once: bool = True) -> list[Layout]:
     """The ZeRO-2-like twin of every FSDP layout that, with all its exposed all-gather time gone (more than the
-    twin saves: it still gathers before forward), would be at least ``ZERO2_WINDOW`` as fast as the fastest fitting
-    layout; the twin keeps every unit gathered until its backward, so it needs more memory. With several
+    twin saves: it still gathers before forward; exposed time is the rank's busy time, which a pipeline's bubble
+    stretches by step / busy), would be at least ``ZERO2_WINDOW`` as fast as the fastest fitting layout; the twin
+    keeps every unit gathered until its backward, so it needs more memory. With several
     micro-batches per step and ``reduce_once`` weighed, a layout that comes near only with its per-micro-batch
     reductions gone too gets the ZeRO-1-like twin instead (gathered once, reduced once: ``accumulate_unsharded``),
     where that could fit: else a pipeline whose reduce-scatters cost as much as its gathers would never reach its
