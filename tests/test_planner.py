@@ -144,6 +144,8 @@ def test_restrict_and_the_reasons_for_what_was_left_out():
     assert plan.skipped["restricted"] > 0
     with pytest.raises(ValueError, match=r"restrict=.*\['dp'\] are not layout dimensions"):
         plan_layouts(gpt(), batch(), 4, CPU, restrict={"dp": [2]})
+    with pytest.raises(TypeError, match=r"'tp' takes the sizes to allow, a list such as \{'tp': \[2\]\}"):
+        plan_layouts(gpt(), batch(), 4, CPU, restrict={"tp": 2})
     # a misspelt schedule is named, not taken for pipelines that do not fit
     with pytest.raises(ValueError, match=r"schedules=\('1fb1',\): \['1fb1'\] are not pipeline schedules; choose "
                                          r"from \['1f1b', 'gpipe'"):

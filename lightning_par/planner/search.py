@@ -380,6 +380,10 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
                       reshard_after_forward: tuple[bool, ...] = (True, False),
                       ) -> tuple[list[Layout], dict[str, int]]:
     """The layouts the engine would accept; ``skipped`` counts the candidates left out, by reason."""
+    for name, sizes in restrict.items():
+        if isinstance(sizes, (int, str)) or not isinstance(sizes, Iterable):
+            raise TypeError(f"restrict={dict(restrict)!r}: {name!r} takes the sizes to allow, a list such as "
+                            f"{{{name!r}: [{sizes!r}]}}.")
     allowed = {k: set(v) for k, v in restrict.items()}
     unknown = set(allowed) - set(RESTRICTABLE)
     if unknown:
