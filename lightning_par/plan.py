@@ -66,8 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--restrict", nargs="*", default=[], metavar="DIM=SIZES",
                        help="allowed sizes, e.g. pp=1 tp=1,2,4")
     where.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULES), default=list(PIPELINE_SCHEDULES),
-                       help=f"the pipeline schedules to weigh (default: {' '.join(PIPELINE_SCHEDULES)}); interleaved "
-                       f"ones with every stage count per rank that cuts the blocks evenly")
+                       metavar="NAME", help=f"the pipeline schedules to weigh, of {', '.join(sorted(SCHEDULES))} "
+                       f"(default: {' '.join(PIPELINE_SCHEDULES)}); interleaved ones with every stage count per rank "
+                       f"that cuts the blocks evenly")
     where.add_argument("--sequence-parallel", choices=("both", "on", "off"), default="both",
                        help="with tp > 1: weigh sequence parallelism on, off or both (default)")
     where.add_argument("--regather-sequence", choices=("both", "on", "off"), default="both",

@@ -414,8 +414,8 @@ PEAK = 1e11
 
 @pytest.fixture(scope="module")
 def fsdp_wandb_run(tmp_path_factory):
-    # a dev dependency (installed in CI); a machine without it, e.g. a lent GPU machine, skips these tests
-    pytest.importorskip("wandb", reason="W&B is not installed here: pip install wandb (the dev extras have it)")
+    # a dependency of lightning_par; an environment set up without it (a lent GPU machine's) skips these tests
+    pytest.importorskip("wandb", reason="W&B is not installed here: pip install -e . installs it")
     root = str(tmp_path_factory.mktemp("fsdp_wandb"))
     flops_per_batch = 6 * W.n_params(True) * 8 * W.SEQ
     callbacks = [

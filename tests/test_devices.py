@@ -380,8 +380,8 @@ def test_probe_on_gloo_is_the_same_on_every_rank(world_size, gpus_per_node):
         assert "one node" in hw.source
     else:
         assert "2 nodes" in hw.source
-        # 4 single-threaded processes on fewer cores (2 here and in CI) share them: each gets about half of what one
-        # process alone gets; with a core each (a GPU machine's 16) they do not
+        # 4 single-threaded processes on fewer cores (2 on the development machine) share them: each gets about half
+        # of what one process alone gets; with a core each (a GPU machine's 16) they do not
         if len(os.sched_getaffinity(0)) < world_size:
             assert hw.matmul_flops < 0.8 * results[0]["alone"], (hw.matmul_flops, results[0]["alone"])
         else:

@@ -159,6 +159,8 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
         options[name] = tuple(dict.fromkeys(bool(x) for x in given))
         if not options[name]:
             raise ValueError(f"{name}=() leaves nothing to weigh; pass (True,), (False,) or (True, False).")
+    if isinstance(schedules, str):
+        raise TypeError(f"schedules={schedules!r} must be a sequence of schedule names, e.g. ({schedules!r},).")
     schedules = tuple(schedules)
     unknown = [name for name in schedules if name not in SCHEDULES]
     if unknown:  # (else each pipeline layout would be skipped as one that does not fit)
@@ -245,7 +247,7 @@ def rank_predictions(predictions: list[Prediction]) -> list[Prediction]:
 
 
 #: ZeRO-2-like twins (no resharding after forward) are weighed for the FSDP layouts that could come within this
-#: share of the fastest fitting one without their backward all-gathers (planning 8,192 GPUs stays under 10 s)
+#: share of the fastest fitting one without their backward all-gathers (planning 8,192 GPUs takes about 10 s)
 ZERO2_WINDOW = 0.8
 
 
@@ -380,15 +382,16 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
                       reshard_after_forward: tuple[bool, ...] = (True, False),
                       ) -> tuple[list[Layout], dict[str, int]]:
     """The layouts the engine would accept; ``skipped`` counts the candidates left out, by reason."""
-    for name, sizes in restrict.items():
-        if isinstance(sizes, (int, str)) or not isinstance(sizes, Iterable):
-            raise TypeError(f"restrict={dict(restrict)!r}: {name!r} takes the sizes to allow, a list such as "
-                            f"{{{name!r}: [{sizes!r}]}}.")
-    allowed = {k: set(v) for k, v in restrict.items()}
-    unknown = set(allowed) - set(RESTRICTABLE)
+    unknown = set(restrict) - set(RESTRICTABLE)
     if unknown:
         raise ValueError(f"restrict={dict(restrict)!r}: {sorted(unknown)} are not layout dimensions; use "
                          f"{RESTRICTABLE}.")
+    for name, sizes in restrict.items():
+        if isinstance(sizes, str) or not isinstance(sizes, Iterable) or not all(
+                isinstance(size, int) and not isinstance(size, bool) for size in sizes):
+            raise TypeError(f"restrict={dict(restrict)!r}: {name!r} takes the sizes to allow, a list of ints such "
+                            f"as {{{name!r}: [2]}}.")
+    allowed = {k: set(v) for k, v in restrict.items()}
     skipped: dict[str, int] = {}
 
     def skip(reason: str) -> None:
