@@ -33,7 +33,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import replace
+from dataclasses import MISSING, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,6 @@ from test_planner_published import _GRAND_TETON, LLAMA_8B, LLAMA_70B, PublishedC
 
 from benchmarks.bench_planner import plan_published  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
-from lightning_par.planner.search import PIPELINE_SCHEDULES  # noqa: E402
 
 #: what the sources leave unsaid, and what is taken for it
 ASSUMED = (
@@ -167,8 +166,10 @@ CASES = [megatron_core(*row) for row in (
 def all_options(case: PublishedCase) -> PublishedCase:
     """The case planned with the planner's default options, not only its software's (the runs' sizes, batch,
     sequence, precision, checkpointing and async TP kept)."""
-    return replace(case, restrict={}, schedules=PIPELINE_SCHEDULES, sequence_parallel=(True, False),
-                   reshard_after_forward=(True, False), accumulate_unsharded=(False, True))
+    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(PublishedCase)
+                if f.name in ("restrict", "schedules", "sequence_parallel", "reshard_after_forward",
+                              "accumulate_unsharded")}
+    return replace(case, **defaults)
 
 
 def main(argv: list[str] | None = None) -> None:

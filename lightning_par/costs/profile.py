@@ -45,6 +45,10 @@ from lightning_par.parallel.recompute import SelectivePolicy
 from lightning_par.parallel.sequence_regather import first_tensor_argument
 from lightning_par.parallel.tensor_plan import gathers_its_input, resolve_tp_plan, sharded_dims, validate_tp_plan
 
+#: the sections a profile has besides its blocks: what runs before them (embeddings) and after them (final norm,
+#: head, loss)
+END_SECTIONS = ("first", "last")
+
 _aten = torch.ops.aten
 #: styles whose module's output is split over tp (the math downstream is sharded until a row-parallel layer)
 SHARDING_STYLES = ("colwise", "local_colwise")

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_par.costs.profile import ModelProfile
+from lightning_par.costs.profile import END_SECTIONS, ModelProfile
 from lightning_par.costs.sheet import CostSheet, Transfer, per_cut
 from lightning_par.dims import MESH_DIM_NAMES, ParallelDims
 from lightning_par.techniques import build_recipe
@@ -363,7 +363,7 @@ def _section_kinds(profile: ModelProfile) -> dict[str, int]:
         cache = {}
         for name, section in profile.sections.items():
             saved = section.saved
-            end = name if name in ("first", "last") else ""  # activation checkpointing treats these apart
+            end = name if name in END_SECTIONS else ""  # activation checkpointing treats these apart
             key = (end, _signature(profile, name), section.flops, section.attention_flops,
                    tuple(section.attention_calls), section.input_bytes,
                    section.kv_bytes, astuple(saved),
@@ -439,7 +439,7 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float, float]
                     + section.autocast_lowered.per_rank(tp, cp, sp, lp, scale))
         else:
             full = section.saved.per_rank(tp, cp, sp, lp, scale)
-        if sheet.checkpointing != "none" and name not in ("first", "last"):
+        if sheet.checkpointing != "none" and name not in END_SECTIONS:
             kept += section.input_bytes * input_scale / (tp if sp else 1) / cp  # the block's input
             kept += CHECKPOINT_RNG_BYTES
             if sheet.checkpointing == "selective":
@@ -469,7 +469,7 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0) -> tuple
         flops = section.flops * sheet.token_scale + attention
         forward += flops
         attentions += 3 * attention
-        if name in ("first", "last"):
+        if name in END_SECTIONS:
             continue
         if sheet.checkpointing == "full":
             recomputed += section.full_recompute_flops * sheet.token_scale + attention

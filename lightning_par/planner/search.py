@@ -296,18 +296,18 @@ def regather_twins(predictions: list[Prediction]) -> list[Layout]:
 def _twin_could_fit(p: Prediction) -> bool:
     """Whether a reduce-once twin of ``p`` (the same state and activations, other FSDP buffers) could fit: not if
     ``p`` is over budget even without its buffers. A plan at thousands of GPUs would otherwise predict some 12,000
-    twins that cannot fit (Llama 3 405B on 8,192 GPUs). Not a test for the ZeRO-2-like twins: they are weighed
-    before gradient accumulation, whose micro-batches may make them fit."""
+    twins that cannot fit (Llama 3 405B on 8,192 GPUs); ``zero2_twins`` asks it too before making a ZeRO-1-like
+    twin. Not a test for the plain ZeRO-2-like twins: they are weighed before gradient accumulation, whose
+    micro-batches may make them fit."""
     return p.budget is None or p.memory - p.buffers <= p.budget
 
 
 def async_tp_twins(predictions: list[Prediction], everyone: bool = False) -> list[Layout]:
     """The async tensor-parallel twin of every sequence-parallel layout (not re-gathering, not context-parallel:
-    neither is compiled yet)
-    that, with all its exposed tensor-parallel time gone (more than the twin saves: what does not fit behind its
-    matmul stays), would be at least ``ZERO2_WINDOW`` as fast as the fastest fitting layout (``everyone``: of
-    each). Same memory, same compute: only the time differs, so only layouts that fit get a twin (``everyone``:
-    all)."""
+    neither is compiled yet) that, with all its exposed tensor-parallel time gone (more than the twin saves: what
+    does not fit behind its matmul stays), would be at least ``ZERO2_WINDOW`` as fast as the fastest fitting layout
+    (``everyone``: of each). Same memory, same compute: only the time differs, so only layouts that fit get a twin
+    (``everyone``: all)."""
     floor = _floor(predictions)
     return [replace(p.layout, async_tp=True) for p in predictions
             if p.layout.tp > 1 and p.layout.sequence_parallel and not p.layout.regather_sequence

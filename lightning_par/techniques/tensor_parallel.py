@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_par._compat import enable_async_tensor_parallel
 from lightning_par.checks import check_bool
-from lightning_par.costs.profile import ModelProfile
+from lightning_par.costs.profile import END_SECTIONS, ModelProfile
 from lightning_par.costs.sheet import CostSheet, Transfer, busiest_sections, params_by_planned_module, per_cut
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.sequence_regather import regathered_sequence
@@ -148,7 +148,7 @@ class TensorParallel(Technique):
         sheet.regather_sequence = self.regather_sequence and not sheet.autocast_only
         sections, blocks = per_cut(sheet, ("tp_sections",), lambda: (
             frozenset(busiest_sections(sheet)),
-            max(sum(s not in _ENDS for s in r) for r in sheet.rank_sections)))
+            max(sum(s not in END_SECTIONS for s in r) for r in sheet.rank_sections)))
         tokens, m = sheet.microbatch_tokens, sheet.microbatches
         residual = tokens * sheet.profile.hidden_bytes * sheet.activation_scale
         # under autocast alone only the row-parallel matmuls' outputs are in half precision (the forward
@@ -215,8 +215,9 @@ def _pipelined_block_transfers(sheet: CostSheet, nbytes: float) -> list[Transfer
     exposed). Each carries the FLOPs of its matmul on this rank (``behind_flops``); the time model hides (tp - 1) /
     tp of them. On the pipeline rank that runs the most blocks, as the plain account."""
     def groups_of_the_rank_with_most_blocks() -> list[tuple[int, int, int]]:
-        rank = max(sheet.rank_sections, key=lambda r: sum(s not in _ENDS for s in r))
-        return [g for section in rank if section not in _ENDS for g in _column_row_groups(sheet.profile, section)[:2]]
+        rank = max(sheet.rank_sections, key=lambda r: sum(s not in END_SECTIONS for s in r))
+        return [g for section in rank if section not in END_SECTIONS
+                for g in _column_row_groups(sheet.profile, section)[:2]]
 
     groups = per_cut(sheet, ("tp_groups",), groups_of_the_rank_with_most_blocks)
     m, per_param = sheet.microbatches, 2 * sheet.microbatch_tokens / sheet.dims.tp  # FLOPs of a matmul's forward
@@ -230,7 +231,6 @@ def _pipelined_block_transfers(sheet: CostSheet, nbytes: float) -> list[Transfer
     return out
 
 
-_ENDS = ("first", "last")  # the profile's sections before and after the blocks
 _COLUMN_STYLES = ("colwise", "local_colwise")  # the styles whose input sequence parallelism all-gathers
 _ROW_STYLES = ("rowwise", "local_rowwise")  # and whose output it reduce-scatters
 
@@ -263,8 +263,8 @@ def _regathered_inputs(profile: ModelProfile, sections: frozenset[str]) -> tuple
     """The layer inputs ``regather_sequence`` gathers again per micro-batch in ``sections``: in blocks (none under
     activation checkpointing) and in what runs before and after them (a head's)."""
     counts = {name: profile.sections[name].regathered_inputs for name in sections}
-    return (sum(c for name, c in counts.items() if name not in _ENDS),
-            sum(c for name, c in counts.items() if name in _ENDS))
+    return (sum(c for name, c in counts.items() if name not in END_SECTIONS),
+            sum(c for name, c in counts.items() if name in END_SECTIONS))
 
 
 def _planned_modules(
