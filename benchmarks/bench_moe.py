@@ -229,6 +229,7 @@ def collective_recorder() -> Any:
             row = x.element_size() * (x[0].numel() if x.dim() > 1 else 1)
             in_splits = in_splits or [x.shape[0] // size] * size
             call.update(kind="rows" if x.is_floating_point() else "counts", group_size=size, rows=x.shape[0],
+                        row_elements=x[0].numel() if x.dim() > 1 else 1,
                         rows_left=x.shape[0] - in_splits[rank], row_bytes=row, sent_bytes=x.shape[0] * row,
                         left_bytes=(x.shape[0] - in_splits[rank]) * row)
             self.calls.append(call)
@@ -238,10 +239,14 @@ def collective_recorder() -> Any:
         def summary(self, row_bytes: int) -> dict[str, Any]:
             """Measured bytes and the routing-exact prediction (``row_bytes`` per row: hidden x 4; the row size the
             row all-to-alls sent where they all sent one, e.g. bf16 rows under bf16-mixed FSDP)."""
-            rows = [c for c in self.calls if c.get("kind") == "rows"]
+            # float rows narrower than a token (``row_bytes`` / 4 elements) are the per-rank dispatch's routing
+            # choices (local expert and weight per choice, beside each token it sends: transformers' experts)
+            choices = [c for c in self.calls if c.get("kind") == "rows" and c["row_elements"] < row_bytes // 4]
+            rows = [c for c in self.calls if c.get("kind") == "rows" and c not in choices]
             seen = {c["row_bytes"] for c in rows}
             row_bytes = seen.pop() if len(seen) == 1 else row_bytes
             counts = [c for c in self.calls if c.get("kind") == "counts"]
+            choice_bytes = choices[0]["row_bytes"] if choices else 0
             out_off = in_off = routed = 0
             for sent, received, rank, size in self._counts:
                 sent, received = sent.flatten().long(), received.detach().flatten().long()
@@ -269,7 +274,9 @@ def collective_recorder() -> Any:
                 "routed_rows": routed,
                 "routing_rows_out_off_rank": out_off,
                 "routing_rows_in_off_rank": in_off,
-                "routing_predicted_left_bytes": 2 * (out_off + in_off) * row_bytes,
+                # the rows out and back in forward, their reverses in backward; the choices out, their gradient back
+                "routing_predicted_left_bytes": 2 * (out_off + in_off) * row_bytes + (out_off + in_off) * choice_bytes,
+                "choices_left_bytes": sum(c["left_bytes"] for c in choices),
                 "other_collectives": others,
                 "errors": [c for c in self.calls if "error" in c],
             }
@@ -815,7 +822,8 @@ def combine_world(world: int, per_rank: list[dict[str, Any]], cfg: dict[str, Any
     tolerance = LOSS_TOLERANCE[cfg["precision"]]
     runs_comm = [entry["comm_per_rank"] for entry in (*layouts.values(), *variants.values())]
     dispatch = {
-        "measured_equals_routing_on_every_rank": all(c["rows_left_bytes"] == c["routing_predicted_left_bytes"]
+        "measured_equals_routing_on_every_rank": all(c["rows_left_bytes"] + c["choices_left_bytes"]
+                                                     == c["routing_predicted_left_bytes"]
                                                      for comm in runs_comm for c in comm),
         "recording_errors": sum(len(c["errors"]) for comm in runs_comm for c in comm),
     }

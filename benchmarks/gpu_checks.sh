@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one run on one CUDA GPU (NCCL at world size 1), sized for a short lease (about 9 minutes on an
 # H100): the planner's GPU half (predicted against measured step time and device memory, the matmul curve of
-# published models' blocks), the mixture-of-experts GPU rows, then the GPU tests (the compiled ones last) with the
-# time left. Each step has its own time limit and its own log, so that one failure or hang costs only its share.
+# published models' blocks), the mixture-of-experts GPU rows, the experts' grouped-matmul curve, then the GPU tests
+# (the compiled ones last) with the time left. Each step has its own time limit and its own log, so that one failure
+# or hang costs only its share.
 #
 # Usage: bash benchmarks/gpu_checks.sh OUT_DIR [SECONDS]   (run from the repository root; SECONDS: default 540)
 set -u
@@ -49,6 +50,7 @@ step moe_gpu 120 "$py" benchmarks/bench_moe.py --device cuda --world 1 --precisi
     --n-layer 4 --n-embd 1024 --n-head 16 --seq-len 1024 --batch-size 8 --n-experts 16 --top-k 2 \
     --expert-hidden 1024 --vocab-size 32000 --steps 10 --warmup 3 --rounds 2 --layout-steps 2 --gmm-repeats 5 \
     --out "$out/moe_gpu.json"
+step grouped_mm 90 "$py" benchmarks/bench_grouped_mm.py --device cuda --out "$out/grouped_mm.json"
 # the compiled cases last: compiling is most of their time
 step test_gpu 300 "$py" -m pytest -m gpu tests/test_gpu.py -k "not compiled" -v -rs -p no:cacheprovider --durations=0
 step test_gpu_compiled 300 "$py" -m pytest -m gpu tests/test_gpu.py -k compiled -v -rs -p no:cacheprovider

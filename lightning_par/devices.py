@@ -293,6 +293,41 @@ def precision_kind(precision: str | None) -> str | None:
 # what the planner consumes
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class GroupedMatmulCurve:
+    """How fast a mixture of experts' grouped matmuls run against a dense layer of the same shape, by the rows each
+    expert gets: ``rate = (1 + (saturation / rows) ** 2) ** -0.5``, where ``saturation = saturation_rows x
+    max(1, sqrt(wide / (local_experts x width)))``. Few rows per expert make skinny matmuls (a tile's rows half
+    empty, too few tiles for the SMs); expert parallelism gives each rank's experts the rows of the whole ep group
+    (``ep x`` more), context parallelism fewer. With ``local_experts x width`` small (a few narrow experts per rank)
+    the device also idles: the saturation doubles from 250 rows towards 500.
+
+    Fitted to :data:`GROUPED_MM_SOURCE`: the experts' forward and backward (SwiGLU, ``F.grouped_mm``) against the
+    same MLP as dense matmuls over 16,384 rows, on an H100 in bf16, for the expert shapes of Qwen3-30B-A3B,
+    gpt-oss-20b, DeepSeek-V3 and Mixtral-8x7B, 1-128 local experts, 64-8,192 rows each: 51 ratios, the formula off
+    by 0.065 (root mean square), at most 0.20 (gpt-oss-20b's experts, which stay near 0.89 of its dense MLP however
+    many rows they get); tests/test_planner_experts.py checks it against the file."""
+
+    saturation_rows: float = 250.0
+    wide: float = 51200.0
+    source: str = ""
+
+    def rate(self, rows_per_expert: float, local_experts: int, width: float) -> float:
+        """The experts' matmul rate as a share of the dense matmuls' (at most 1)."""
+        if rows_per_expert <= 0:
+            return 1.0
+        saturation = self.saturation_rows * max(1.0, math.sqrt(self.wide / max(1.0, local_experts * width)))
+        return (1.0 + (saturation / rows_per_expert) ** 2) ** -0.5
+
+
+#: where :class:`GroupedMatmulCurve`'s figures come from
+GROUPED_MM_SOURCE = ("benchmarks/results/gpu_h100/grouped_mm.json (benchmarks/bench_grouped_mm.py on an H100 80GB "
+                     "HBM3, torch 2.11.0+cu130, bf16, 2026-11-26)")
+#: the curve measured on an H100, relative to the device's own dense matmuls: the table's devices and probed GPUs
+#: use it (nobody measured another GPU's; its shape comes from tiles and SM counts, alike on A100, H200, B200)
+H100_GROUPED_MM = GroupedMatmulCurve(source=GROUPED_MM_SOURCE)
+
+
+@dataclass(frozen=True)
 class Hardware:
     """The constants the layout planner predicts with, per device. Bandwidths are bytes/s per device per direction
     as a ring uses them (``time = latency * 2(n-1) + bytes * 2(n-1)/n / bandwidth`` for an all-reduce of ``bytes``
@@ -319,6 +354,9 @@ class Hardware:
     #: one's larger inner dimension divided by it: a column-parallel layer's outputs, a row-parallel one's inputs),
     #: ``((tp, flops), ...)``: a layout of a listed tp computes at its rate, any other at ``matmul_flops``
     matmul_by_tp: tuple[tuple[int, float], ...] = ()
+    #: how the experts' grouped matmuls slow down with few rows per expert; None: at ``matmul_flops`` whatever
+    #: their rows (the CPU, where the planner's figures are measured with the model's own matmuls)
+    grouped_mm: GroupedMatmulCurve | None = None
 
     def matmul_rate(self, tp: int) -> float:
         """The matmul FLOP/s of a layout with tensor parallelism ``tp`` (see ``matmul_by_tp``)."""
@@ -443,4 +481,5 @@ def known_hardware(
         inter_latency=inter.latency,
         source=f"table: {spec.name} {precision} x {efficiency:.3g}{rule}, {intra.name}, {inter.name}{nics}",
         matmul_share=min(1.0, efficiency / spec.matmul_efficiency),
+        grouped_mm=H100_GROUPED_MM,
     )

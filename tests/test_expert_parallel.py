@@ -12,6 +12,7 @@ from functools import cache
 
 import pytest
 import torch
+import torch.distributed as dist
 from finetune_workers import MergeAtEnd
 from hf_models import HFCausalLM
 from launch import launch
@@ -22,7 +23,7 @@ from workers import TINY_GPT, assert_parity, error_of, fit, fit_reference, max_w
 from lightning_par import ExpertBiasBalancer, NDParallelStrategy, count_dropped_choices
 from lightning_par.callbacks import ExpertLoadMonitor
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.experts import TokenCounter, _group_by_expert
+from lightning_par.parallel.experts import TokenCounter, _group_by_expert, _TokenDispatch
 
 MOE = dict(n_experts=4, moe_top_k=2)
 SHARED_SIGMOID = dict(n_experts=4, moe_top_k=2, moe_shared_expert=True, moe_router="sigmoid")
@@ -578,3 +579,47 @@ def test_rows_regrouped_from_source_rank_to_expert():
     order = _group_by_expert(by_source, len(labels))
     regrouped = [labels[i] for i in order.tolist()]
     assert regrouped == sorted(labels, key=lambda se: (se[1], se[0]))
+
+
+def _per_rank_dispatch(tokens: int, k: int, experts: int) -> dict:
+    """One rank of a world-2 ep group: its tokens (own seed) through the per-rank dispatch, an expert as a matrix,
+    and the combine; the same sum computed here without sending anything."""
+    dist.init_process_group("gloo")
+    try:
+        rank, ep, hidden = dist.get_rank(), 2, 4
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
+        weights, index = torch.rand(tokens, experts, generator=gen).softmax(-1).topk(k, dim=1)
+        weights = weights.detach().requires_grad_()
+        maps = torch.randn(experts, hidden, hidden, generator=torch.Generator().manual_seed(99))  # every rank's
+        local = experts // ep
+        dispatch = _TokenDispatch(dist.group.WORLD, ep)
+        sent = dispatch.send_tokens(x, index, weights, local)
+        mine = maps[rank * local:(rank + 1) * local]
+        out = torch.bmm(sent.expert_rows.unsqueeze(1), mine[sent.expert_index[:, 0]]).squeeze(1)
+        y = dispatch.combine_tokens(out, sent, x)
+        grad = torch.randn(tokens, hidden, generator=gen)
+        y.backward(grad)
+        x_ref, w_ref = x.detach().clone().requires_grad_(), weights.detach().clone().requires_grad_()
+        y_ref = torch.einsum("tk,tkh->th", w_ref, torch.einsum("th,tkhg->tkg", x_ref, maps[index]))
+        y_ref.backward(grad)
+        ranks_of_token = [len(set((index[t] // local).tolist())) for t in range(tokens)]
+        return {"y": (y - y_ref).abs().max().item(), "x_grad": (x.grad - x_ref.grad).abs().max().item(),
+                "w_grad": (weights.grad - w_ref.grad).abs().max().item(), "sent_rows": sum(sent.input_splits),
+                "pairs": sum(ranks_of_token), "choices": tokens * k, "expert_rows": sent.expert_rows.shape[0],
+                "grouped": bool((sent.expert_index[1:] >= sent.expert_index[:-1]).all())}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hugging_face_experts_get_each_token_once_per_rank():
+    """The per-rank dispatch of transformers' experts sends a token to a rank once, whatever number of its choices
+    that rank holds (DeepEP's deduplication), copies it per choice on arrival, grouped by local expert, and brings
+    back one weighted sum per token and rank: the output and the gradients of the tokens and of the routing
+    weights are those of the sum computed in one place (fp32, 1e-6)."""
+    ranks = launch(2, _per_rank_dispatch, 16, 3, 4)
+    for rank in ranks:
+        assert max(rank["y"], rank["x_grad"], rank["w_grad"]) < 1e-6, rank
+        assert rank["sent_rows"] == rank["pairs"] < rank["choices"], rank  # 3 choices over 2 ranks: at most 2
+        assert rank["grouped"], rank
+    assert sum(r["expert_rows"] for r in ranks) == sum(r["choices"] for r in ranks)  # every choice computed once

@@ -112,6 +112,16 @@ class Section:
     #: the rows its experts modules receive (one per token and routing choice, hidden wide): what expert
     #: parallelism's all-to-all sends out and back, in forward and again in backward
     routed_bytes: int = 0
+    routed_rows: int = 0  # those rows (tokens x routing choices)
+    #: the routing choices per token where the experts module receives tokens with their choices (transformers'
+    #: ``(hidden_states, top_k_index, top_k_weights)``: expert parallelism then sends a token once per rank that
+    #: holds one of its experts, ``dispatched_share``); 0 where it receives rows already one per choice
+    routed_choices: int = 0
+    #: of ``flops``, the experts modules' own (their grouped matmuls), and the experts' width those FLOPs imply
+    #: (``expert_flops / (6 x routed_rows x hidden)``: a SwiGLU expert's three matmuls), what the planner needs to
+    #: price their skinny matmuls (``devices.GroupedMatmulCurve``)
+    expert_flops: float = 0.0
+    expert_width: float = 0.0
     #: ``saved`` as autocast alone (no half-precision parameters) leaves it: in half precision, the tensors the
     #: matmul family saves (autocast casts them first: ``LOWERED_BY_AUTOCAST``) and any other saved tensor computed
     #: from half-precision ones alone (an activation of a matmul's output); in the traced dtype, the rest (norms,
@@ -245,6 +255,7 @@ class _Trace(torch_dispatch_mode()):  # type: ignore[misc]
         self.sections: dict[str, Section] = {"first": Section()}
         self.layout = _StorageMap()  # storage -> "sharded", "vocab" or "whole" (gathered: not split by SP either)
         self.in_attention = False
+        self.in_experts: tuple[int, int, float] | None = None  # inside an experts module: (rows, hidden, FLOPs so far)
         self.saved = _StorageMap()  # saved tensors stay alive until backward: their storages are not reused meanwhile
         self.params: set[int] = set()
         self.gathered_inputs = _StorageMap()
@@ -378,6 +389,9 @@ class _Trace(torch_dispatch_mode()):  # type: ignore[misc]
                 sec.attention_flops += flops
             else:
                 sec.flops += flops
+                if self.in_experts is not None:
+                    rows, hidden, so_far = self.in_experts
+                    self.in_experts = (rows, hidden, so_far + flops)
         self.selective(func, out, flops)
         self._propagate_half(key, (args, kwargs), out)
         inputs = {self.layout.get(a) for a in tree_leaves((args, kwargs))
@@ -548,6 +562,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
     experts = find_experts(model)
     for _, sub in experts:
         hooks.append(sub.register_forward_pre_hook(lambda _m, args: _count_routed(trace, args)))
+        hooks.append(sub.register_forward_hook(lambda _m, _a, _out: _count_expert_flops(trace)))
     try:
         with ExitStack() as stack, warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -595,7 +610,28 @@ def _count_routed(trace: _Trace, args: tuple) -> None:
         return
     x = args[0]
     choices = args[1].shape[-1] if len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].ndim == 2 else 1
-    trace.sections.setdefault(trace.section, Section()).routed_bytes += x.numel() * x.element_size() * choices
+    section = trace.sections.setdefault(trace.section, Section())
+    section.routed_bytes += x.numel() * x.element_size() * choices
+    rows = x.numel() // max(1, x.shape[-1]) * choices
+    section.routed_rows += rows
+    if len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].ndim == 2:
+        section.routed_choices = choices
+    trace.in_experts = (rows, x.shape[-1], 0.0)
+
+
+def _count_expert_flops(trace: _Trace) -> None:
+    """The FLOPs of the experts call that just ended, and the width they imply (the mean over the section's
+    calls, weighted by their FLOPs)."""
+    if trace.in_experts is None:
+        return
+    rows, hidden, flops = trace.in_experts
+    trace.in_experts = None
+    section = trace.sections.setdefault(trace.section, Section())
+    if flops and rows and hidden:
+        width = flops / (6 * rows * hidden)
+        total = section.expert_flops + flops
+        section.expert_width = (section.expert_width * section.expert_flops + width * flops) / total
+        section.expert_flops = total
 
 
 

@@ -8,14 +8,16 @@ Two contracts of an experts module, every parameter of which has the experts on 
   ``num_tokens_per_expert`` a 1-D integer tensor of the group sizes. The module reads its weights through
   :func:`local_experts` (only its own experts take part in its grouped matmul);
 - Hugging Face transformers' experts (``@use_experts_implementation``: Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss, ...):
-  ``forward(hidden_states, top_k_index, top_k_weights)`` -> the weighted sum of each token's experts. Under ep their
-  forward is called on the rows this rank's experts received, each with its local expert and weight 1, with the
-  module's weights swapped for their local shards while it runs (the model's code is not changed); the routing
-  weights and the sum over choices are applied after the rows come back.
+  ``forward(hidden_states, top_k_index, top_k_weights)`` -> the weighted sum of each token's experts. Under ep a
+  token travels once to each rank holding at least one of its experts (DeepEP's deduplication: with k choices over
+  d ranks, d rows instead of k), its choices on that rank beside it; there it is copied once per choice and the
+  module's forward is called on those rows, each with its local expert and weight 1, with the module's weights
+  swapped for their local shards while it runs (the model's code is not changed); the outputs are weighted and
+  summed per token on that rank, and one sum per token and rank comes back.
 
 :func:`apply_expert_parallel` splits the parameters ``Shard(0)`` over the ``ep`` mesh (DTensors, so that checkpoints
-reshard across ep sizes) and wraps the forward: before it the tokens go to the rank of their expert (two
-all-to-alls: the counts, then the rows), after it they come back.
+reshard across ep sizes) and wraps the forward: before it the tokens go to the ranks of their experts (all-to-alls:
+the counts, then the rows, and for transformers' experts the choices), after it they come back.
 
 Gradients: an expert's weight gradient sums the tokens of all ``ep`` ranks of its group, each rank's loss being the
 mean over its own batch; data parallelism (FSDP, last in the recipe) averages it over the other data ranks only. So
@@ -29,7 +31,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -199,19 +201,21 @@ def is_hf_experts(module: nn.Module) -> bool:
 
 
 def _route_hf_experts(module: nn.Module, dispatch: _TokenDispatch) -> None:
-    """Replace the instance's forward: sort the (token, choice) rows by expert, send them, run the model's own forward
-    on this rank's experts, send the rows back, weight them and sum each token's choices.
+    """Replace the instance's forward: send each token once to every rank holding one of its experts, with its
+    choices there (:meth:`_TokenDispatch.send_tokens`), run the model's own forward on this rank's experts, weight
+    their outputs and sum them per token and source rank, send those sums back and add them up per token.
 
     With LoRA on the experts' parameters, ``module`` is PEFT's outermost ``ParamWrapper``: the experts module inside
     is called (so that FSDP's hooks on it gather its shard) and runs on this rank's experts, each parameter adapted
     by its slice of the adapters (:func:`_local_shards`)."""
     wrappers, core = unwrap_param_wrappers(module)
     num_experts = core.num_experts
+    local = num_experts // dispatch.ep
     if wrappers:
         core_forward = core.forward
 
         def adapted(*args: torch.Tensor) -> torch.Tensor:
-            with _local_shards(core, num_experts // dispatch.ep, wrappers, dispatch):
+            with _local_shards(core, local, wrappers, dispatch):
                 return core_forward(*args)
 
         core.forward, inner = adapted, core
@@ -219,23 +223,33 @@ def _route_hf_experts(module: nn.Module, dispatch: _TokenDispatch) -> None:
         inner = module.forward
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        k = top_k_index.shape[-1]
-        choices = top_k_index.reshape(-1)
         with not_a_routing_decision():
-            order = choices.argsort(stable=True)
-            counts = torch.bincount(choices, minlength=num_experts)
-            (rows, local_counts), _ = dispatch.send(module, (hidden_states[order // k], counts), {})
-            local_index = torch.repeat_interleave(torch.arange(local_counts.numel(), device=rows.device),
-                                                  local_counts, output_size=rows.shape[0]).unsqueeze(1)
+            sent = dispatch.send_tokens(hidden_states, top_k_index, top_k_weights, local)
+        rows = sent.expert_rows
+        ones = rows.new_ones(rows.shape[0], 1)
         if wrappers:
-            out = inner(rows, local_index, rows.new_ones(rows.shape[0], 1))
+            out = inner(rows, sent.expert_index, ones)
         else:
-            with _local_shards(module, local_counts.numel()):
-                out = inner(rows, local_index, rows.new_ones(rows.shape[0], 1))
-        out = dispatch.receive(module, (), out) * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-        return torch.zeros_like(hidden_states).index_add(0, order // k, out.to(hidden_states.dtype))
+            with _local_shards(module, local):
+                out = inner(rows, sent.expert_index, ones)
+        with not_a_routing_decision():
+            return dispatch.combine_tokens(out, sent, hidden_states)
 
     module.forward = forward
+
+
+class _SentTokens(NamedTuple):
+    """What :meth:`_TokenDispatch.send_tokens` hands the experts, and what :meth:`~_TokenDispatch.combine_tokens`
+    needs to bring their outputs home."""
+
+    expert_rows: torch.Tensor  # one row per (received token, choice on this rank), grouped by local expert
+    expert_index: torch.Tensor  # (rows, 1): each row's local expert
+    weights: torch.Tensor  # each row's routing weight
+    received_row: torch.Tensor  # each row's received token (its row in what arrived)
+    received: int  # tokens that arrived
+    input_splits: list[int]
+    output_splits: list[int]
+    token_of_pair: torch.Tensor  # each sent (token, rank) pair's token
 
 
 @contextmanager
@@ -300,6 +314,45 @@ class _TokenDispatch:
         output = _ScaleGradient.apply(output, 1.0 / self.ep)
         by_source = torch.empty_like(output).index_copy(0, order, output)  # undo the grouping by expert
         return all_to_all_single_autograd(by_source.contiguous(), input_splits, output_splits, self.group)
+
+    def send_tokens(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    local_experts: int) -> _SentTokens:
+        """Send each token once to each rank that holds at least one of its chosen experts (DeepEP's
+        deduplication, with torch's all-to-all: a token whose k choices fall on d ranks travels d times, not k), with
+        its choices on that rank (local expert, weight; -1 and 0 for the others) in a small float tensor beside it.
+        On arrival each token is copied once per choice, grouped by local expert for the experts' grouped matmul."""
+        tokens, k = top_k_index.shape
+        rank_of_choice = top_k_index // local_experts
+        hit = torch.zeros(tokens, self.ep, dtype=torch.bool, device=top_k_index.device)
+        hit.scatter_(1, rank_of_choice, True)
+        rank_of_pair, token_of_pair = hit.t().nonzero(as_tuple=True)  # by destination rank, then token
+        sent = hit.sum(dim=0)
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=self.group)
+        input_splits, output_splits = sent.tolist(), received.tolist()  # the one host sync per layer
+        on_rank = rank_of_choice[token_of_pair] == rank_of_pair.unsqueeze(1)
+        choices = torch.cat([torch.where(on_rank, top_k_weights[token_of_pair].float(), 0.0),
+                             torch.where(on_rank, top_k_index[token_of_pair] % local_experts, -1).float()], dim=1)
+        rows = all_to_all_single_autograd(hidden_states[token_of_pair].contiguous(), output_splits, input_splits,
+                                          self.group)
+        choices = all_to_all_single_autograd(choices, output_splits, input_splits, self.group)
+        expert_of = choices[:, k:].long()
+        received_row, slot = (expert_of >= 0).nonzero(as_tuple=True)
+        experts = expert_of[received_row, slot]
+        order = experts.argsort(stable=True)  # grouped by local expert, in arrival order within each
+        received_row, slot, experts = received_row[order], slot[order], experts[order]
+        expert_rows = _ScaleGradient.apply(rows[received_row], float(self.ep))
+        return _SentTokens(expert_rows, experts.unsqueeze(1), choices[received_row, slot], received_row,
+                           rows.shape[0], input_splits, output_splits, token_of_pair)
+
+    def combine_tokens(self, output: torch.Tensor, sent: _SentTokens, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs weighted and summed per received token, sent back (one row per token and rank, as
+        they came) and summed per token: the experts' weighted sum for every token of this rank."""
+        output = _ScaleGradient.apply(output, 1.0 / self.ep)
+        weighted = output * sent.weights.unsqueeze(-1).to(output.dtype)
+        sums = weighted.new_zeros(sent.received, weighted.shape[-1]).index_add(0, sent.received_row, weighted)
+        back = all_to_all_single_autograd(sums, sent.input_splits, sent.output_splits, self.group)
+        return torch.zeros_like(hidden_states).index_add(0, sent.token_of_pair, back.to(hidden_states.dtype))
 
 
 class _ScaleGradient(torch.autograd.Function):

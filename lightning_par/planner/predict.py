@@ -27,14 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_par.costs.profile import END_SECTIONS, ModelProfile
+from lightning_par.costs.profile import END_SECTIONS, ModelProfile, Section
 from lightning_par.costs.sheet import CostSheet, Transfer, per_cut
 from lightning_par.dims import MESH_DIM_NAMES, ParallelDims
 from lightning_par.techniques import build_recipe
+from lightning_par.techniques.expert_parallel import dispatched_bytes
 from lightning_par.techniques.fully_sharded import fsdp_casts_parameters
 
 if TYPE_CHECKING:
-    from lightning_par.devices import Hardware
+    from lightning_par.devices import GroupedMatmulCurve, Hardware
 
 #: the share of compute time that overlappable communication (FSDP prefetch, the CP ring) can hide behind: not all of
 #: it, since the first gather of a step and the last reduce-scatter have nothing to hide behind
@@ -249,7 +250,8 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     """``batch``: samples per data-parallel rank per step; ``memory_budget``: bytes a device may use (default: the
     hardware's memory less ``memory_reserve`` of it)."""
     sheet = account(layout, profile, batch, seq_len, precision)
-    (params, grads, optimizer, activations), busiest, recompute = _busiest_ranks(sheet, hardware.matmul_share)
+    (params, grads, optimizer, activations), busiest, recompute = _busiest_ranks(sheet, hardware.matmul_share,
+                                                                                 hardware.grouped_mm)
     host = 0.0
     if sheet.offload:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
@@ -299,21 +301,23 @@ def shares_cores(hardware: Hardware) -> bool:
     return hardware.device.lower().startswith("cpu")
 
 
-def _busiest_ranks(sheet: CostSheet, matmul_share: float) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+def _busiest_ranks(sheet: CostSheet, matmul_share: float, grouped_mm: GroupedMatmulCurve | None = None,
+                   ) -> tuple[tuple[float, ...], tuple[float, ...], float]:
     """Of the pipeline ranks' ``_rank_costs``: the (parameters, gradients, optimizer state, saved activations) of
     the one that needs the most memory, the costs of the one that computes the most, and the largest transient
     activations; a layout whose sheet asks what an earlier one's asked gets the same answer back."""
     def reduce() -> tuple[tuple[float, ...], tuple[float, ...], float]:
-        ranks = _rank_costs(sheet, matmul_share)
+        ranks = _rank_costs(sheet, matmul_share, grouped_mm)
         return max((r[:4] for r in ranks), key=sum), max(ranks, key=lambda r: r[5]), max(r[4] for r in ranks)
 
     return per_cut(sheet, ("busiest ranks", tuple(sheet.inflight), sheet.token_scale, sheet.sequence_scale,
                            sheet.activation_scale, sheet.autocast_only, sheet.tp, sheet.cp, sheet.shard,
                            sheet.sequence_parallel, sheet.regather_sequence, sheet.loss_parallel, sheet.checkpointing,
-                           sheet.dims.ep, sheet.microbatches, matmul_share), reduce)
+                           sheet.dims.ep, sheet.microbatches, matmul_share, grouped_mm), reduce)
 
 
-def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float, ...]]:
+def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0, grouped_mm: GroupedMatmulCurve | None = None,
+                ) -> list[tuple[float, ...]]:
     """Per pipeline rank: (parameters, gradients, optimizer state, saved activations, transient activations,
     FLOPs and of them the attention kernels', in time at the hardware's matmul throughput). Ranks holding equal
     sections (blocks alike in parameters and costs) are worked out once: planning thousands of layouts of an
@@ -345,9 +349,9 @@ def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0) -> list[tuple[float
             if act_key not in memo:
                 memo[act_key] = _rank_activations(sheet, rank)
             flops_key = ("flops", key, scale, sheet.sequence_scale, sheet.tp, sheet.cp, sheet.checkpointing,
-                         sheet.microbatches, matmul_share)
+                         sheet.microbatches, matmul_share, sheet.dims.ep, grouped_mm)
             if flops_key not in memo:
-                memo[flops_key] = _rank_flops(sheet, rank, matmul_share)
+                memo[flops_key] = _rank_flops(sheet, rank, matmul_share, grouped_mm)
             costs[key] = (memo[state_key], memo[act_key], memo[flops_key])
         (params, grads, optimizer), (kept, transient, weight_copies), (flops, attention) = costs[key]
         inflight = sheet.inflight[rank] if sheet.inflight else 1.0  # micro-batches whose activations it holds
@@ -445,7 +449,8 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float, float]
             if sheet.checkpointing == "selective":
                 kept += section.selective_kept.per_rank(tp, cp, sp, lp, scale)
                 if sheet.dims.ep > 1:  # the dispatch's two all-to-alls' outputs (kept: the profile traces no ep)
-                    kept += 2 * section.routed_bytes * scale / cp
+                    kept += (2 * dispatched_bytes(section, profile.num_experts, sheet.dims.ep, sheet.activation_scale)
+                             * sheet.token_scale / cp)
                 if sp:  # its reduce-scatters' outputs, on this rank's sequence chunk
                     kept += section.reduce_scattered_bytes * scale / tp / cp
             peak_block = max(peak_block, full + copies)  # recomputed in backward, one block at a time
@@ -456,29 +461,48 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float, float]
 
 
 # ---- time ------------------------------------------------------------------------------------------------------
-def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0) -> tuple[float, float]:
+def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
+                grouped_mm: GroupedMatmulCurve | None = None) -> tuple[float, float]:
     """The rank's FLOPs in one step, and of them its attention kernels' (what the cp ring hides behind): forward
     x 3 (backward = 2 forward), + the blocks' forward again with full activation checkpointing (up to where torch
     stops the recomputation). Selective checkpointing recomputes the matmuls its policy does not keep and all the
-    non-matmul work: the latter counted as the ``1 - matmul_share`` of a forward's time it takes."""
+    non-matmul work: the latter counted as the ``1 - matmul_share`` of a forward's time it takes. The experts'
+    grouped matmuls run at ``grouped_mm``'s share of the matmul rate (``expert_slowdown``), recomputed under
+    either checkpointing (neither keeps them)."""
     forward = recomputed = attentions = 0.0
     for name in sheet.rank_sections[rank]:
         section = sheet.profile.sections[name]
         # in matmul-time units: the kernel's FLOPs at its own rate (ATTENTION_RATE)
         attention = section.attention_work(sheet.seq_len) * sheet.token_scale * sheet.sequence_scale / ATTENTION_RATE
-        flops = section.flops * sheet.token_scale + attention
+        slower = expert_slowdown(sheet, section, grouped_mm)
+        flops = section.flops * sheet.token_scale + attention + slower
         forward += flops
         attentions += 3 * attention
         if name in END_SECTIONS:
             continue
         if sheet.checkpointing == "full":
-            recomputed += section.full_recompute_flops * sheet.token_scale + attention
+            recomputed += section.full_recompute_flops * sheet.token_scale + attention + slower
             attentions += attention
         elif sheet.checkpointing == "selective":
-            recomputed += (matmul_share * section.selective_recompute_flops * sheet.token_scale
+            recomputed += (matmul_share * (section.selective_recompute_flops * sheet.token_scale + slower)
                            + (1 - matmul_share) * flops)
     per_step = sheet.microbatches / (sheet.tp * sheet.cp)
     return (3 * forward + recomputed) * per_step, attentions * per_step
+
+
+def expert_slowdown(sheet: CostSheet, section: Section, grouped_mm: GroupedMatmulCurve | None) -> float:
+    """The extra matmul-time (in FLOPs at the dense rate) of one micro-batch's pass through the section's experts:
+    their FLOPs at ``grouped_mm``'s rate instead of the dense matmuls'. Each of a rank's ``E / ep`` experts gets
+    ``rows x ep / E`` of the rows routed on a rank (every tensor-parallel rank routes its micro-batch's tokens, of
+    its context-parallel chunk: as ``ExpertParallel.account`` counts them), so expert parallelism feeds them more
+    rows and context parallelism and gradient accumulation fewer."""
+    experts = sheet.profile.num_experts
+    if grouped_mm is None or not section.expert_flops or not section.routed_rows or not experts:
+        return 0.0
+    ep = sheet.dims.ep
+    rows = section.routed_rows * sheet.token_scale / sheet.cp * ep / experts
+    rate = grouped_mm.rate(rows, max(1, experts // ep), section.expert_width)
+    return section.expert_flops * sheet.token_scale * (1.0 / rate - 1.0)
 
 
 def _cached_link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float, float]:

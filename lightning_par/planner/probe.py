@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_par.devices import STEP_SHARE, Hardware
+from lightning_par.devices import H100_GROUPED_MM, STEP_SHARE, Hardware
 
 Shape = tuple[int, int, int]
 
@@ -314,6 +314,8 @@ def probe_hardware(
     rates = [r * share for r in probe_matmul_sets(device, dtype, sets, matmul_seconds)]
     name = _device_name(device)
     memory = _memory_bytes(device)
+    # the probe times dense matmuls: experts' skinny grouped ones on a GPU as measured on an H100 relative to those
+    grouped = H100_GROUPED_MM if device.type == "cuda" else None
     what = f"measured on this machine: matmul {_name(dtype)} at {len(shapes)} shape{'s' if len(shapes) > 1 else ''}"
     if degrees:
         what += f" (and split for tp {', '.join(map(str, degrees))})"
@@ -322,7 +324,7 @@ def probe_hardware(
     if not distributed:
         return Hardware(name, rates[0], memory, gpus_per_node, math.inf, 0.0, math.inf, 0.0,
                         f"{what}, 1 rank; no communication", matmul_share=share,
-                        matmul_by_tp=tuple(zip(degrees, rates[1:])))
+                        matmul_by_tp=tuple(zip(degrees, rates[1:])), grouped_mm=grouped)
     # the mean over ranks: what each gets on average. On a shared CPU the ranks' shares of one second differ by up
     # to 7x (4 processes on 2 busy cores, measured), so the minimum would be one rank's unlucky second.
     mean = torch.tensor([r / world for r in rates], dtype=torch.float64, device=device)
@@ -341,7 +343,8 @@ def probe_hardware(
     source = (f"{what}, mean of {world} ranks running at once; all_reduce ring fit over the node and over every "
               f"shape of group within it, {dist.get_backend()} ({nodes})")
     return Hardware(name, rates[0], memory, per_node, intra_bw, intra_lat, inter_bw, inter_lat, source,
-                    matmul_share=share, group_links=group_links, matmul_by_tp=tuple(zip(degrees, rates[1:])))
+                    matmul_share=share, group_links=group_links, matmul_by_tp=tuple(zip(degrees, rates[1:])),
+                    grouped_mm=grouped)
 
 
 def step_share(device: torch.device) -> float:

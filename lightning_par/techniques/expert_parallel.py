@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_par.checks import check_str_list
+from lightning_par.costs.profile import Section
 from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.experts import apply_expert_parallel, hf_ep_plan, num_experts_of
@@ -62,27 +63,54 @@ class ExpertParallel(Technique):
         return f"expert parallel (ep={dims.ep}, experts FSDP-sharded over {dims.dp_shard * dims.cp // dims.ep})"
 
     def account(self, sheet: CostSheet) -> None:
-        """The dispatch's all-to-alls: per layer with experts, the routed rows (one per token and choice) out to
-        their experts and back, in forward and again in backward (and in the recomputed forward under activation
-        checkpointing), each leaving ``(ep - 1) / ep`` of its bytes to other ranks with the router's load even.
-        Memory is unchanged (the experts are sharded over ``efsdp x ep``, as many ranks as FSDP would use); what
-        ep saves, FSDP's account prices: each rank gathers only its own experts, over ``efsdp`` (selective
-        checkpointing keeps the all-to-alls' outputs: the activations' prediction adds them). Not priced: the
-        all-to-all of the counts and its host sync (latency, per layer), and an uneven load."""
+        """The dispatch's all-to-alls: per layer with experts, the routed rows out to their experts and back, in
+        forward and again in backward (and in the recomputed forward under activation checkpointing), each leaving
+        ``(ep - 1) / ep`` of its bytes to other ranks with the router's load even: one row per token and choice,
+        or for transformers' experts one per token and rank holding one of its experts, with its choices
+        (:func:`dispatched_bytes`). Memory is unchanged (the experts are sharded over ``efsdp x ep``, as many ranks
+        as FSDP would use); what ep saves, FSDP's account prices: each rank gathers only its own experts, over
+        ``efsdp`` (selective checkpointing keeps the all-to-alls' outputs: the activations' prediction adds them).
+        Not priced: the all-to-all of the counts and its host sync (latency, per layer), and an uneven load."""
         dims = sheet.dims
-        if dims.ep == 1 or not sheet.profile.num_experts:
+        experts = sheet.profile.num_experts
+        if dims.ep == 1 or not experts:
             return
         ranks = sheet.rank_sections or [list(sheet.profile.sections)]
         # the pipeline rank routing the most (dense first layers route nothing: not the rank with most sections)
-        routed = max(sum(sheet.profile.sections[s].routed_bytes for s in set(sections)) for sections in ranks)
+        routed = max(sum(dispatched_bytes(sheet.profile.sections[s], experts, dims.ep, sheet.activation_scale)
+                         for s in set(sections)) for sections in ranks)
         if not routed:
             return
         # tensor parallelism leaves the experts whole: every tp rank routes the micro-batch's tokens (its cp chunk)
-        nbytes = routed * sheet.token_scale * sheet.activation_scale / dims.cp
+        nbytes = routed * sheet.token_scale / dims.cp
         # out and back, in forward and in backward; the recomputed forward sends the first two again under full
         # checkpointing (selective keeps the all-to-alls' outputs: lightning_par.parallel.recompute.KEPT_OPS)
         m = sheet.microbatches
         sheet.transfers.append(Transfer("all_to_all", "ep", "all_to_all", nbytes, 4 * m, False, recomputed_full=2 * m))
+
+
+def ranks_per_token(experts: int, ep: int, choices: int) -> float:
+    """How many of the ``ep`` ranks a token's ``choices`` distinct experts (of ``experts``, ``experts / ep`` per
+    rank) fall on, on average with the router's choices even: ``ep x (1 - C(E - E/ep, k) / C(E, k))``."""
+    local = experts // ep
+    missed = 1.0  # the chance that none of the k choices is one of a given rank's experts
+    for i in range(choices):
+        missed *= max(0.0, (experts - local - i) / (experts - i))
+    return ep * (1.0 - missed)
+
+
+def dispatched_bytes(section: Section, experts: int, ep: int, activation_scale: float = 1.0) -> float:
+    """The bytes one all-to-all of the dispatch sends for ``section``'s traced micro-batch under expert parallelism
+    ``ep`` (activations at ``activation_scale`` of the traced dtype): one row per token and choice (grouped-token
+    experts), or for transformers' experts one per token and rank holding one of its choices, each with those
+    choices (2 x k float32: local expert and weight, out in forward and back as their gradient, so half of it per
+    transfer on average)."""
+    if not section.routed_choices or ep == 1:
+        return section.routed_bytes * activation_scale
+    k = section.routed_choices
+    tokens = section.routed_rows / k
+    row = section.routed_bytes / section.routed_rows * activation_scale  # one token's hidden row
+    return tokens * ranks_per_token(experts, ep, k) * (row + 4 * k)
 
 
 def _matches_some_module(root: nn.Module, pattern: str) -> bool:
