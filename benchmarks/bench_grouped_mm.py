@@ -14,8 +14,15 @@ the weights) with ``G`` local experts of ``r`` rows each, against the same SwiGL
 :data:`DENSE_ROWS` rows (what a dense layer of that shape sees in a micro-batch). Printed and written: TFLOP/s of
 both and their ratio, the figure the planner applies to expert FLOPs.
 
-    python benchmarks/bench_grouped_mm.py --device cuda --out grouped_mm.json      # the GPU figures (~60 s)
-    python benchmarks/bench_grouped_mm.py --quick                                    # the code path on the CPU
+``--hf``: the same measurement on transformers' ``Qwen3MoeExperts`` (Qwen3-30B-A3B's sizes, its ``grouped_mm``
+implementation) with the rows a rank's 16 experts receive at ep 8, grouped by expert as the dispatch hands them
+over, one row per choice with weight 1, the experts drawn from a random router's softmax (uneven loads, as
+training has): its own forward, and ``lightning_par.parallel.experts.grouped_experts``, which the engine runs
+under ep (the same math without the forward's sorting and copies), against the curve at the mean rows per
+expert.
+
+    python benchmarks/bench_grouped_mm.py --device cuda --hf --out grouped_mm.json  # the GPU figures (~60 s)
+    python benchmarks/bench_grouped_mm.py --quick --hf                              # the code path on the CPU
 """
 
 from __future__ import annotations
@@ -106,12 +113,56 @@ def dense_rate(k: int, n: int, device: str, dtype: torch.dtype, warmup: int, rep
     return swiglu_flops(rows, k, n) / _timed(_swiglu_step(x, *ws, grad, None), device, warmup, repeats)
 
 
+def measure_hf(rows: int, local: int, hidden: int, width: int, device: str, dtype: torch.dtype, warmup: int,
+               repeats: int, dense: float) -> dict[str, Any]:
+    """transformers' Qwen3-MoE experts called as the engine calls them under ep (:mod:`lightning_par.parallel.
+    experts`): ``rows`` routed rows, each with its local expert (of ``local``) and weight 1."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from lightning_par.devices import H100_GROUPED_MM
+    from lightning_par.parallel.experts import grouped_experts
+
+    config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=width, num_experts=local)
+    config._experts_implementation = "grouped_mm"
+    experts = Qwen3MoeExperts(config).to(device=device, dtype=dtype)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=hidden ** -0.5)
+    gen = torch.Generator(device=device).manual_seed(2)
+    logits = torch.randn(local, device=device, generator=gen)  # an uneven router: some experts get more rows
+    # grouped by expert, as the dispatch hands them over
+    index = torch.multinomial(logits.softmax(0), rows, replacement=True, generator=gen).sort().values.unsqueeze(1)
+    x = torch.randn(rows, hidden, device=device, dtype=dtype, generator=gen).requires_grad_()
+    ones = torch.ones(rows, 1, device=device, dtype=dtype)
+    grad = torch.randn(rows, hidden, device=device, dtype=dtype, generator=gen)
+
+    def step(forward: Any) -> Any:
+        def run() -> None:
+            forward().backward(grad)
+            x.grad = None
+            for w in experts.parameters():
+                w.grad = None
+        return run
+
+    transformers_s = _timed(step(lambda: experts(x, index, ones)), device, warmup, repeats)
+    engine_s = _timed(step(lambda: grouped_experts(experts, x, index[:, 0])), device, warmup, repeats)
+    flops = swiglu_flops(rows, hidden, width)
+    return {"model": "Qwen3-30B-A3B (transformers' experts)", "hidden": hidden,
+            "expert_width": width, "local_experts": local, "rows": rows, "rows_per_expert": rows / local,
+            "seconds": transformers_s, "tflops_per_s": flops / transformers_s / 1e12,
+            "dense_tflops_per_s": dense / 1e12,
+            "ratio": flops / transformers_s / dense, "engine_seconds": engine_s,
+            "engine_ratio": flops / engine_s / dense, "curve": H100_GROUPED_MM.rate(rows / local, local, width)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--quick", action="store_true", help="small shapes, few rows (the code path, on the CPU)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--hf", action="store_true",
+                        help="also time transformers' Qwen3-MoE experts as the engine calls them (see above)")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -135,11 +186,26 @@ def main() -> None:
                       f"ratio {row['ratio']:.3f}", flush=True)
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    hf_rows = []
+    if args.hf:
+        hidden, width, local = (2048, 768, 16) if not args.quick else (64, 32, 4)
+        reference = dense_rate(hidden, width, args.device, dtype, args.warmup, args.repeats, dense_rows)
+        for rows_per_expert in (rows_list if not args.quick else (16, 64)):
+            row = measure_hf(rows_per_expert * local, local, hidden, width, args.device, dtype, args.warmup,
+                             args.repeats, reference)
+            hf_rows.append(row)
+            print(f"transformers' experts G={local} rows/expert={rows_per_expert:5d}: {row['tflops_per_s']:7.1f} "
+                  f"TFLOP/s, ratio {row['ratio']:.3f}; the engine's grouped_experts {row['engine_ratio']:.3f}; "
+                  f"curve {row['curve']:.3f}", flush=True)
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
             "dtype": str(dtype).removeprefix("torch."), "dense_rows": dense_rows}
+    if args.hf:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"metadata": meta, "rows": results}, f, indent=1)
+            json.dump({"metadata": meta, "rows": results, "transformers_experts": hf_rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ Qwen3-MoE built from a config with the same sizes (hidden, expert width, experts
    - the actual routing of that step, read from the counts all-to-all (sent and received counts per expert):
      2 x (rows this rank routed to other ranks' experts + rows other ranks routed to this rank's experts) x H x 4
      bytes leave the rank. Measured must equal it exactly; the difference to the even formula is the load.
+     transformers' experts (``ours Qwen3-MoE``) are dispatched once per token and rank: their counts are per rank,
+     their rows one per (token, rank), and their choices (2 x k float32 per row, out in forward and back as their
+     gradient) are counted apart and added: below the even formula by the tokens whose choices share a rank.
 
 3. Step time, side by side in one run, at ep=``--ep``: four variants trained step by step in lockstep
    (``benchmarks.common.Lockstep``, the rotation reversed in odd rounds), the same batches and initial weights:
@@ -886,14 +889,16 @@ def comm_table(results: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
             formula = uniform_formula(cfg, e)
             for r, c in enumerate(comm):
                 predicted = c["routing_predicted_left_bytes"]
+                left = c["rows_left_bytes"] + c["choices_left_bytes"]  # the per-rank dispatch's choices included
                 rows.append([world, label, r, f"{c['rows_calls']['forward']}+{c['rows_calls']['backward']}",
                              kib(c["rows_sent_bytes"]), kib(formula["sent_bytes"] if e > 1 else 0),
-                             kib(c["rows_left_bytes"]), kib(predicted), kib(formula["left_bytes"]),
-                             f"{c['rows_left_bytes'] / predicted:.3f}" if predicted else "-",
-                             f"{c['rows_left_bytes'] / formula['left_bytes']:.3f}" if formula["left_bytes"] else "-",
+                             kib(left), kib(c["choices_left_bytes"]), kib(predicted), kib(formula["left_bytes"]),
+                             f"{left / predicted:.3f}" if predicted else "-",
+                             f"{left / formula['left_bytes']:.3f}" if formula["left_bytes"] else "-",
                              c["counts_calls"], c["counts_sent_bytes"]])
     headers = ["world", "run", "rank", "row a2a fwd+bwd", "sent KiB", "even sent KiB", "left KiB",
-               "routing left KiB", "even left KiB", "left/routing", "left/even", "count a2a", "count bytes"]
+               "of which choices", "routing left KiB", "even left KiB", "left/routing", "left/even", "count a2a",
+               "count bytes"]
     return format_table(headers, rows)
 
 

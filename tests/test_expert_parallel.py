@@ -23,7 +23,14 @@ from workers import TINY_GPT, assert_parity, error_of, fit, fit_reference, max_w
 from lightning_par import ExpertBiasBalancer, NDParallelStrategy, count_dropped_choices
 from lightning_par.callbacks import ExpertLoadMonitor
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.experts import TokenCounter, _group_by_expert, _TokenDispatch
+from lightning_par.parallel.experts import (
+    TokenCounter,
+    _group_by_expert,
+    _TokenDispatch,
+    grouped_experts,
+    is_hf_experts,
+    runs_transformers_grouped_mm,
+)
 
 MOE = dict(n_experts=4, moe_top_k=2)
 SHARED_SIGMOID = dict(n_experts=4, moe_top_k=2, moe_shared_expert=True, moe_router="sigmoid")
@@ -623,3 +630,30 @@ def test_hugging_face_experts_get_each_token_once_per_rank():
         assert rank["sent_rows"] == rank["pairs"] < rank["choices"], rank  # 3 choices over 2 ranks: at most 2
         assert rank["grouped"], rank
     assert sum(r["expert_rows"] for r in ranks) == sum(r["choices"] for r in ranks)  # every choice computed once
+
+
+@pytest.mark.parametrize("arch", HF_MOE)
+def test_grouped_experts_compute_what_transformers_grouped_mm_forward_does(arch):
+    """Under ep the engine runs transformers' experts on rows the dispatch already grouped by expert
+    (``grouped_experts``): the outputs and gradients of transformers' own ``grouped_mm`` forward on the same rows,
+    each routing weight 1 (a change of that forward in a new transformers fails here)."""
+    torch.manual_seed(0)
+    model = HFCausalLM(arch).model
+    experts = next(m for m in model.modules() if is_hf_experts(m))
+    assert runs_transformers_grouped_mm(experts), experts.config._experts_implementation
+    for p in experts.parameters():  # biases too: zeros at init would hide a missing bias
+        torch.nn.init.normal_(p, std=0.5)
+    index = torch.tensor([0, 0, 1, 2, 2, 2, 3])
+    rows = torch.randn(len(index), experts.gate_up_proj.shape[-1 if not experts.is_transposed else 1],
+                       requires_grad=True)
+    ours = grouped_experts(experts, rows, index)
+    grad = torch.randn_like(ours)
+    ours.backward(grad)
+    mine = [rows.grad.clone()] + [p.grad.clone() for p in experts.parameters()]
+    rows.grad = None
+    experts.zero_grad()
+    theirs = experts(rows, index.unsqueeze(1), torch.ones(len(index), 1))
+    theirs.backward(grad)
+    assert torch.allclose(ours, theirs, atol=1e-6, rtol=1e-6)
+    for a, b in zip(mine, [rows.grad] + [p.grad for p in experts.parameters()]):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-6)

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -226,16 +227,64 @@ def _route_hf_experts(module: nn.Module, dispatch: _TokenDispatch) -> None:
         with not_a_routing_decision():
             sent = dispatch.send_tokens(hidden_states, top_k_index, top_k_weights, local)
         rows = sent.expert_rows
-        ones = rows.new_ones(rows.shape[0], 1)
         if wrappers:
-            out = inner(rows, sent.expert_index, ones)
+            out = inner(rows, sent.expert_index, rows.new_ones(rows.shape[0], 1))
         else:
             with _local_shards(module, local):
-                out = inner(rows, sent.expert_index, ones)
+                if runs_transformers_grouped_mm(module):
+                    out = grouped_experts(module, rows, sent.expert_index[:, 0])
+                else:
+                    out = inner(rows, sent.expert_index, rows.new_ones(rows.shape[0], 1))
         with not_a_routing_decision():
             return dispatch.combine_tokens(out, sent, hidden_states)
 
     module.forward = forward
+
+
+def runs_transformers_grouped_mm(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is transformers' ``grouped_mm`` experts implementation (the default of models
+    built by transformers 5 where torch has a grouped matmul), whose math :func:`grouped_experts` repeats."""
+    config = getattr(module, "config", None)
+    return (getattr(config, "_experts_implementation", None) == "grouped_mm" and hasattr(module, "is_transposed")
+            and hasattr(module, "down_proj") and hasattr(module, "has_gate"))
+
+
+def grouped_experts(module: nn.Module, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Each row through its expert, as transformers' ``grouped_mm`` experts forward computes it (gate-up or up
+    projection with its bias, the module's gate or activation, down projection with its bias, the optional norm
+    after the expert), for rows already grouped by expert (``experts``, non-decreasing): under ep the dispatch
+    grouped them, so the copies transformers' forward makes to sort the rows, weight them and put them back (a
+    third of its time on an H100 at large loads, benchmarks/bench_grouped_mm.py --hf) are left out. The outputs
+    are the forward's with every routing weight 1 (``tests/test_expert_parallel.py`` compares them per model)."""
+    local = module.num_experts
+    # histc, not bincount: no host sync on a GPU (histc counts integers on CUDA, floats on the CPU)
+    counts = torch.histc(experts.float() if experts.device.type in ("cpu", "mps") else experts.int(), bins=local,
+                         min=0, max=local - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    first, bias = (("gate_up_proj", "gate_up_proj_bias") if module.has_gate else ("up_proj", "up_proj_bias"))
+    has_bias = getattr(module, "has_bias", False)
+    out = _grouped_linear(rows, getattr(module, first), offsets, getattr(module, bias)[experts] if has_bias else None,
+                          module.is_transposed)
+    out = module._apply_gate(out) if module.has_gate else module.act_fn(out)
+    out = _grouped_linear(out, module.down_proj, offsets, module.down_proj_bias[experts] if has_bias else None,
+                          module.is_transposed)
+    if getattr(module, "has_post_expert_norm", False):
+        out = module.post_expert_norm(out)
+    return out
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None,
+                    transposed: bool) -> torch.Tensor:
+    """``x`` by each group's weight (``(experts, in, out)`` if ``transposed``, else ``(experts, out, in)``), in the
+    weight's dtype (torch's grouped matmul has no autocast rule: transformers casts the same way)."""
+    w = weight if transposed else weight.transpose(-2, -1)
+    x = x.to(w.dtype)
+    if hasattr(F, "grouped_mm") and (x.device.type != "cpu" or x.data_ptr() % 16 == 0 == w.data_ptr() % 16):
+        out = F.grouped_mm(x, w, offs=offsets)
+    else:  # a loop over the groups where torch has no grouped matmul for these tensors
+        ends = offsets.tolist()
+        out = torch.cat([x[start:end] @ w[i] for i, (start, end) in enumerate(zip([0, *ends[:-1]], ends))])
+    return out if bias is None else out + bias
 
 
 class _SentTokens(NamedTuple):
