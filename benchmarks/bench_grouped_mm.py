@@ -1,5 +1,5 @@
 """How fast mixture-of-experts experts run against how many rows each expert gets: the measurement behind the
-planner's ``grouped_mm_rate`` (``lightning_par/devices.py``).
+planner's ``GroupedMatmulCurve`` (``lightning_par/devices.py``).
 
 A layer's experts are one grouped matmul per projection (``torch.nn.functional.grouped_mm``: SwiGLU, ``x @ w_gate``
 and ``x @ w_up`` then ``h @ w_down``, each expert its own slice of rows). Expert parallelism changes how many rows

@@ -423,7 +423,8 @@ def test_expert_parallel_with_compiled_blocks_in_parity(world2, reference):
 @pytest.mark.parametrize("arch", HF_MOE)
 def test_hugging_face_mixtures_of_experts_at_ep2(world2, arch):
     """Mixtral, Qwen3-MoE, DeepSeek-V3 (latent attention, shared expert, group-limited sigmoid routing, a dense first
-    layer) and gpt-oss (expert biases, attention sinks): the model's own experts forward on each rank's experts."""
+    layer) and gpt-oss (expert biases, attention sinks): each token sent once per rank, the experts' math of
+    transformers' grouped_mm implementation on each rank's experts (``grouped_experts``)."""
     assert_parity(world2[arch], hf_reference(arch))
 
 

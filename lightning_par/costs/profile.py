@@ -115,11 +115,12 @@ class Section:
     routed_rows: int = 0  # those rows (tokens x routing choices)
     #: the routing choices per token where the experts module receives tokens with their choices (transformers'
     #: ``(hidden_states, top_k_index, top_k_weights)``: expert parallelism then sends a token once per rank that
-    #: holds one of its experts, ``dispatched_share``); 0 where it receives rows already one per choice
+    #: holds one of its experts, ``techniques.expert_parallel.dispatched_bytes``); 0 where it receives rows already
+    #: one per choice
     routed_choices: int = 0
     #: of ``flops``, the experts modules' own (their grouped matmuls), and the experts' width those FLOPs imply
-    #: (``expert_flops / (6 x routed_rows x hidden)``: a SwiGLU expert's three matmuls), what the planner needs to
-    #: price their skinny matmuls (``devices.GroupedMatmulCurve``)
+    #: (``expert_flops / (2 x matmuls x routed_rows x hidden)``: a gated expert's three matmuls, an ungated one's
+    #: two), what the planner needs to price their skinny matmuls (``devices.GroupedMatmulCurve``)
     expert_flops: float = 0.0
     expert_width: float = 0.0
     #: ``saved`` as autocast alone (no half-precision parameters) leaves it: in half precision, the tensors the
@@ -255,7 +256,8 @@ class _Trace(torch_dispatch_mode()):  # type: ignore[misc]
         self.sections: dict[str, Section] = {"first": Section()}
         self.layout = _StorageMap()  # storage -> "sharded", "vocab" or "whole" (gathered: not split by SP either)
         self.in_attention = False
-        self.in_experts: tuple[int, int, float] | None = None  # inside an experts module: (rows, hidden, FLOPs so far)
+        #: inside an experts module: (rows, the model's width x the expert's matmuls, FLOPs so far)
+        self.in_experts: tuple[int, int, float] | None = None
         self.saved = _StorageMap()  # saved tensors stay alive until backward: their storages are not reused meanwhile
         self.params: set[int] = set()
         self.gathered_inputs = _StorageMap()
@@ -561,7 +563,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
             hooks.append(sub.register_forward_hook(lambda _m, _a, out: trace.reduce_scattered(out)))
     experts = find_experts(model)
     for _, sub in experts:
-        hooks.append(sub.register_forward_pre_hook(lambda _m, args: _count_routed(trace, args)))
+        hooks.append(sub.register_forward_pre_hook(lambda m, args: _count_routed(trace, args, m)))
         hooks.append(sub.register_forward_hook(lambda _m, _a, _out: _count_expert_flops(trace)))
     try:
         with ExitStack() as stack, warnings.catch_warnings():
@@ -603,7 +605,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
         tp_source_plan=source_plan, num_experts=min((num_experts_of(m, n) for n, m in experts), default=0))
 
 
-def _count_routed(trace: _Trace, args: tuple) -> None:
+def _count_routed(trace: _Trace, args: tuple, module: nn.Module) -> None:
     """The rows an experts module receives: ``x`` grouped by expert (torchtitan's contract) or the tokens with
     their ``top_k_index`` (transformers': each token goes to k experts)."""
     if not args or not isinstance(args[0], torch.Tensor):
@@ -616,7 +618,8 @@ def _count_routed(trace: _Trace, args: tuple) -> None:
     section.routed_rows += rows
     if len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].ndim == 2:
         section.routed_choices = choices
-    trace.in_experts = (rows, x.shape[-1], 0.0)
+    matmuls = 3 if getattr(module, "has_gate", True) else 2  # transformers' ungated experts: up and down only
+    trace.in_experts = (rows, x.shape[-1] * matmuls, 0.0)
 
 
 def _count_expert_flops(trace: _Trace) -> None:
@@ -628,7 +631,7 @@ def _count_expert_flops(trace: _Trace) -> None:
     trace.in_experts = None
     section = trace.sections.setdefault(trace.section, Section())
     if flops and rows and hidden:
-        width = flops / (6 * rows * hidden)
+        width = flops / (2 * rows * hidden)  # ``hidden`` here: the model's width x the expert's matmuls
         total = section.expert_flops + flops
         section.expert_width = (section.expert_width * section.expert_flops + width * flops) / total
         section.expert_flops = total

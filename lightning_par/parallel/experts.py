@@ -10,10 +10,12 @@ Two contracts of an experts module, every parameter of which has the experts on 
 - Hugging Face transformers' experts (``@use_experts_implementation``: Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss, ...):
   ``forward(hidden_states, top_k_index, top_k_weights)`` -> the weighted sum of each token's experts. Under ep a
   token travels once to each rank holding at least one of its experts (DeepEP's deduplication: with k choices over
-  d ranks, d rows instead of k), its choices on that rank beside it; there it is copied once per choice and the
-  module's forward is called on those rows, each with its local expert and weight 1, with the module's weights
-  swapped for their local shards while it runs (the model's code is not changed); the outputs are weighted and
-  summed per token on that rank, and one sum per token and rank comes back.
+  d ranks, d rows instead of k), its choices on that rank beside it; there it is copied once per choice, grouped
+  by local expert, and run through this rank's experts (the module's weights swapped for their local shards while
+  it runs; the model's code is not changed): by :func:`grouped_experts`, the math of transformers' ``grouped_mm``
+  experts implementation on rows already grouped, where the model uses it, else by the module's own forward, each
+  row with its local expert and weight 1. The outputs are weighted and summed per token on that rank, and one sum
+  per token and rank comes back.
 
 :func:`apply_expert_parallel` splits the parameters ``Shard(0)`` over the ``ep`` mesh (DTensors, so that checkpoints
 reshard across ep sizes) and wraps the forward: before it the tokens go to the ranks of their experts (all-to-alls:
@@ -203,8 +205,9 @@ def is_hf_experts(module: nn.Module) -> bool:
 
 def _route_hf_experts(module: nn.Module, dispatch: _TokenDispatch) -> None:
     """Replace the instance's forward: send each token once to every rank holding one of its experts, with its
-    choices there (:meth:`_TokenDispatch.send_tokens`), run the model's own forward on this rank's experts, weight
-    their outputs and sum them per token and source rank, send those sums back and add them up per token.
+    choices there (:meth:`_TokenDispatch.send_tokens`), run this rank's experts on them (:func:`grouped_experts`
+    where the model uses transformers' ``grouped_mm`` implementation, else the model's own forward), weight their
+    outputs and sum them per token and source rank, send those sums back and add them up per token.
 
     With LoRA on the experts' parameters, ``module`` is PEFT's outermost ``ParamWrapper``: the experts module inside
     is called (so that FSDP's hooks on it gather its shard) and runs on this rank's experts, each parameter adapted
@@ -279,12 +282,22 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     weight's dtype (torch's grouped matmul has no autocast rule: transformers casts the same way)."""
     w = weight if transposed else weight.transpose(-2, -1)
     x = x.to(w.dtype)
-    if hasattr(F, "grouped_mm") and (x.device.type != "cpu" or x.data_ptr() % 16 == 0 == w.data_ptr() % 16):
+    if _has_grouped_mm(x, w):
         out = F.grouped_mm(x, w, offs=offsets)
     else:  # a loop over the groups where torch has no grouped matmul for these tensors
         ends = offsets.tolist()
         out = torch.cat([x[start:end] @ w[i] for i, (start, end) in enumerate(zip([0, *ends[:-1]], ends))])
     return out if bias is None else out + bias
+
+
+def _has_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul runs these operands (transformers' own conditions): on a GPU of compute
+    capability 8.0 or more, on the CPU with 16-byte aligned storage, and in compiled code only in bf16."""
+    if not hasattr(F, "grouped_mm") or (torch.compiler.is_compiling() and w.dtype != torch.bfloat16):
+        return False
+    if x.device.type == "cuda":
+        return torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return x.device.type != "cpu" or x.data_ptr() % 16 == 0 == w.data_ptr() % 16
 
 
 class _SentTokens(NamedTuple):
@@ -378,7 +391,8 @@ class _TokenDispatch:
         sent = hit.sum(dim=0)
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=self.group)
-        input_splits, output_splits = sent.tolist(), received.tolist()  # the one host sync per layer
+        # host syncs: these splits, and the two nonzero() of the pairs and of the arrived choices
+        input_splits, output_splits = sent.tolist(), received.tolist()
         on_rank = rank_of_choice[token_of_pair] == rank_of_pair.unsqueeze(1)
         choices = torch.cat([torch.where(on_rank, top_k_weights[token_of_pair].float(), 0.0),
                              torch.where(on_rank, top_k_index[token_of_pair] % local_experts, -1).float()], dim=1)

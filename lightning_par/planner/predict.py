@@ -373,7 +373,8 @@ def _section_kinds(profile: ModelProfile) -> dict[str, int]:
                    section.kv_bytes, astuple(saved),
                    astuple(section.selective_kept), section.selective_recompute_flops, section.full_recompute_flops,
                    section.reduce_scattered_bytes, astuple(section.autocast_lowered),
-                   astuple(section.autocast_kept), section.autocast_weight_bytes)
+                   astuple(section.autocast_kept), section.autocast_weight_bytes, section.routed_bytes,
+                   section.routed_rows, section.routed_choices, section.expert_flops, section.expert_width)
             cache[name] = numbers.setdefault(key, len(numbers))
         profile.__dict__["_section_kinds"] = cache
     return cache
@@ -467,14 +468,15 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
     x 3 (backward = 2 forward), + the blocks' forward again with full activation checkpointing (up to where torch
     stops the recomputation). Selective checkpointing recomputes the matmuls its policy does not keep and all the
     non-matmul work: the latter counted as the ``1 - matmul_share`` of a forward's time it takes. The experts'
-    grouped matmuls run at ``grouped_mm``'s share of the matmul rate (``expert_slowdown``), recomputed under
-    either checkpointing (neither keeps them)."""
+    grouped matmuls run at ``grouped_mm``'s share of the matmul rate (``expert_slowdown``, on the ``matmul_share``
+    of their time that is matmuls), recomputed under either checkpointing (neither keeps a grouped matmul)."""
     forward = recomputed = attentions = 0.0
     for name in sheet.rank_sections[rank]:
         section = sheet.profile.sections[name]
         # in matmul-time units: the kernel's FLOPs at its own rate (ATTENTION_RATE)
         attention = section.attention_work(sheet.seq_len) * sheet.token_scale * sheet.sequence_scale / ATTENTION_RATE
-        slower = expert_slowdown(sheet, section, grouped_mm)
+        # the experts' extra matmul time, in the step's units (a pass's matmuls are matmul_share of its time)
+        slower = matmul_share * expert_slowdown(sheet, section, grouped_mm)
         flops = section.flops * sheet.token_scale + attention + slower
         forward += flops
         attentions += 3 * attention
@@ -484,18 +486,18 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
             recomputed += section.full_recompute_flops * sheet.token_scale + attention + slower
             attentions += attention
         elif sheet.checkpointing == "selective":
-            recomputed += (matmul_share * (section.selective_recompute_flops * sheet.token_scale + slower)
-                           + (1 - matmul_share) * flops)
+            recomputed += (matmul_share * section.selective_recompute_flops * sheet.token_scale + slower
+                           + (1 - matmul_share) * (flops - slower))
     per_step = sheet.microbatches / (sheet.tp * sheet.cp)
     return (3 * forward + recomputed) * per_step, attentions * per_step
 
 
 def expert_slowdown(sheet: CostSheet, section: Section, grouped_mm: GroupedMatmulCurve | None) -> float:
-    """The extra matmul-time (in FLOPs at the dense rate) of one micro-batch's pass through the section's experts:
-    their FLOPs at ``grouped_mm``'s rate instead of the dense matmuls'. Each of a rank's ``E / ep`` experts gets
-    ``rows x ep / E`` of the rows routed on a rank (every tensor-parallel rank routes its micro-batch's tokens, of
-    its context-parallel chunk: as ``ExpertParallel.account`` counts them), so expert parallelism feeds them more
-    rows and context parallelism and gradient accumulation fewer."""
+    """The extra matmul time (in FLOPs at the dense matmul rate) of one micro-batch's pass through the section's
+    experts: their FLOPs at ``grouped_mm``'s rate instead of the dense matmuls'. Each of a rank's ``E / ep``
+    experts gets ``rows x ep / E`` of the rows routed on a rank (every tensor-parallel rank routes its micro-batch's
+    tokens, of its context-parallel chunk: as ``ExpertParallel.account`` counts them), so expert parallelism feeds
+    them more rows and context parallelism and gradient accumulation fewer."""
     experts = sheet.profile.num_experts
     if grouped_mm is None or not section.expert_flops or not section.routed_rows or not experts:
         return 0.0
