@@ -633,20 +633,44 @@ def test_hugging_face_experts_get_each_token_once_per_rank():
     assert sum(r["expert_rows"] for r in ranks) == sum(r["choices"] for r in ranks)  # every choice computed once
 
 
-@pytest.mark.parametrize("arch", HF_MOE)
+def _experts_of(arch: str) -> torch.nn.Module:
+    """A tiny model's first experts module, or for the kinds no tiny model here has, the experts module alone:
+    NemotronH's (no gate: up and down projections) and MuseSpark's (a norm after each expert)."""
+    import transformers
+
+    if arch == "nemotron_h_experts":
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+        config = transformers.NemotronHConfig(hidden_size=32, moe_intermediate_size=48, n_routed_experts=4,
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+        cls = NemotronHExperts
+    elif arch == "muse_spark_experts":
+        from transformers.models.muse_spark.modeling_muse_spark import MuseSparkExperts
+
+        config = transformers.MuseSparkTextConfig(moe_hidden_size=32, moe_intermediate_size=48, num_local_experts=4,
+                                                  hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                                  head_dim=8)
+        cls = MuseSparkExperts
+    else:
+        return next(m for m in HFCausalLM(arch).model.modules() if is_hf_experts(m))
+    config._experts_implementation = "grouped_mm"
+    return cls(config)
+
+
+@pytest.mark.parametrize("arch", [*HF_MOE, "nemotron_h_experts", "muse_spark_experts"])
 def test_grouped_experts_compute_what_transformers_grouped_mm_forward_does(arch):
     """Under ep the engine runs transformers' experts on rows the dispatch already grouped by expert
     (``grouped_experts``): the outputs and gradients of transformers' own ``grouped_mm`` forward on the same rows,
-    each routing weight 1 (a change of that forward in a new transformers fails here)."""
+    each routing weight 1 (a change of that forward in a new transformers fails here); gated and ungated experts,
+    biases, transposed and interleaved weights, a norm after the expert."""
     torch.manual_seed(0)
-    model = HFCausalLM(arch).model
-    experts = next(m for m in model.modules() if is_hf_experts(m))
+    experts = _experts_of(arch)
     assert runs_transformers_grouped_mm(experts), experts.config._experts_implementation
     for p in experts.parameters():  # biases too: zeros at init would hide a missing bias
         torch.nn.init.normal_(p, std=0.5)
+    first = experts.gate_up_proj if experts.has_gate else experts.up_proj
     index = torch.tensor([0, 0, 1, 2, 2, 2, 3])
-    rows = torch.randn(len(index), experts.gate_up_proj.shape[-1 if not experts.is_transposed else 1],
-                       requires_grad=True)
+    rows = torch.randn(len(index), first.shape[1 if experts.is_transposed else -1], requires_grad=True)
     ours = grouped_experts(experts, rows, index)
     grad = torch.randn_like(ours)
     ours.backward(grad)
