@@ -1,4 +1,4 @@
-"""The private torch and Lightning APIs lightning_par cannot avoid, each behind one small function.
+"""The private torch, Lightning and transformers APIs lightning_par cannot avoid, each behind one small function.
 
 Each names the versions it was checked on; tests/test_compat.py calls every one of them, so a release that moves or
 changes one fails there, loudly, instead of deep inside a training run.
@@ -20,7 +20,7 @@ __all__ = ["all_to_all_single_autograd", "async_tensor_parallel_enabled", "check
            "enable_async_tensor_parallel", "ignore_profiler_ranges_in_selective_checkpointing",
            "in_backward", "live_process_groups", "local_chunk",
            "move_graph_to_device", "pipeline_stage_class", "set_device_mesh", "symmetric_memory_enabled",
-           "torch_dispatch_mode",
+           "torch_dispatch_mode", "transformers_experts_gate", "transformers_experts_implementation",
            "train_dataloader_of", "tree_leaves", "tree_map", "without_function_modes"]
 
 
@@ -277,3 +277,17 @@ def async_tensor_parallel_enabled() -> bool:
     import torch._inductor.config as inductor_config
 
     return bool(inductor_config._micro_pipeline_tp)
+
+
+def transformers_experts_implementation(module: Any) -> str | None:
+    """Which experts implementation a transformers experts module runs (``"grouped_mm"``, ``"eager"``, ...), None
+    where it is not one. transformers 5.17 and 5.24: ``config._experts_implementation``, which the
+    ``@use_experts_implementation`` forward dispatches on."""
+    return getattr(getattr(module, "config", None), "_experts_implementation", None)
+
+
+def transformers_experts_gate(module: Any, gate_up: torch.Tensor) -> torch.Tensor:
+    """A gated transformers experts module's gate on its gate-up projection's output (the model's own: SwiGLU,
+    gpt-oss' clamped one, interleaved gate and up). transformers 5.17 and 5.24: ``_apply_gate``, which the
+    decorator gives every experts class that has none."""
+    return module._apply_gate(gate_up)

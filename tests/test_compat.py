@@ -243,3 +243,19 @@ def test_async_tensor_parallel_switches_inductors_pass_on_for_a_group(tmp_path):
     finally:
         inductor_config._micro_pipeline_tp = before
         dist.destroy_process_group()
+
+
+def test_transformers_experts_implementation_and_gate():
+    """transformers' experts modules say which implementation they run, and gate their gate-up output with the
+    model's own gate (Qwen3-MoE's: SiLU of the first half times the second)."""
+    from hf_models import HFCausalLM
+
+    from lightning_par._compat import transformers_experts_gate, transformers_experts_implementation
+    from lightning_par.parallel.experts import is_hf_experts
+
+    experts = next(m for m in HFCausalLM("qwen3_moe").model.modules() if is_hf_experts(m))
+    assert transformers_experts_implementation(experts) == "grouped_mm"
+    assert transformers_experts_implementation(torch.nn.Linear(2, 2)) is None
+    gate_up = torch.randn(5, 2 * experts.down_proj.shape[-1])
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(transformers_experts_gate(experts, gate_up), torch.nn.functional.silu(gate) * up)

@@ -42,7 +42,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from lightning_par._compat import all_to_all_single_autograd, in_backward, in_pipeline_metadata_inference
+from lightning_par._compat import (
+    all_to_all_single_autograd,
+    in_backward,
+    in_pipeline_metadata_inference,
+    transformers_experts_gate,
+    transformers_experts_implementation,
+)
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.lora import active_expert_adapters, expert_lora_factors, unwrap_param_wrappers
 from lightning_par.parallel.modules import clean_name, fqn_matches, local_parameters
@@ -247,8 +253,7 @@ def _route_hf_experts(module: nn.Module, dispatch: _TokenDispatch) -> None:
 def runs_transformers_grouped_mm(module: nn.Module) -> bool:
     """Whether ``module``'s forward is transformers' ``grouped_mm`` experts implementation (the default of models
     built by transformers 5 where torch has a grouped matmul), whose math :func:`grouped_experts` repeats."""
-    config = getattr(module, "config", None)
-    return (getattr(config, "_experts_implementation", None) == "grouped_mm" and hasattr(module, "is_transposed")
+    return (transformers_experts_implementation(module) == "grouped_mm" and hasattr(module, "is_transposed")
             and hasattr(module, "down_proj") and hasattr(module, "has_gate"))
 
 
@@ -268,7 +273,7 @@ def grouped_experts(module: nn.Module, rows: torch.Tensor, experts: torch.Tensor
     has_bias = getattr(module, "has_bias", False)
     out = _grouped_linear(rows, getattr(module, first), offsets, getattr(module, bias)[experts] if has_bias else None,
                           module.is_transposed)
-    out = module._apply_gate(out) if module.has_gate else module.act_fn(out)
+    out = transformers_experts_gate(module, out) if module.has_gate else module.act_fn(out)
     out = _grouped_linear(out, module.down_proj, offsets, module.down_proj_bias[experts] if has_bias else None,
                           module.is_transposed)
     if getattr(module, "has_post_expert_norm", False):
