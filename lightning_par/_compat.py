@@ -18,7 +18,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 __all__ = ["all_to_all_single_autograd", "async_tensor_parallel_enabled", "checkpoint_wrapper",
            "enable_async_tensor_parallel", "ignore_profiler_ranges_in_selective_checkpointing",
-           "in_backward", "live_process_groups", "local_chunk",
+           "in_backward", "is_transformers_experts", "live_process_groups", "local_chunk",
            "move_graph_to_device", "pipeline_stage_class", "set_device_mesh", "symmetric_memory_enabled",
            "torch_dispatch_mode", "transformers_experts_gate", "transformers_experts_implementation",
            "train_dataloader_of", "tree_leaves", "tree_map", "without_function_modes"]
@@ -291,3 +291,12 @@ def transformers_experts_gate(module: Any, gate_up: torch.Tensor) -> torch.Tenso
     gpt-oss' clamped one, interleaved gate and up). transformers 5.17 and 5.24: ``_apply_gate``, which the
     decorator gives every experts class that has none."""
     return module._apply_gate(gate_up)
+
+
+def is_transformers_experts(module: Any) -> bool:
+    """Whether ``module`` is a transformers experts module (``@use_experts_implementation``): its init sets
+    ``_is_expert_parallel`` in transformers 5.24, only ``has_gate``, ``has_bias`` and ``is_transposed`` in 5.17."""
+    if not hasattr(module, "num_experts"):
+        return False
+    return hasattr(module, "_is_expert_parallel") or all(
+        hasattr(module, name) for name in ("has_gate", "has_bias", "is_transposed"))

@@ -250,10 +250,15 @@ def test_transformers_experts_implementation_and_gate():
     model's own gate (Qwen3-MoE's: SiLU of the first half times the second)."""
     from hf_models import HFCausalLM
 
-    from lightning_par._compat import transformers_experts_gate, transformers_experts_implementation
+    from lightning_par._compat import (
+        is_transformers_experts,
+        transformers_experts_gate,
+        transformers_experts_implementation,
+    )
     from lightning_par.parallel.experts import is_hf_experts
 
     experts = next(m for m in HFCausalLM("qwen3_moe").model.modules() if is_hf_experts(m))
+    assert is_transformers_experts(experts) and not is_transformers_experts(torch.nn.Linear(2, 2))
     assert transformers_experts_implementation(experts) == "grouped_mm"
     assert transformers_experts_implementation(torch.nn.Linear(2, 2)) is None
     gate_up = torch.randn(5, 2 * experts.down_proj.shape[-1])

@@ -46,6 +46,7 @@ from lightning_par._compat import (
     all_to_all_single_autograd,
     in_backward,
     in_pipeline_metadata_inference,
+    is_transformers_experts,
     transformers_experts_gate,
     transformers_experts_implementation,
 )
@@ -69,13 +70,23 @@ def num_experts_of(module: nn.Module, fqn: str) -> int:
 
 def hf_ep_plan(root: nn.Module) -> list[str]:
     """The experts modules of the Hugging Face models in ``root``: their config's ``base_model_ep_plan`` entries of
-    style ``ep_dispatch_experts`` (the others name the parameters inside them), relative to ``root``."""
-    plan = []
+    style ``ep_dispatch_experts`` (the others name the parameters inside them), relative to ``root``; for a config
+    without such entries (transformers 5.17's plans name the experts ``moe_tp_experts``), the model's transformers
+    experts modules themselves (the outermost, where LoRA wraps them)."""
+    plan: list[str] = []
     for fqn, sub in outermost_hf_models(root):
         base = sub.base_model_prefix if isinstance(getattr(sub, sub.base_model_prefix, None), nn.Module) else ""
-        for key, style in (getattr(sub.config, "base_model_ep_plan", None) or {}).items():
-            if style == "ep_dispatch_experts":
-                plan.append(".".join(p for p in (fqn, base, key) if p))
+        ep_plan = getattr(sub.config, "base_model_ep_plan", None) or {}
+        keys = [key for key, style in ep_plan.items() if style == "ep_dispatch_experts"]
+        plan += [".".join(p for p in (fqn, base, key) if p) for key in keys]
+        if keys:
+            continue
+        found: list[str] = []
+        for name, module in sub.named_modules():  # parents first: a LoRA wrapper before what it wraps
+            path = clean_name(".".join(p for p in (fqn, name) if p))
+            if name and is_hf_experts(module) and not any(path.startswith(done + ".") for done in found):
+                found.append(path)
+        plan += found
     return plan
 
 
@@ -203,10 +214,9 @@ def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> str:
 
 
 def is_hf_experts(module: nn.Module) -> bool:
-    """A transformers experts module (``@use_experts_implementation`` sets ``_is_expert_parallel`` in its init),
-    also inside PEFT's LoRA wrappers."""
-    core = experts_core(module)
-    return hasattr(core, "_is_expert_parallel") and hasattr(core, "num_experts")
+    """A transformers experts module (decorated with ``@use_experts_implementation``), also inside PEFT's LoRA
+    wrappers."""
+    return is_transformers_experts(experts_core(module))
 
 
 def _route_hf_experts(module: nn.Module, dispatch: _TokenDispatch) -> None:
