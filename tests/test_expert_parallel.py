@@ -162,6 +162,26 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class HostSyncs(TorchDispatchMode):
+    """The operators run that make a GPU wait for the host: those whose output's size or value the host must read
+    (torch tags them ``dynamic_output_shape`` / ``data_dependent_output``: ``nonzero``, ``.item()``, ...), indexing by
+    integer tensors excepted (only a boolean mask makes its size data-dependent). ``Tensor.tolist()`` dispatches no
+    operator on the CPU and is not seen here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tags = set(func.tags)
+        if {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output} & tags and not (
+                func.name().startswith("aten::index") and not any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                    for a in args if isinstance(a, (list, tuple)) for i in a)):
+            self.ops.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
 class LastMetrics(Callback):
     """The metrics logged in the last training step."""
 
@@ -602,12 +622,13 @@ def _per_rank_dispatch(tokens: int, k: int, experts: int) -> dict:
         maps = torch.randn(experts, hidden, hidden, generator=torch.Generator().manual_seed(99))  # every rank's
         local = experts // ep
         dispatch = _TokenDispatch(dist.group.WORLD, ep)
-        sent = dispatch.send_tokens(x, index, weights, local)
         mine = maps[rank * local:(rank + 1) * local]
-        out = torch.bmm(sent.expert_rows.unsqueeze(1), mine[sent.expert_index[:, 0]]).squeeze(1)
-        y = dispatch.combine_tokens(out, sent, x)
         grad = torch.randn(tokens, hidden, generator=gen)
-        y.backward(grad)
+        with HostSyncs() as syncs:
+            sent = dispatch.send_tokens(x, index, weights, local)
+            out = torch.bmm(sent.expert_rows.unsqueeze(1), mine[sent.expert_index[:, 0]]).squeeze(1)
+            y = dispatch.combine_tokens(out, sent, x)
+            y.backward(grad)
         x_ref, w_ref = x.detach().clone().requires_grad_(), weights.detach().clone().requires_grad_()
         y_ref = torch.einsum("tk,tkh->th", w_ref, torch.einsum("th,tkhg->tkg", x_ref, maps[index]))
         y_ref.backward(grad)
@@ -615,7 +636,7 @@ def _per_rank_dispatch(tokens: int, k: int, experts: int) -> dict:
         return {"y": (y - y_ref).abs().max().item(), "x_grad": (x.grad - x_ref.grad).abs().max().item(),
                 "w_grad": (weights.grad - w_ref.grad).abs().max().item(), "sent_rows": sum(sent.input_splits),
                 "pairs": sum(ranks_of_token), "choices": tokens * k, "expert_rows": sent.expert_rows.shape[0],
-                "grouped": bool((sent.expert_index[1:] >= sent.expert_index[:-1]).all())}
+                "grouped": bool((sent.expert_index[1:] >= sent.expert_index[:-1]).all()), "host_syncs": syncs.ops}
     finally:
         dist.destroy_process_group()
 
@@ -624,12 +645,15 @@ def test_hugging_face_experts_get_each_token_once_per_rank():
     """The per-rank dispatch of transformers' experts sends a token to a rank once, whatever number of its choices
     that rank holds (DeepEP's deduplication), copies it per choice on arrival, grouped by local expert, and brings
     back one weighted sum per token and rank: the output and the gradients of the tokens and of the routing
-    weights are those of the sum computed in one place (fp32, 1e-6)."""
+    weights are those of the sum computed in one place (fp32, 1e-6). Forward and backward run no operator that
+    waits for the host (no ``nonzero``): the split sizes' ``tolist()`` is the dispatch's one host sync, as in
+    torchtitan's."""
     ranks = launch(2, _per_rank_dispatch, 16, 3, 4)
     for rank in ranks:
         assert max(rank["y"], rank["x_grad"], rank["w_grad"]) < 1e-6, rank
         assert rank["sent_rows"] == rank["pairs"] < rank["choices"], rank  # 3 choices over 2 ranks: at most 2
         assert rank["grouped"], rank
+        assert rank["host_syncs"] == [], rank
     assert sum(r["expert_rows"] for r in ranks) == sum(r["choices"] for r in ranks)  # every choice computed once
 
 

@@ -402,12 +402,18 @@ class _TokenDispatch:
         rank_of_choice = top_k_index // local_experts
         hit = torch.zeros(tokens, self.ep, dtype=torch.bool, device=top_k_index.device)
         hit.scatter_(1, rank_of_choice, True)
-        rank_of_pair, token_of_pair = hit.t().nonzero(as_tuple=True)  # by destination rank, then token
-        sent = hit.sum(dim=0)
-        received = torch.empty_like(sent)
-        dist.all_to_all_single(received, sent, group=self.group)
-        # host syncs: these splits, and the two nonzero() of the pairs and of the arrived choices
-        input_splits, output_splits = sent.tolist(), received.tolist()
+        # per destination rank, the tokens sent there and the choices they carry: one all-to-all of the counts and
+        # the dispatch's one host sync, after which every size is known (nonzero_static: no sync of its own)
+        flat = rank_of_choice.flatten()
+        choices_to = torch.zeros(self.ep, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        counts = torch.stack([hit.sum(dim=0), choices_to], dim=1)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)
+        both = torch.cat([counts, received]).tolist()
+        input_splits, output_splits = [n for n, _ in both[:self.ep]], [n for n, _ in both[self.ep:]]
+        arrived_choices = sum(c for _, c in both[self.ep:])
+        rank_of_pair, token_of_pair = hit.t().nonzero_static(size=sum(input_splits)).unbind(1)  # by rank, token
         on_rank = rank_of_choice[token_of_pair] == rank_of_pair.unsqueeze(1)
         choices = torch.cat([torch.where(on_rank, top_k_weights[token_of_pair].float(), 0.0),
                              torch.where(on_rank, top_k_index[token_of_pair] % local_experts, -1).float()], dim=1)
@@ -415,7 +421,7 @@ class _TokenDispatch:
                                           self.group)
         choices = all_to_all_single_autograd(choices, output_splits, input_splits, self.group)
         expert_of = choices[:, k:].long()
-        received_row, slot = (expert_of >= 0).nonzero(as_tuple=True)
+        received_row, slot = (expert_of >= 0).nonzero_static(size=arrived_choices).unbind(1)
         experts = expert_of[received_row, slot]
         order = experts.argsort(stable=True)  # grouped by local expert, in arrival order within each
         received_row, slot, experts = received_row[order], slot[order], experts[order]
