@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_par.parallel import context
 from lightning_par.parallel.context import (
     CommCounter,
     context_parallel_attention,
@@ -35,11 +36,12 @@ class Case:
     via_sdpa: bool = False  # call through context_parallel_sdpa instead of context_parallel_attention
     window: int | None = None  # causal sliding window (Mistral-style), on global positions
     sinks: bool = False  # a learned logit per head in every softmax's denominator (gpt-oss)
+    tiled: bool = False  # every block's query rows one at a time (SCORE_TILE_BYTES at its least)
 
     def __str__(self) -> str:
         extras = "".join(
             f" {k}={getattr(self, k)}"
-            for k in ("scale", "transposed", "via_sdpa", "window", "sinks")
+            for k in ("scale", "transposed", "via_sdpa", "window", "sinks", "tiled")
             if getattr(self, k) not in (None, False)
         )
         return (
@@ -75,6 +77,12 @@ def cases_for(cp: int) -> list[Case]:
     cases += [Case(alg, True, True, 8 * cp, 4, 2, sinks=True) for alg in ("ring", "allgather")]
     cases += [Case("ring", True, False, 8 * cp, 4, 4, window=3, sinks=True), Case("ring", False, True, 4 * cp, 2, 1,
                                                                                     sinks=True)]
+    # the math path's row tiles (one query row at a time): causal with load balance and GQA, a window, sinks over a
+    # window, full attention
+    cases += [Case("ring", True, True, 10 * cp, 4, 2, tiled=True), Case("allgather", True, False, 8 * cp, 4, 2,
+                                                                         window=5, tiled=True),
+              Case("ring", True, True, 8 * cp, 4, 2, window=3, sinks=True, tiled=True),
+              Case("allgather", False, True, 4 * cp, 2, 1, tiled=True)]
     return cases
 
 
@@ -97,6 +105,16 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
 
 
 def _run_case(case: Case, seed: int, group: dist.ProcessGroup | None) -> dict:
+    if not case.tiled:
+        return _run_untiled(case, seed, group)
+    before, context.SCORE_TILE_BYTES = context.SCORE_TILE_BYTES, 1
+    try:
+        return _run_untiled(case, seed, group)
+    finally:
+        context.SCORE_TILE_BYTES = before
+
+
+def _run_untiled(case: Case, seed: int, group: dist.ProcessGroup | None) -> dict:
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     g = torch.Generator().manual_seed(seed)  # same seed on every rank: every rank builds the same global tensors
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from context_workers import Case, cases_for, parity_worker, sink_attention
 from launch import launch
 
+from lightning_par.parallel import context
 from lightning_par.parallel.context import (
     context_parallel_attention,
     context_parallel_sdpa,
@@ -178,6 +179,37 @@ def test_single_process_matches_sdpa(
     expected.backward(dout)
     torch.testing.assert_close(out, expected, atol=TOL, rtol=0)
     for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.grad, b.grad, atol=TOL, rtol=0)
+
+
+def test_row_tiles_bound_the_scores_and_see_only_visible_keys(monkeypatch) -> None:
+    """A block's query rows are cut into tiles whose fp32 scores fit ``SCORE_TILE_BYTES``; a causal block's tile
+    sees the keys up to its last row. At a budget of 5 rows of a 2 x 3 x 12-key block: 12 rows in 3 tiles."""
+    q, k = torch.zeros(2, 3, 12, 8), torch.zeros(2, 1, 12, 8)
+    assert context._row_tiles(q, k, True) == [(0, 12, 12)]  # the default budget: one tile
+    monkeypatch.setattr(context, "SCORE_TILE_BYTES", 5 * 2 * 3 * 12 * 4)
+    assert context._row_tiles(q, k, True) == [(0, 5, 5), (5, 10, 10), (10, 12, 12)]
+    assert context._row_tiles(q, k, False) == [(0, 5, 12), (5, 10, 12), (10, 12, 12)]
+
+
+@pytest.mark.parametrize(("is_causal", "window", "sinks"), [(True, None, False), (True, 4, True), (False, None, False)])
+def test_single_process_row_tiles_match_sdpa(monkeypatch, is_causal: bool, window: int | None, sinks: bool) -> None:
+    """The math path tile by tile (3 query rows at a time, GQA) gives the attention and its gradients."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v, dout = (torch.randn(2, h, 13, 8, generator=g) for h in (4, 2, 2, 4))
+    sink = torch.randn(4, generator=g)
+    monkeypatch.setattr(context, "SCORE_TILE_BYTES", 3 * 2 * 4 * 13 * 4)
+    assert len(context._row_tiles(q, k, is_causal)) == 5
+    ours = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    ref = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    out = context_parallel_attention(*ours[:3], is_causal=is_causal, window=window, sinks=ours[3] if sinks else None,
+                                     load_balance=False)  # 13 rows: an odd length
+    expected = (sink_attention(*ref[:3], ref[3], is_causal, window) if sinks or window else
+                F.scaled_dot_product_attention(*ref[:3], is_causal=is_causal, enable_gqa=True))
+    (out * dout).sum().backward()
+    (expected * dout).sum().backward()
+    torch.testing.assert_close(out, expected, atol=TOL, rtol=0)
+    for a, b in zip(ours[:4] if sinks else ours[:3], ref):
         torch.testing.assert_close(a.grad, b.grad, atol=TOL, rtol=0)
 
 

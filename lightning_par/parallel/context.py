@@ -119,15 +119,33 @@ def _acc(t: torch.Tensor) -> torch.dtype:
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
-            visible: torch.Tensor | None = None) -> torch.Tensor:
+            visible: torch.Tensor | None = None, row0: int = 0) -> torch.Tensor:
     """Scaled scores; masked entries -inf. ``visible`` (rows x cols, from global positions) replaces the plain
-    lower-triangular mask where a sliding window applies."""
+    lower-triangular mask where a sliding window applies; ``row0``: the first query row's index in its causal block
+    (a row tile's), whose key ``j`` is masked past row ``row0 + i``."""
     s = (q.to(_acc(q)) @ k.to(_acc(q)).transpose(-2, -1)) * scale
     if visible is not None:
         s.masked_fill_(~visible, float("-inf"))
     elif causal:
-        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1 + row0), float("-inf"))
     return s
+
+
+#: the most bytes one block's scores (fp32) may take at once: the math path materializes them, and at the sequence
+#: lengths context parallelism is for they would not fit a device (32k tokens over cp 4 with 32 heads: 8,192^2 x 32 x
+#: 4 bytes = 8.6 GB a sample, and backward holds three such tensors). Beyond it a block's queries are cut into row
+#: tiles, each against the keys it can see; the results are the untiled ones (tests/test_context_attention.py)
+SCORE_TILE_BYTES = 256 * 2**20
+
+
+def _row_tiles(q: torch.Tensor, k: torch.Tensor, causal: bool) -> list[tuple[int, int, int]]:
+    """(first row, end row, keys seen) per tile of the block's query rows: whole if its scores fit
+    ``SCORE_TILE_BYTES``; a causal block's tile sees only the keys up to its last row."""
+    b, h, rows, _ = q.shape
+    keys = k.size(2)
+    per_row = b * h * keys * torch.tensor([], dtype=_acc(q)).element_size()
+    step = max(1, SCORE_TILE_BYTES // max(1, per_row))
+    return [(r0, min(rows, r0 + step), min(keys, r0 + step) if causal else keys) for r0 in range(0, rows, step)]
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -144,14 +162,29 @@ def _block_forward(
     visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale) v for one block, plus lse = log(sum exp(scores)) per query row (fp32 or fp64).
-    A row that sees no key of this block (sliding window) gets out 0 and lse -inf, which the merge weighs 0."""
+    A row that sees no key of this block (sliding window) gets out 0 and lse -inf, which the merge weighs 0.
+    Row tile by row tile where the scores would exceed ``SCORE_TILE_BYTES``."""
     k, v = _expand_kv(k, v, q.size(1))
     if _fused(q) and visible is None:
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale
         )[:2]
         return out.float(), lse[..., : q.size(2)].float()  # the kernel may pad lse's rows to a multiple of 32
-    s = _scores(q, k, scale, causal, visible)
+    tiles = _row_tiles(q, k, causal)
+    if len(tiles) == 1:
+        return _tile_forward(q, k, v, scale, causal, visible, 0)
+    out = q.new_empty((*q.shape[:3], v.size(-1)), dtype=_acc(q))
+    lse = q.new_empty(q.shape[:3], dtype=_acc(q))
+    for r0, r1, keys in tiles:
+        out[:, :, r0:r1], lse[:, :, r0:r1] = _tile_forward(
+            q[:, :, r0:r1], k[:, :, :keys], v[:, :, :keys], scale, causal,
+            None if visible is None else visible[r0:r1, :keys], r0)
+    return out, lse
+
+
+def _tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                  visible: torch.Tensor | None, row0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s = _scores(q, k, scale, causal, visible, row0)
     lse = torch.logsumexp(s, dim=-1)
     return torch.exp(s - _finite(lse).unsqueeze(-1)) @ v.to(s.dtype), lse
 
@@ -173,12 +206,33 @@ def _block_backward(
     With the final lse, exp(scores - lse) is this block's slice of the global softmax, so the ordinary attention
     backward applied block by block sums exactly to the full gradient (the flash-attention recomputation).
     ``dlse``: the gradient reaching lse itself (attention sinks use it); d lse / d scores = P adds ``P * dlse``.
+    Row tile by row tile as the forward (``SCORE_TILE_BYTES``): dq per tile, dk and dv summed over the tiles.
     """
     kv_heads = k.size(1)
     k, v = _expand_kv(k, v, q.size(1))
     # plain matmuls also under USE_FUSED_CUDA_KERNELS: torch's efficient-attention backward was wrong here (module
     # docstring)
-    p = torch.exp(_scores(q, k, scale, causal, visible) - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
+    tiles = _row_tiles(q, k, causal)
+    if len(tiles) == 1:
+        dq, dk, dv = _tile_backward(dout, q, k, v, out, lse, scale, causal, visible, dlse, 0)
+    else:
+        dq = q.new_empty(q.shape, dtype=_acc(q))
+        dk, dv = k.new_zeros(k.shape, dtype=_acc(q)), v.new_zeros(v.shape, dtype=_acc(q))
+        for r0, r1, keys in tiles:
+            rows = slice(r0, r1)
+            dq[:, :, rows], gk, gv = _tile_backward(
+                dout[:, :, rows], q[:, :, rows], k[:, :, :keys], v[:, :, :keys], out[:, :, rows], lse[:, :, rows],
+                scale, causal, None if visible is None else visible[rows, :keys],
+                None if dlse is None else dlse[:, :, rows], r0)
+            dk[:, :, :keys] += gk
+            dv[:, :, :keys] += gv
+    return dq, _fold_kv_grad(dk, kv_heads), _fold_kv_grad(dv, kv_heads)
+
+
+def _tile_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, scale: float, causal: bool, visible: torch.Tensor | None,
+                   dlse: torch.Tensor | None, row0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = torch.exp(_scores(q, k, scale, causal, visible, row0) - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
     do = dout.to(p.dtype)
     dv = p.transpose(-2, -1) @ do
     # d(scores) = P * (dP - rowsum(dO * O)): rowsum(P * dP) over ALL blocks equals rowsum(dO * O).
@@ -186,8 +240,7 @@ def _block_backward(
     if dlse is not None:
         delta = delta - dlse.to(p.dtype).unsqueeze(-1)
     ds = p * (do @ v.to(p.dtype).transpose(-2, -1) - delta) * scale
-    dq, dk = ds @ k.to(p.dtype), ds.transpose(-2, -1) @ q.to(p.dtype)
-    return dq, _fold_kv_grad(dk, kv_heads), _fold_kv_grad(dv, kv_heads)
+    return ds @ k.to(p.dtype), ds.transpose(-2, -1) @ q.to(p.dtype), dv
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
