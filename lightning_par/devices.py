@@ -358,6 +358,11 @@ class Hardware:
     #: how the experts' grouped matmuls slow down with few rows per expert; None: at ``matmul_flops`` whatever
     #: their rows (the CPU, where the planner's figures are measured with the model's own matmuls)
     grouped_mm: GroupedMatmulCurve | None = None
+    #: the FLOP rate of the engine's context-parallel attention blocks against ``matmul_flops``: on a GPU they run
+    #: as fp32 matmuls over scores they materialize (``parallel/context.py``'s math path), not as fused half
+    #: precision kernels (:func:`cp_attention_rate`); None: at the fused kernels' rate, as any other attention (the
+    #: CPU, where every attention computes in fp32, or a run whose context parallelism has fused kernels)
+    cp_attention_rate: float | None = None
 
     def matmul_rate(self, tp: int) -> float:
         """The matmul FLOP/s of a layout with tensor parallelism ``tp`` (see ``matmul_by_tp``)."""
@@ -413,6 +418,11 @@ class Hardware:
                 raise ValueError(f"Hardware group_links entry {entry!r} must be (size, stride, bandwidth, latency) "
                                  "with positive int size and stride.")
             positive("group_links bandwidth", entry[2], "bytes/s per device per direction")
+        if self.cp_attention_rate is not None and (
+                isinstance(self.cp_attention_rate, bool) or not isinstance(self.cp_attention_rate, (int, float))
+                or not 0 < self.cp_attention_rate <= 1):
+            raise ValueError(f"Hardware cp_attention_rate={self.cp_attention_rate!r} must be in (0, 1] (the context-"
+                             f"parallel attention blocks' FLOP rate against matmul_flops) or None (fused kernels).")
         for entry in self.matmul_by_tp:
             if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], int)
                     and not isinstance(entry[0], bool) and entry[0] >= 1):
@@ -483,4 +493,18 @@ def known_hardware(
         source=f"table: {spec.name} {precision} x {efficiency:.3g}{rule}, {intra.name}, {inter.name}{nics}",
         matmul_share=min(1.0, efficiency / spec.matmul_efficiency),
         grouped_mm=H100_GROUPED_MM,
+        cp_attention_rate=cp_attention_rate(spec, precision),
     )
+
+
+def cp_attention_rate(spec: DeviceSpec, precision: str) -> float | None:
+    """The FLOP rate of the engine's context-parallel attention blocks on ``spec`` against its dense matmuls at
+    ``precision``: they multiply in fp32, at the fp32 peak, or at TF32's where torch's float32 matmul precision
+    lets matmuls use it (``torch.set_float32_matmul_precision("high")``; the default "highest" does not). An H100
+    training in bf16: 67 / 989 = 0.068 (fused attention kernels: ``planner.predict.ATTENTION_RATE``, 0.5)."""
+    kind = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    peaks = spec.peak_flops
+    rate = peaks.get(kind, peaks.get("fp32"))
+    if rate is None or precision not in peaks:
+        return None
+    return min(1.0, rate / peaks[precision])

@@ -112,8 +112,11 @@ def test_experts_are_profiled_and_priced_under_expert_parallelism():
     assert all(profile.sections[b].routed_bytes == tokens * 2 * TINY_GPT["n_embd"] * 4 for b in profile.blocks)
     plain, split = (account(Layout(dp_shard=4, ep=ep), profile, GLOBAL_BATCH // 4, 16, "32-true") for ep in (1, 2))
     assert not any(t.kind == "all_to_all" for t in plain.transfers)
-    (a2a,) = [t for t in split.transfers if t.kind == "all_to_all"]
-    assert (a2a.dim, a2a.nbytes, a2a.count) == ("ep", 4 * tokens / 4 * 2 * TINY_GPT["n_embd"] * 4, 4)
+    # per block its own messages (each pays the link's latency): the rows out and back in forward and backward,
+    # and the counts (E int64) before them
+    a2a, counts = [t for t in split.transfers if t.kind == "all_to_all"]
+    assert (a2a.dim, a2a.nbytes, a2a.count) == ("ep", tokens / 4 * 2 * TINY_GPT["n_embd"] * 4, 4 * 4)
+    assert (counts.dim, counts.nbytes, counts.count) == ("ep", 4 * 8, 4)
     gathers = {t.dim: t for t in split.transfers if t.kind == "fsdp_all_gather"}
     assert gathers["efsdp"].nbytes == expert_bytes / 2 and gathers["efsdp"].count == 2 * 4  # fwd + bwd, 4 blocks
     # the blocks' units (4 blocks x 2 gathers) lose their experts; the root's (2 gathers) stays
@@ -124,10 +127,12 @@ def test_experts_are_profiled_and_priced_under_expert_parallelism():
     assert one.model_state == two.model_state and two.buffers < one.buffers
     # recomputation: full checkpointing runs the dispatch again; selective keeps its two outputs per block
     AC = {"none": False, "full": True, "selective": "selective"}
-    counts = {mode: sum(t.count for t in account(Layout(dp_shard=4, ep=2, activation_checkpointing=AC[mode]), profile,
-                                              GLOBAL_BATCH // 4, 16, "32-true").transfers if t.kind == "all_to_all")
-              for mode in ("none", "full", "selective")}
-    assert counts == {"none": 4, "full": 6, "selective": 4}
+    def sent(mode: str) -> tuple[float, float]:  # the rows' messages, the counts' messages (recomputed included)
+        transfers = [t for t in account(Layout(dp_shard=4, ep=2, activation_checkpointing=AC[mode]), profile,
+                                        GLOBAL_BATCH // 4, 16, "32-true").transfers if t.kind == "all_to_all"]
+        return (sum(t.count for t in transfers if t.nbytes == a2a.nbytes),
+                sum(t.count for t in transfers if t.nbytes == counts.nbytes))
+    assert {mode: sent(mode) for mode in AC} == {"none": (16, 4), "full": (24, 8), "selective": (16, 8)}
     kept = [predict(Layout(dp_shard=4, ep=ep, activation_checkpointing="selective"), profile, CPU, GLOBAL_BATCH // 4,
                     16).activations for ep in (1, 2)]
     assert kept[1] - kept[0] == pytest.approx(4 * 2 * tokens / 4 * 2 * TINY_GPT["n_embd"] * 4)  # 4 blocks

@@ -15,8 +15,9 @@ from hf_models import HFCausalLM
 from workers import GLOBAL_BATCH, TINY_GPT
 
 from example_projects.gpt.lit import GPTModule
-from lightning_par.costs.profile import ModelProfile, profile_model
+from lightning_par.costs.profile import ModelProfile, Section, profile_model
 from lightning_par.devices import GroupedMatmulCurve, Hardware, known_hardware
+from lightning_par.parallel import context
 from lightning_par.planner.predict import OVERLAP, Layout, account, predict
 from lightning_par.techniques.expert_parallel import ranks_per_token
 from lightning_par.techniques.fully_sharded import unit_bytes
@@ -218,13 +219,15 @@ def test_transformers_experts_are_dispatched_once_per_token_and_rank():
     assert block.routed_choices == 2 and ranks_per_token(4, 2, 2) == pytest.approx(5 / 3)
     assert ranks_per_token(4, 4, 2) == pytest.approx(2) and ranks_per_token(128, 8, 8) == pytest.approx(5.339, abs=1e-3)
     tokens, row = GLOBAL_BATCH * SEQ, 32 * 4  # the traced batch, fp32 rows of 32
-    [a2a] = [t for t in account(Layout(dp_shard=2, ep=2), qwen3_moe, GLOBAL_BATCH // 2, SEQ, "32-true").transfers
-             if t.kind == "all_to_all"]
+    a2a, counts = [t for t in account(Layout(dp_shard=2, ep=2), qwen3_moe, GLOBAL_BATCH // 2, SEQ,
+                                      "32-true").transfers if t.kind == "all_to_all"]
     layers = len(qwen3_moe.blocks)
-    assert a2a.nbytes == pytest.approx(layers * tokens / 2 * 5 / 3 * (row + 4 * 2))  # half the batch per rank
-    [gpt_a2a] = [t for t in account(Layout(dp_shard=2, ep=2), profile_model_gpt4(moe=True), GLOBAL_BATCH // 2, SEQ,
-                                    "32-true").transfers if t.kind == "all_to_all"]
-    assert gpt_a2a.nbytes == 4 * tokens / 2 * 2 * TINY_GPT["n_embd"] * 4  # 4 blocks, one row per choice
+    assert a2a.nbytes == pytest.approx(tokens / 2 * 5 / 3 * (row + 4 * 2))  # per layer, half the batch per rank
+    assert a2a.count == 4 * layers and (counts.nbytes, counts.count) == (2 * 2 * 8, layers)  # (tokens, choices)
+    gpt_a2a, _ = [t for t in account(Layout(dp_shard=2, ep=2), profile_model_gpt4(moe=True), GLOBAL_BATCH // 2, SEQ,
+                                     "32-true").transfers if t.kind == "all_to_all"]
+    assert gpt_a2a.nbytes == tokens / 2 * 2 * TINY_GPT["n_embd"] * 4  # one row per choice
+    assert gpt_a2a.count == 4 * 4  # 4 blocks
 
 
 def profile_model_gpt4(moe: bool = False) -> ModelProfile:
@@ -371,3 +374,69 @@ def test_async_tp_twins_send_what_their_originals_send(arch, gpt):
         plain, twin = (predict(x, profile, GPU, batch, SEQ) for x in (layout, piped))
         assert twin.comm_total_s["tp"] == pytest.approx(plain.comm_total_s["tp"]), (arch, str(layout))
         assert twin.comm_s["tp"] <= plain.comm_s["tp"] + 1e-15, (arch, str(layout))
+
+
+def test_blockwise_work_is_what_the_context_parallel_math_path_computes():
+    """The engine's blocks are whole: of a causal score matrix each rank computes its own block and half of every
+    other rank's block, ``(cp + 1) / 2cp`` of the matrix over the cp ranks; a window narrower than a rank's chunk
+    its own block and half of two others', ``2 / cp``; full attention all of it."""
+    causal = Section(attention_flops=100.0, attention_calls=[(100.0, True, None)])
+    assert causal.blockwise_work(64, 2) == pytest.approx(75.0) and causal.blockwise_work(64, 4) == pytest.approx(62.5)
+    windowed = Section(attention_flops=100.0, attention_calls=[(100.0, True, 4)])
+    assert windowed.blockwise_work(64, 4) == pytest.approx(50.0) and windowed.blockwise_work(64, 8) == pytest.approx(25)
+    assert windowed.blockwise_work(8, 4) == pytest.approx(62.5)  # a window wider than a chunk: as causal
+    assert Section(attention_flops=100.0, attention_calls=[(100.0, False, None)]).blockwise_work(64, 4) == 100.0
+
+
+def test_context_parallel_attention_on_a_gpu_is_priced_as_the_engine_computes_it(gpt):
+    """With ``Hardware.cp_attention_rate`` (a GPU's fp32 against its bf16 rate) a cp layout's attention is the
+    math path's: its blocks' work at that rate, forward once and backward 2.5 times (five matmuls against two),
+    where the fused kernels' is their causal work at ATTENTION_RATE, 3 times; layouts without cp do not change.
+    The table's H100 in bf16 has 67 / 989; TF32 where torch's float32 matmul precision allows it; fp32 training 1."""
+    assert known_hardware("H100-SXM").cp_attention_rate == pytest.approx(67 / 989)
+    assert known_hardware("H100-SXM", precision="fp32").cp_attention_rate == 1.0
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert known_hardware("H100-SXM").cp_attention_rate == pytest.approx(494 / 989)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    with pytest.raises(ValueError, match=r"cp_attention_rate=1.5 must be in \(0, 1\]"):
+        replace(GPU, cp_attention_rate=1.5)
+    rate = 0.1
+    math_gpu = replace(GPU, cp_attention_rate=rate)
+    cp, plain = Layout(cp=2), Layout(dp_shard=2)
+    fused_cp, math_cp = (predict(cp, gpt, hw, GLOBAL_BATCH, SEQ) for hw in (GPU, math_gpu))
+    assert predict(plain, gpt, math_gpu, GLOBAL_BATCH // 2, SEQ).compute_s == predict(
+        plain, gpt, GPU, GLOBAL_BATCH // 2, SEQ).compute_s
+    blocks = [gpt.sections[b] for b in gpt.blocks]
+    per_rank = GLOBAL_BATCH * SEQ / gpt.tokens * (SEQ / gpt.seq_len) / 2  # the tokens' scale, over cp ranks
+    math_work = sum(b.blockwise_work(SEQ, 2) for b in blocks) * per_rank / rate * 3.5
+    fused_work = sum(b.attention_work(SEQ) for b in blocks) * per_rank / 0.5 * 3
+    assert math_cp.compute_s - fused_cp.compute_s == pytest.approx((math_work - fused_work) / GPU.matmul_flops)
+
+
+def test_context_parallel_score_tiles_are_a_transient_and_recomputed_under_selective_checkpointing(gpt, monkeypatch):
+    """The math path's scores (fp32, the rank's own block of its micro-batch: batch x heads x (seq / cp)^2) are a
+    transient of three tensors, a row tile of at most ``SCORE_TILE_BYTES`` each; selective checkpointing recomputes
+    the cp attention (its policy keeps fused kernels only), which without cp it keeps."""
+    block = gpt.sections[gpt.blocks[0]]
+    assert block.attention_scores == GLOBAL_BATCH * TINY_GPT["n_head"] * SEQ * SEQ  # traced: one whole matrix
+    cp2, dp2 = (account(layout, gpt, batch, SEQ, "32-true")
+                for layout, batch in ((Layout(cp=2), GLOBAL_BATCH), (Layout(dp_shard=2), GLOBAL_BATCH // 2)))
+    whole = GLOBAL_BATCH * TINY_GPT["n_head"] * (SEQ // 2) ** 2 * 4
+    assert cp2.buffer_bytes - dp2.buffer_bytes == pytest.approx(3 * whole)
+    monkeypatch.setattr(context, "SCORE_TILE_BYTES", whole // 4)
+    tiled = account(Layout(cp=2), gpt, GLOBAL_BATCH, SEQ, "32-true")
+    assert tiled.buffer_bytes - dp2.buffer_bytes == pytest.approx(3 * whole / 4)
+    monkeypatch.setattr(context, "SCORE_TILE_BYTES", 1)  # at least one query row
+    assert account(Layout(cp=2), gpt, GLOBAL_BATCH, SEQ, "32-true").buffer_bytes - dp2.buffer_bytes == pytest.approx(
+        3 * whole / (SEQ // 2))
+    sac = {"cp": Layout(cp=2, activation_checkpointing="selective"),
+           "dp": Layout(dp_shard=2, activation_checkpointing="selective")}
+    none = {"cp": Layout(cp=2), "dp": Layout(dp_shard=2)}
+    step = {k: {name: predict(layout, gpt, GPU, GLOBAL_BATCH // layout.dp, SEQ).compute_s
+                for name, layout in layouts.items()} for k, layouts in (("sac", sac), ("none", none))}
+    assert step["none"]["cp"] == pytest.approx(step["none"]["dp"])
+    attention = sum(gpt.sections[b].attention_work(SEQ) for b in gpt.blocks) * GLOBAL_BATCH * SEQ / gpt.tokens / 0.5
+    assert step["sac"]["cp"] - step["sac"]["dp"] == pytest.approx(GPU.matmul_share * attention / 2 / GPU.matmul_flops)

@@ -102,6 +102,9 @@ class Section:
     #: saved layer inputs sequence parallelism gathers from chunks: what ``regather_sequence`` gathers again
     regathered_inputs: int = 0
     kv_bytes: int = 0  # keys and values entering attention (what context parallelism passes around the ring)
+    #: the largest score matrix of one attention call, in elements (batch x heads x queries x keys): what the
+    #: context-parallel math path materializes, a block of it at a time (``ContextParallel.account``)
+    attention_scores: int = 0
     selective_kept: SavedBytes = field(default_factory=SavedBytes)  # outputs selective checkpointing keeps
     #: forward FLOPs (attention apart) that full and selective checkpointing run again in backward: up to the last
     #: op that saves a tensor for backward, where torch's recomputation stops
@@ -141,6 +144,20 @@ class Section:
         masked = sum(f for f, _, _ in self.attention_calls)
         return self.attention_flops - masked + sum(f * computed_share(seq_len, causal, window)
                                                    for f, causal, window in self.attention_calls)
+
+
+    def blockwise_work(self, seq_len: int, cp: int) -> float:
+        """``attention_flops`` as the engine's context-parallel math path computes them over ``cp`` ranks: whole
+        blocks, never the lower triangle of one, so a causal score matrix costs ``(cp + 1) / 2cp`` of it (each
+        rank's own block whole and half of every other rank's, load-balanced or not), and a sliding window narrower
+        than a rank's chunk of ``seq_len / cp`` the own block and half of two others' (``2 / cp``), where blocks
+        the window hides entirely are skipped."""
+        masked = sum(f for f, _, _ in self.attention_calls)
+        causal_share = (cp + 1) / (2 * cp)
+        return self.attention_flops - masked + sum(
+            f * (1.0 if not causal else min(causal_share, 2 / cp) if window is not None and window < seq_len / cp
+                 else causal_share)
+            for f, causal, window in self.attention_calls)
 
 
 def computed_share(seq_len: int, causal: bool, window: int | None) -> float:
@@ -431,6 +448,8 @@ class _AttentionMarker(TorchFunctionMode):
         key, value = args[1], args[2]
         section = self.trace.sections[self.trace.section]
         section.kv_bytes += key.numel() * key.element_size() + value.numel() * value.element_size()
+        query = args[0]
+        section.attention_scores = max(section.attention_scores, query.numel() // query.size(-1) * key.size(-2))
         counted = section.attention_flops
         self.trace.in_attention = True
         try:
@@ -446,7 +465,6 @@ class _AttentionMarker(TorchFunctionMode):
             for t in (args[0], key, value, out):
                 self.trace.record_saved(t)
             self.trace.recomputation_reaches_here()
-            query = args[0]
             lse = query.numel() // query.size(-1) * 4  # (batch, heads, seq) in fp32
             lse_kind = self.trace.layout.get(query) or "residual"
             self.trace.sections[self.trace.section].saved.add(lse_kind, lse)

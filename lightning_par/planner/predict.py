@@ -47,6 +47,9 @@ CHECKPOINT_RNG_BYTES = torch.get_rng_state().numel()
 #: backward run at 35-40 % of an H100's bf16 peak, large GEMMs at 70-80 % (FlashAttention-3 paper, Shah et al.
 #: 2024, figs. 5-7): attention's FLOPs, counted as the kernel does them (causal: half), take twice a matmul's time
 ATTENTION_RATE = 0.5
+#: the context-parallel math path's backward beyond the 2 forwards a backward counts: it recomputes the scores and
+#: runs four matmuls (dV, dP, dQ, dK) against the forward's two (QK, PV), 2.5 forwards
+MATH_PATH_BACKWARD_EXTRA = 0.5
 #: the share of device memory the planner keeps free for what it does not model: the caching allocator's reserved
 #: but unallocated blocks (fragmentation), cuBLAS/NCCL workspaces and the CUDA context. Measured on an H200
 #: (2026-11-26, ``bench_planner.py --device cuda``, 325 M-parameter models, 8-13 GiB allocated): 1.36 GiB outside the
@@ -251,7 +254,8 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     hardware's memory less ``memory_reserve`` of it)."""
     sheet = account(layout, profile, batch, seq_len, precision)
     (params, grads, optimizer, activations), busiest, recompute = _busiest_ranks(sheet, hardware.matmul_share,
-                                                                                 hardware.grouped_mm)
+                                                                                 hardware.grouped_mm,
+                                                                                 hardware.cp_attention_rate)
     host = 0.0
     if sheet.offload:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
@@ -302,22 +306,22 @@ def shares_cores(hardware: Hardware) -> bool:
 
 
 def _busiest_ranks(sheet: CostSheet, matmul_share: float, grouped_mm: GroupedMatmulCurve | None = None,
-                   ) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+                   cp_attention_rate: float | None = None) -> tuple[tuple[float, ...], tuple[float, ...], float]:
     """Of the pipeline ranks' ``_rank_costs``: the (parameters, gradients, optimizer state, saved activations) of
     the one that needs the most memory, the costs of the one that computes the most, and the largest transient
     activations; a layout whose sheet asks what an earlier one's asked gets the same answer back."""
     def reduce() -> tuple[tuple[float, ...], tuple[float, ...], float]:
-        ranks = _rank_costs(sheet, matmul_share, grouped_mm)
+        ranks = _rank_costs(sheet, matmul_share, grouped_mm, cp_attention_rate)
         return max((r[:4] for r in ranks), key=sum), max(ranks, key=lambda r: r[5]), max(r[4] for r in ranks)
 
     return per_cut(sheet, ("busiest ranks", tuple(sheet.inflight), sheet.token_scale, sheet.sequence_scale,
                            sheet.activation_scale, sheet.autocast_only, sheet.tp, sheet.cp, sheet.shard,
                            sheet.sequence_parallel, sheet.regather_sequence, sheet.loss_parallel, sheet.checkpointing,
-                           sheet.dims.ep, sheet.microbatches, matmul_share, grouped_mm), reduce)
+                           sheet.dims.ep, sheet.microbatches, matmul_share, grouped_mm, cp_attention_rate), reduce)
 
 
 def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0, grouped_mm: GroupedMatmulCurve | None = None,
-                ) -> list[tuple[float, ...]]:
+                cp_attention_rate: float | None = None) -> list[tuple[float, ...]]:
     """Per pipeline rank: (parameters, gradients, optimizer state, saved activations, transient activations,
     FLOPs and of them the attention kernels', in time at the hardware's matmul throughput). Ranks holding equal
     sections (blocks alike in parameters and costs) are worked out once: planning thousands of layouts of an
@@ -349,9 +353,9 @@ def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0, grouped_mm: Grouped
             if act_key not in memo:
                 memo[act_key] = _rank_activations(sheet, rank)
             flops_key = ("flops", key, scale, sheet.sequence_scale, sheet.tp, sheet.cp, sheet.checkpointing,
-                         sheet.microbatches, matmul_share, sheet.dims.ep, grouped_mm)
+                         sheet.microbatches, matmul_share, sheet.dims.ep, grouped_mm, cp_attention_rate)
             if flops_key not in memo:
-                memo[flops_key] = _rank_flops(sheet, rank, matmul_share, grouped_mm)
+                memo[flops_key] = _rank_flops(sheet, rank, matmul_share, grouped_mm, cp_attention_rate)
             costs[key] = (memo[state_key], memo[act_key], memo[flops_key])
         (params, grads, optimizer), (kept, transient, weight_copies), (flops, attention) = costs[key]
         inflight = sheet.inflight[rank] if sheet.inflight else 1.0  # micro-batches whose activations it holds
@@ -370,7 +374,7 @@ def _section_kinds(profile: ModelProfile) -> dict[str, int]:
             end = name if name in END_SECTIONS else ""  # activation checkpointing treats these apart
             key = (end, _signature(profile, name), section.flops, section.attention_flops,
                    tuple(section.attention_calls), section.input_bytes,
-                   section.kv_bytes, astuple(saved),
+                   section.kv_bytes, section.attention_scores, astuple(saved),
                    astuple(section.selective_kept), section.selective_recompute_flops, section.full_recompute_flops,
                    section.reduce_scattered_bytes, astuple(section.autocast_lowered),
                    astuple(section.autocast_kept), section.autocast_weight_bytes, section.routed_bytes,
@@ -463,18 +467,32 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float, float]
 
 # ---- time ------------------------------------------------------------------------------------------------------
 def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
-                grouped_mm: GroupedMatmulCurve | None = None) -> tuple[float, float]:
+                grouped_mm: GroupedMatmulCurve | None = None,
+                cp_attention_rate: float | None = None) -> tuple[float, float]:
     """The rank's FLOPs in one step, and of them its attention kernels' (what the cp ring hides behind): forward
     x 3 (backward = 2 forward), + the blocks' forward again with full activation checkpointing (up to where torch
     stops the recomputation). Selective checkpointing recomputes the matmuls its policy does not keep and all the
     non-matmul work: the latter counted as the ``1 - matmul_share`` of a forward's time it takes. The experts'
     grouped matmuls run at ``grouped_mm``'s share of the matmul rate (``expert_slowdown``, on the ``matmul_share``
-    of their time that is matmuls), recomputed under either checkpointing (neither keeps a grouped matmul)."""
-    forward = recomputed = attentions = 0.0
+    of their time that is matmuls), recomputed under either checkpointing (neither keeps a grouped matmul), as is
+    context-parallel attention (the engine's own function: selective checkpointing keeps only fused kernels).
+
+    With ``cp_attention_rate`` (a GPU's: ``Hardware.cp_attention_rate``) and context parallelism, attention is the
+    engine's math path: its blocks' FLOPs (``Section.blockwise_work``) at that rate, and a backward of five matmuls
+    (the scores again, then dV, dP, dQ, dK) against the forward's two: 2.5 forwards, where the rest counts 2."""
+    forward = recomputed = attentions = backward_extra = 0.0
+    math_path = cp_attention_rate is not None and sheet.cp > 1
     for name in sheet.rank_sections[rank]:
         section = sheet.profile.sections[name]
-        # in matmul-time units: the kernel's FLOPs at its own rate (ATTENTION_RATE)
-        attention = section.attention_work(sheet.seq_len) * sheet.token_scale * sheet.sequence_scale / ATTENTION_RATE
+        # in matmul-time units: the kernel's FLOPs at its own rate (ATTENTION_RATE), or the math path's
+        if math_path:
+            attention = (section.blockwise_work(sheet.seq_len, sheet.cp) * sheet.token_scale * sheet.sequence_scale
+                         / cp_attention_rate)
+            backward_extra += MATH_PATH_BACKWARD_EXTRA * attention
+            attentions += MATH_PATH_BACKWARD_EXTRA * attention
+        else:
+            attention = (section.attention_work(sheet.seq_len) * sheet.token_scale * sheet.sequence_scale
+                         / ATTENTION_RATE)
         # the experts' extra matmul time, in the step's units (a pass's matmuls are matmul_share of its time)
         slower = matmul_share * expert_slowdown(sheet, section, grouped_mm)
         flops = section.flops * sheet.token_scale + attention + slower
@@ -488,8 +506,11 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
         elif sheet.checkpointing == "selective":
             recomputed += (matmul_share * section.selective_recompute_flops * sheet.token_scale + slower
                            + (1 - matmul_share) * (flops - slower))
+            if sheet.cp > 1:  # the engine's context-parallel attention is its own matmuls: no policy keeps them
+                recomputed += matmul_share * attention
+                attentions += attention
     per_step = sheet.microbatches / (sheet.tp * sheet.cp)
-    return (3 * forward + recomputed) * per_step, attentions * per_step
+    return (3 * forward + recomputed + backward_extra) * per_step, attentions * per_step
 
 
 def expert_slowdown(sheet: CostSheet, section: Section, grouped_mm: GroupedMatmulCurve | None) -> float:

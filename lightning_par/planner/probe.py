@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_par.devices import H100_GROUPED_MM, STEP_SHARE, Hardware
+from lightning_par.devices import H100_GROUPED_MM, STEP_SHARE, Hardware, cp_attention_rate, find_device
 
 Shape = tuple[int, int, int]
 
@@ -231,6 +231,10 @@ def _device_name(device: torch.device) -> str:
     return f"{device.type} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+#: the device table's peak kind of a probed dtype
+_PEAK_KIND = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -316,6 +320,9 @@ def probe_hardware(
     memory = _memory_bytes(device)
     # the probe times dense matmuls: experts' skinny grouped ones on a GPU as measured on an H100 relative to those
     grouped = H100_GROUPED_MM if device.type == "cuda" else None
+    # the context-parallel blocks' fp32 matmuls, at the table's fp32 / dtype peak ratio of this GPU
+    spec = find_device(_device_name(device)) if device.type == "cuda" else None
+    cp_rate = cp_attention_rate(spec, _PEAK_KIND.get(dtype, "fp32")) if spec is not None else None
     what = f"measured on this machine: matmul {_name(dtype)} at {len(shapes)} shape{'s' if len(shapes) > 1 else ''}"
     if degrees:
         what += f" (and split for tp {', '.join(map(str, degrees))})"
@@ -324,7 +331,7 @@ def probe_hardware(
     if not distributed:
         return Hardware(name, rates[0], memory, gpus_per_node, math.inf, 0.0, math.inf, 0.0,
                         f"{what}, 1 rank; no communication", matmul_share=share,
-                        matmul_by_tp=tuple(zip(degrees, rates[1:])), grouped_mm=grouped)
+                        matmul_by_tp=tuple(zip(degrees, rates[1:])), grouped_mm=grouped, cp_attention_rate=cp_rate)
     # the mean over ranks: what each gets on average. On a shared CPU the ranks' shares of one second differ by up
     # to 7x (4 processes on 2 busy cores, measured), so the minimum would be one rank's unlucky second.
     mean = torch.tensor([r / world for r in rates], dtype=torch.float64, device=device)
@@ -344,7 +351,7 @@ def probe_hardware(
               f"shape of group within it, {dist.get_backend()} ({nodes})")
     return Hardware(name, rates[0], memory, per_node, intra_bw, intra_lat, inter_bw, inter_lat, source,
                     matmul_share=share, group_links=group_links, matmul_by_tp=tuple(zip(degrees, rates[1:])),
-                    grouped_mm=grouped)
+                    grouped_mm=grouped, cp_attention_rate=cp_rate)
 
 
 def step_share(device: torch.device) -> float:

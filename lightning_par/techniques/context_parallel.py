@@ -12,11 +12,16 @@ from typing import Any
 from lightning_par.checks import check_bool, check_choice
 from lightning_par.costs.sheet import CostSheet, Transfer, busiest_sections, per_cut
 from lightning_par.dims import ParallelDims
+from lightning_par.parallel import context as ring_attention
 from lightning_par.parallel.context import ALGORITHMS
 from lightning_par.parallel.context_hf import route_attention
 from lightning_par.parallel.context_routing import ContextParallelScope, shard_batch
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.techniques.technique import Target, Technique
+
+#: the score-sized fp32 tensors a block's backward holds at once (``parallel.context._tile_backward``)
+SCORE_TENSORS = 3
+FP32_BYTES = 4
 
 
 class ContextParallel(Technique):
@@ -49,11 +54,19 @@ class ContextParallel(Technique):
         gradients in fp32), hidden behind the attention's own compute as far as it lasts (the next hop is in flight
         while a block is computed: at short sequences the blocks are short and the ring shows), or are
         all-gathered and their gradients reduce-scattered, exposed (the engine waits for them). Each block's
-        attention sends its own messages (their count sets the latency paid)."""
+        attention sends its own messages (their count sets the latency paid).
+
+        Each block's scores are materialized in fp32 (the math path; ``parallel/context.py``), the rank's own block
+        of ``(seq / cp)^2`` the largest, cut into row tiles of ``SCORE_TILE_BYTES``: backward holds three such
+        tensors at once (the probabilities, their gradient, the scores' gradient), a transient the buffers add."""
         cp = sheet.dims.cp
         if cp == 1:
             return
         sheet.cp = cp
+        tile = ring_attention.SCORE_TILE_BYTES
+        sheet.buffer_bytes += SCORE_TENSORS * per_cut(
+            sheet, ("cp_scores", sheet.token_scale, sheet.sequence_scale, cp, sheet.tp, tile),
+            lambda: _score_tile_bytes(sheet, tile))
         m = sheet.microbatches
         grad = sheet.grad_scale  # dK/dV travel in fp32
         # attentions of one size (the blocks) are one Transfer with their message counts summed
@@ -77,3 +90,13 @@ class ContextParallel(Technique):
         if dims.cp == 1:
             return None
         return f"context parallel ({self.algorithm}, load balance {self.load_balance})"
+
+
+def _score_tile_bytes(sheet: CostSheet, tile: int) -> float:
+    """The fp32 scores of one row tile of the largest block: the rank's own, its micro-batch's queries and keys of
+    one sequence chunk (heads split over tp), whole if under ``tile`` bytes, else ``tile`` (at least one row)."""
+    scores = max((sheet.profile.sections[name].attention_scores for name in busiest_sections(sheet)), default=0)
+    cp = sheet.dims.cp
+    block = scores * sheet.token_scale * sheet.sequence_scale / cp**2 / sheet.tp * FP32_BYTES
+    rows = sheet.seq_len / cp  # the block's query rows, one sequence chunk
+    return min(block, max(tile, block / rows))

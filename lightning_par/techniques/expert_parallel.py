@@ -70,23 +70,36 @@ class ExpertParallel(Technique):
         (:func:`dispatched_bytes`). Memory is unchanged (the experts are sharded over ``efsdp x ep``, as many ranks
         as FSDP would use); what ep saves, FSDP's account prices: each rank gathers only its own experts, over
         ``efsdp`` (selective checkpointing keeps the all-to-alls' outputs: the activations' prediction adds them).
-        Not priced: the all-to-all of the counts and its host sync (latency, per layer), and an uneven load."""
+        Every layer sends its own messages, so each pays the link's latency, as does the all-to-all of the counts
+        before them (per layer, in every forward: recomputed ones too, selective checkpointing keeps only the rows'
+        all-to-alls). Not priced: the host sync after the counts (one per layer and forward), and an uneven load."""
         dims = sheet.dims
         experts = sheet.profile.num_experts
         if dims.ep == 1 or not experts:
             return
         ranks = sheet.rank_sections or [list(sheet.profile.sections)]
         # the pipeline rank routing the most (dense first layers route nothing: not the rank with most sections)
-        routed = max(sum(dispatched_bytes(sheet.profile.sections[s], experts, dims.ep, sheet.activation_scale)
-                         for s in set(sections)) for sections in ranks)
+        routed = max(([dispatched_bytes(sheet.profile.sections[s], experts, dims.ep, sheet.activation_scale)
+                       for s in set(sections) if sheet.profile.sections[s].routed_bytes] for sections in ranks),
+                     key=sum)
         if not routed:
             return
+        layers = len(routed)
         # tensor parallelism leaves the experts whole: every tp rank routes the micro-batch's tokens (its cp chunk)
-        nbytes = routed * sheet.token_scale / dims.cp
+        nbytes = sum(routed) / layers * sheet.token_scale / dims.cp
         # out and back, in forward and in backward; the recomputed forward sends the first two again under full
         # checkpointing (selective keeps the all-to-alls' outputs: lightning_par.parallel.recompute.KEPT_OPS)
-        m = sheet.microbatches
+        m = sheet.microbatches * layers
         sheet.transfers.append(Transfer("all_to_all", "ep", "all_to_all", nbytes, 4 * m, False, recomputed_full=2 * m))
+        # the counts: per destination rank, the tokens and choices (transformers' experts) or the rows per expert
+        per_rank = any(section.routed_choices for section in sheet.profile.sections.values())
+        counts = COUNT_BYTES * (2 * dims.ep if per_rank else experts)
+        sheet.transfers.append(Transfer("all_to_all", "ep", "all_to_all", counts, m, False, recomputed_full=m,
+                                        recomputed_selective=m))
+
+
+#: an int64 count
+COUNT_BYTES = 8
 
 
 def ranks_per_token(experts: int, ep: int, choices: int) -> float:
