@@ -440,3 +440,16 @@ def test_context_parallel_score_tiles_are_a_transient_and_recomputed_under_selec
     assert step["none"]["cp"] == pytest.approx(step["none"]["dp"])
     attention = sum(gpt.sections[b].attention_work(SEQ) for b in gpt.blocks) * GLOBAL_BATCH * SEQ / gpt.tokens / 0.5
     assert step["sac"]["cp"] - step["sac"]["dp"] == pytest.approx(GPU.matmul_share * attention / 2 / GPU.matmul_flops)
+
+
+def test_experts_stay_whole_under_tensor_parallelism():
+    """Tensor parallelism leaves the experts whole on every tp rank, which runs them on the micro-batch's tokens
+    (as the dispatch account routes them): at tp 2 a rank computes half of everything else and all of the
+    experts' FLOPs."""
+    with torch.device("meta"):
+        model = HFCausalLM("qwen3_moe")
+    profile = profile_model(model, (torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long),) * 2)
+    experts = sum(s.expert_flops for s in profile.sections.values())
+    assert experts > 0
+    one, two = (predict(Layout(tp=tp), profile, GPU, GLOBAL_BATCH, SEQ).compute_s for tp in (1, 2))
+    assert two == pytest.approx(one / 2 + 3 * experts / 2 / GPU.matmul_flops)

@@ -474,7 +474,8 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
     stops the recomputation). Selective checkpointing recomputes the matmuls its policy does not keep and all the
     non-matmul work: the latter counted as the ``1 - matmul_share`` of a forward's time it takes. The experts'
     grouped matmuls run at ``grouped_mm``'s share of the matmul rate (``expert_slowdown``, on the ``matmul_share``
-    of their time that is matmuls), recomputed under either checkpointing (neither keeps a grouped matmul), as is
+    of their time that is matmuls), not divided by tp (every tp rank runs the whole experts on the micro-batch's
+    tokens), recomputed under either checkpointing (neither keeps a grouped matmul), as is
     context-parallel attention (the engine's own function: selective checkpointing keeps only fused kernels).
 
     With ``cp_attention_rate`` (a GPU's: ``Hardware.cp_attention_rate``) and context parallelism, attention is the
@@ -495,17 +496,20 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
                          / ATTENTION_RATE)
         # the experts' extra matmul time, in the step's units (a pass's matmuls are matmul_share of its time)
         slower = matmul_share * expert_slowdown(sheet, section, grouped_mm)
-        flops = section.flops * sheet.token_scale + attention + slower
+        # tensor parallelism leaves the experts whole: every tp rank runs them on the micro-batch's tokens (as
+        # ExpertParallel.account routes them), so they are not divided by tp as the rest is (below: per_step)
+        whole = (sheet.tp - 1) * (section.expert_flops * sheet.token_scale + slower)
+        flops = section.flops * sheet.token_scale + attention + slower + whole
         forward += flops
         attentions += 3 * attention
         if name in END_SECTIONS:
             continue
         if sheet.checkpointing == "full":
-            recomputed += section.full_recompute_flops * sheet.token_scale + attention + slower
+            recomputed += section.full_recompute_flops * sheet.token_scale + attention + slower + whole
             attentions += attention
-        elif sheet.checkpointing == "selective":
-            recomputed += (matmul_share * section.selective_recompute_flops * sheet.token_scale + slower
-                           + (1 - matmul_share) * (flops - slower))
+        elif sheet.checkpointing == "selective":  # (flops - slower - whole: the non-matmul work, experts' included)
+            recomputed += (matmul_share * section.selective_recompute_flops * sheet.token_scale + slower + whole
+                           + (1 - matmul_share) * (flops - slower - whole))
             if sheet.cp > 1:  # the engine's context-parallel attention is its own matmuls: no policy keeps them
                 recomputed += matmul_share * attention
                 attentions += attention
