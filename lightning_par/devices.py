@@ -360,8 +360,10 @@ class Hardware:
     grouped_mm: GroupedMatmulCurve | None = None
     #: the FLOP rate of the engine's context-parallel attention blocks against ``matmul_flops``: on a GPU they run
     #: as fp32 matmuls over scores they materialize (``parallel/context.py``'s math path), not as fused half
-    #: precision kernels (:func:`cp_attention_rate`); None: at the fused kernels' rate, as any other attention (the
-    #: CPU, where every attention computes in fp32, or a run whose context parallelism has fused kernels)
+    #: precision kernels (:func:`cp_attention_rate`), whole blocks with a backward of five matmuls. None: priced as
+    #: fused kernels, at their rate on the causal part: a run whose context parallelism has them (the published
+    #: runs' software), and the CPU, where the engine runs the math path too but the fused pricing is what the
+    #: planner's ranking of layouts was measured with (benchmarks/bench_planner.py, world 4)
     cp_attention_rate: float | None = None
 
     def matmul_rate(self, tp: int) -> float:
@@ -451,6 +453,7 @@ def known_hardware(
     efficiency: float | None = None,
     intra_link: str | None = None,
     nics_per_node: int | None = None,
+    float32_matmul_precision: str | None = None,
 ) -> Hardware:
     """The :class:`Hardware` of a known device from the tables: ``matmul_flops`` is the dense peak for
     ``precision`` times ``efficiency``, the node-internal link is the device's usual one unless ``intra_link`` names
@@ -459,7 +462,11 @@ def known_hardware(
 
     ``efficiency``: the fraction of dense peak a training step's model FLOPs reach; default :data:`STEP_SHARE` of
     the fraction the device's matmuls reach alone (``DeviceSpec.matmul_efficiency``): 0.45 on an H100, 0.489 on
-    an A100 SXM."""
+    an A100 SXM.
+
+    ``float32_matmul_precision``: the training run's ``torch.set_float32_matmul_precision`` ("highest", "high",
+    "medium"; default: this process's), which sets the rate of the context-parallel blocks' fp32 matmuls
+    (:func:`cp_attention_rate`)."""
     spec = lookup_device(device)
     rule = ""
     if efficiency is None:
@@ -493,18 +500,22 @@ def known_hardware(
         source=f"table: {spec.name} {precision} x {efficiency:.3g}{rule}, {intra.name}, {inter.name}{nics}",
         matmul_share=min(1.0, efficiency / spec.matmul_efficiency),
         grouped_mm=H100_GROUPED_MM,
-        cp_attention_rate=cp_attention_rate(spec, precision),
+        cp_attention_rate=cp_attention_rate(spec, precision, float32_matmul_precision),
     )
 
 
-def cp_attention_rate(spec: DeviceSpec, precision: str) -> float | None:
+def cp_attention_rate(spec: DeviceSpec, precision: str, float32_matmul_precision: str | None = None) -> float | None:
     """The FLOP rate of the engine's context-parallel attention blocks on ``spec`` against its dense matmuls at
-    ``precision``: they multiply in fp32, at the fp32 peak, or at TF32's where torch's float32 matmul precision
-    lets matmuls use it (``torch.set_float32_matmul_precision("high")``; the default "highest" does not). An H100
-    training in bf16: 67 / 989 = 0.068 (fused attention kernels: ``planner.predict.ATTENTION_RATE``, 0.5)."""
-    kind = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    ``precision``: they multiply in fp32, at the fp32 peak where ``float32_matmul_precision`` (default: torch's
+    setting in this process, ``torch.get_float32_matmul_precision()``) is "highest" (torch's default), TF32's
+    where "high", bf16's where "medium". An H100 training in bf16: 67 / 989 = 0.068 (fused attention kernels:
+    ``planner.predict.ATTENTION_RATE``, 0.5)."""
+    setting = float32_matmul_precision or torch.get_float32_matmul_precision()
+    kinds = {"highest": "fp32", "high": "tf32", "medium": "bf16"}
+    if setting not in kinds:
+        raise ValueError(f"float32_matmul_precision={setting!r} must be one of {list(kinds)} (torch's settings).")
     peaks = spec.peak_flops
-    rate = peaks.get(kind, peaks.get("fp32"))
+    rate = peaks.get(kinds[setting], peaks.get("fp32"))
     if rate is None or precision not in peaks:
         return None
     return min(1.0, rate / peaks[precision])

@@ -106,15 +106,15 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
 
 def _run_case(case: Case, seed: int, group: dist.ProcessGroup | None) -> dict:
     if not case.tiled:
-        return _run_untiled(case, seed, group)
+        return _run_parity(case, seed, group)
     before, context.SCORE_TILE_BYTES = context.SCORE_TILE_BYTES, 1
     try:
-        return _run_untiled(case, seed, group)
+        return _run_parity(case, seed, group)
     finally:
         context.SCORE_TILE_BYTES = before
 
 
-def _run_untiled(case: Case, seed: int, group: dist.ProcessGroup | None) -> dict:
+def _run_parity(case: Case, seed: int, group: dist.ProcessGroup | None) -> dict:
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     g = torch.Generator().manual_seed(seed)  # same seed on every rank: every rank builds the same global tensors
 

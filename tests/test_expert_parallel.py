@@ -654,6 +654,10 @@ def test_hugging_face_experts_get_each_token_once_per_rank():
         assert rank["sent_rows"] == rank["pairs"] < rank["choices"], rank  # 3 choices over 2 ranks: at most 2
         assert rank["grouped"], rank
         assert rank["host_syncs"] == [], rank
+    with HostSyncs() as control:  # what the recorder sees: a nonzero, a boolean mask, an item
+        x = torch.tensor([1.0, 0.0])
+        x.nonzero(), x[x > 0], x.sum().item(), x[torch.tensor([1])]
+    assert control.ops == ["aten::nonzero", "aten::index.Tensor", "aten::_local_scalar_dense"], control.ops
     assert sum(r["expert_rows"] for r in ranks) == sum(r["choices"] for r in ranks)  # every choice computed once
 
 

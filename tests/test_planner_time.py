@@ -18,6 +18,7 @@ from example_projects.gpt.lit import GPTModule
 from lightning_par.costs.profile import ModelProfile, Section, profile_model
 from lightning_par.devices import GroupedMatmulCurve, Hardware, known_hardware
 from lightning_par.parallel import context
+from lightning_par.parallel.context_sharding import block_plan, sequence_positions
 from lightning_par.planner.predict import OVERLAP, Layout, account, predict
 from lightning_par.techniques.expert_parallel import ranks_per_token
 from lightning_par.techniques.fully_sharded import unit_bytes
@@ -222,8 +223,9 @@ def test_transformers_experts_are_dispatched_once_per_token_and_rank():
     a2a, counts = [t for t in account(Layout(dp_shard=2, ep=2), qwen3_moe, GLOBAL_BATCH // 2, SEQ,
                                       "32-true").transfers if t.kind == "all_to_all"]
     layers = len(qwen3_moe.blocks)
-    assert a2a.nbytes == pytest.approx(tokens / 2 * 5 / 3 * (row + 4 * 2))  # per layer, half the batch per rank
-    assert a2a.count == 4 * layers and (counts.nbytes, counts.count) == (2 * 2 * 8, layers)  # (tokens, choices)
+    # per layer and pass: rows out, their choices out, sums back; forward and backward
+    assert a2a.count == 6 * layers and (counts.nbytes, counts.count) == (2 * 2 * 8, layers)  # (tokens, choices)
+    assert a2a.nbytes * a2a.count == pytest.approx(4 * layers * tokens / 2 * 5 / 3 * (row + 4 * 2))  # half a batch
     gpt_a2a, _ = [t for t in account(Layout(dp_shard=2, ep=2), profile_model_gpt4(moe=True), GLOBAL_BATCH // 2, SEQ,
                                      "32-true").transfers if t.kind == "all_to_all"]
     assert gpt_a2a.nbytes == tokens / 2 * 2 * TINY_GPT["n_embd"] * 4  # one row per choice
@@ -376,16 +378,36 @@ def test_async_tp_twins_send_what_their_originals_send(arch, gpt):
         assert twin.comm_s["tp"] <= plain.comm_s["tp"] + 1e-15, (arch, str(layout))
 
 
-def test_blockwise_work_is_what_the_context_parallel_math_path_computes():
+def _covered_by_the_engine(seq: int, cp: int, window: int | None) -> float:
+    """The share of a causal score matrix the engine's blocks cover, counted as ``parallel.context._plan`` decides
+    (load balanced; a block the window hides entirely skipped) on every pair of global positions."""
+    n, covered = seq // cp, 0
+    for rank in range(cp):
+        for src in range(cp):
+            blk = block_plan(rank, src, cp, n, True, True)
+            if blk is None:
+                continue
+            pq = sequence_positions(seq, rank, cp, True)[blk.q]
+            pk = sequence_positions(seq, src, cp, True)[blk.kv]
+            distance = pq[:, None] - pk[None, :]
+            if window is None or bool(((distance >= 0) & (distance < window)).any()):
+                covered += pq.numel() * pk.numel()
+    return covered / seq**2
+
+
+@pytest.mark.parametrize("cp, window", [(2, None), (4, None), (8, None), (4, 4), (4, 12), (4, 20), (8, 3), (2, 100)])
+def test_blockwise_work_is_what_the_context_parallel_math_path_computes(cp, window):
     """The engine's blocks are whole: of a causal score matrix each rank computes its own block and half of every
-    other rank's block, ``(cp + 1) / 2cp`` of the matrix over the cp ranks; a window narrower than a rank's chunk
-    its own block and half of two others', ``2 / cp``; full attention all of it."""
-    causal = Section(attention_flops=100.0, attention_calls=[(100.0, True, None)])
-    assert causal.blockwise_work(64, 2) == pytest.approx(75.0) and causal.blockwise_work(64, 4) == pytest.approx(62.5)
-    windowed = Section(attention_flops=100.0, attention_calls=[(100.0, True, 4)])
-    assert windowed.blockwise_work(64, 4) == pytest.approx(50.0) and windowed.blockwise_work(64, 8) == pytest.approx(25)
-    assert windowed.blockwise_work(8, 4) == pytest.approx(62.5)  # a window wider than a chunk: as causal
-    assert Section(attention_flops=100.0, attention_calls=[(100.0, False, None)]).blockwise_work(64, 4) == 100.0
+    other rank's, ``(cp + 1) / 2cp`` of the matrix; a sliding window skips the blocks it hides entirely. Checked
+    against the engine's own block plan on every pair of positions of a 64-token sequence; full attention is
+    computed whole."""
+    seq = 64
+    calls = [(100.0, True, window)]
+    share = Section(attention_flops=100.0, attention_calls=calls).blockwise_work(seq, cp) / 100
+    assert share == pytest.approx(_covered_by_the_engine(seq, cp, window))
+    if window is None:
+        assert share == pytest.approx((cp + 1) / (2 * cp))
+    assert Section(attention_flops=100.0, attention_calls=[(100.0, False, None)]).blockwise_work(seq, cp) == 100.0
 
 
 def test_context_parallel_attention_on_a_gpu_is_priced_as_the_engine_computes_it(gpt):
@@ -401,6 +423,10 @@ def test_context_parallel_attention_on_a_gpu_is_priced_as_the_engine_computes_it
         assert known_hardware("H100-SXM").cp_attention_rate == pytest.approx(494 / 989)
     finally:
         torch.set_float32_matmul_precision(before)
+    assert known_hardware("H100-SXM", float32_matmul_precision="high").cp_attention_rate == pytest.approx(494 / 989)
+    assert known_hardware("H100-SXM", float32_matmul_precision="medium").cp_attention_rate == 1.0
+    with pytest.raises(ValueError, match=r"float32_matmul_precision='low' must be one of"):
+        known_hardware("H100-SXM", float32_matmul_precision="low")
     with pytest.raises(ValueError, match=r"cp_attention_rate=1.5 must be in \(0, 1\]"):
         replace(GPU, cp_attention_rate=1.5)
     rate = 0.1

@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_par._compat import torch_dispatch_mode, tree_leaves, tree_map
 from lightning_par.flop_formulas import ATTENTION_OPS, FORMULAS
+from lightning_par.parallel.context_sharding import blockwise_share
 from lightning_par.parallel.experts import find_experts, num_experts_of
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.modules import clean_name, find_block_list
@@ -147,17 +148,14 @@ class Section:
 
 
     def blockwise_work(self, seq_len: int, cp: int) -> float:
-        """``attention_flops`` as the engine's context-parallel math path computes them over ``cp`` ranks: whole
-        blocks, never the lower triangle of one, so a causal score matrix costs ``(cp + 1) / 2cp`` of it (each
-        rank's own block whole and half of every other rank's, load-balanced or not), and a sliding window narrower
-        than a rank's chunk of ``seq_len / cp`` the own block and half of two others' (``2 / cp``), where blocks
-        the window hides entirely are skipped."""
+        """``attention_flops`` as the engine's context-parallel math path computes them over ``cp`` ranks (load
+        balanced, its default): whole blocks, never the lower triangle of one, so a causal score matrix costs
+        ``(cp + 1) / 2cp`` of it, and a sliding window all the blocks it does not hide entirely
+        (``context_sharding.blockwise_share``)."""
         masked = sum(f for f, _, _ in self.attention_calls)
-        causal_share = (cp + 1) / (2 * cp)
+        chunk = seq_len / (2 * cp)
         return self.attention_flops - masked + sum(
-            f * (1.0 if not causal else min(causal_share, 2 / cp) if window is not None and window < seq_len / cp
-                 else causal_share)
-            for f, causal, window in self.attention_calls)
+            f * blockwise_share(cp, chunk, window) if causal else f for f, causal, window in self.attention_calls)
 
 
 def computed_share(seq_len: int, causal: bool, window: int | None) -> float:

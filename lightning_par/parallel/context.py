@@ -143,7 +143,7 @@ def _row_tiles(q: torch.Tensor, k: torch.Tensor, causal: bool) -> list[tuple[int
     ``SCORE_TILE_BYTES``; a causal block's tile sees only the keys up to its last row."""
     b, h, rows, _ = q.shape
     keys = k.size(2)
-    per_row = b * h * keys * torch.tensor([], dtype=_acc(q)).element_size()
+    per_row = b * h * keys * _acc(q).itemsize
     step = max(1, SCORE_TILE_BYTES // max(1, per_row))
     return [(r0, min(rows, r0 + step), min(keys, r0 + step) if causal else keys) for r0 in range(0, rows, step)]
 
@@ -173,6 +173,7 @@ def _block_forward(
     tiles = _row_tiles(q, k, causal)
     if len(tiles) == 1:
         return _tile_forward(q, k, v, scale, causal, visible, 0)
+    k, v = k.to(_acc(q)), v.to(_acc(q))  # once, not per tile
     out = q.new_empty((*q.shape[:3], v.size(-1)), dtype=_acc(q))
     lse = q.new_empty(q.shape[:3], dtype=_acc(q))
     for r0, r1, keys in tiles:
@@ -184,6 +185,7 @@ def _block_forward(
 
 def _tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
                   visible: torch.Tensor | None, row0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of query rows ``row0`` on of a block against the keys ``k`` they may see."""
     s = _scores(q, k, scale, causal, visible, row0)
     lse = torch.logsumexp(s, dim=-1)
     return torch.exp(s - _finite(lse).unsqueeze(-1)) @ v.to(s.dtype), lse
@@ -216,6 +218,7 @@ def _block_backward(
     if len(tiles) == 1:
         dq, dk, dv = _tile_backward(dout, q, k, v, out, lse, scale, causal, visible, dlse, 0)
     else:
+        k, v = k.to(_acc(q)), v.to(_acc(q))  # once, not per tile
         dq = q.new_empty(q.shape, dtype=_acc(q))
         dk, dv = k.new_zeros(k.shape, dtype=_acc(q)), v.new_zeros(v.shape, dtype=_acc(q))
         for r0, r1, keys in tiles:
@@ -232,6 +235,8 @@ def _block_backward(
 def _tile_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, scale: float, causal: bool, visible: torch.Tensor | None,
                    dlse: torch.Tensor | None, row0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of query rows ``row0`` on of a block (dk, dv over the keys ``k`` they may see, per query
+    head: the caller folds them for GQA)."""
     p = torch.exp(_scores(q, k, scale, causal, visible, row0) - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
     do = dout.to(p.dtype)
     dv = p.transpose(-2, -1) @ do

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -125,3 +126,31 @@ def block_plan(rank: int, src: int, cp_size: int, local_len: int, is_causal: boo
     # src > rank: our early chunk `rank` precedes both K/V chunks (masked); our late chunk 2c-1-rank follows both
     # (src < c <= 2c-1-rank and 2c-1-src < 2c-1-rank). So: the second half of our queries x the whole shard.
     return Block(second, _ALL, False)
+
+
+@lru_cache(maxsize=1024)
+def blockwise_share(cp_size: int, chunk: float, window: int | None = None) -> float:
+    """The share of a causal (seq x seq) score matrix that :func:`block_plan`'s blocks cover over all ranks of a
+    load-balanced cp group, each block whole (the math path masks inside a block, it does not skip): ``(cp + 1) /
+    2cp`` without a window. With a sliding window of ``window`` tokens, a block the window hides entirely is skipped
+    (as ``parallel.context._plan`` skips it). ``chunk``: the tokens of one of the ``2 cp`` chunks (seq / 2cp)."""
+    covered = 0
+    for rank in range(cp_size):
+        rows_of = local_chunk_ids(rank, cp_size, True)
+        for src in range(cp_size):
+            blk = block_plan(rank, src, cp_size, 2, True, True)  # local length 2: one index per chunk
+            if blk is None:
+                continue
+            rows, cols = rows_of[blk.q], local_chunk_ids(src, cp_size, True)[blk.kv]
+            if window is not None and not any(_sees(i, j, chunk, window) for i in rows for j in cols):
+                continue
+            covered += len(rows) * len(cols)
+    return covered / (2 * cp_size) ** 2
+
+
+def _sees(query_chunk: int, key_chunk: int, chunk: float, window: int) -> bool:
+    """Whether some query of one chunk sees some key of another within a causal window: the nearest pair of an
+    earlier key chunk is ``(i - j - 1) * chunk + 1`` tokens apart."""
+    if query_chunk == key_chunk:
+        return True
+    return key_chunk < query_chunk and (query_chunk - key_chunk - 1) * chunk + 1 < window

@@ -510,7 +510,7 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
         elif sheet.checkpointing == "selective":  # (flops - slower - whole: the non-matmul work, experts' included)
             recomputed += (matmul_share * section.selective_recompute_flops * sheet.token_scale + slower + whole
                            + (1 - matmul_share) * (flops - slower - whole))
-            if sheet.cp > 1:  # the engine's context-parallel attention is its own matmuls: no policy keeps them
+            if sheet.cp > 1:  # the engine's context-parallel attention is its own function, recomputed whole
                 recomputed += matmul_share * attention
                 attentions += attention
     per_step = sheet.microbatches / (sheet.tp * sheet.cp)

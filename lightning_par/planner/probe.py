@@ -21,7 +21,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_par.devices import H100_GROUPED_MM, STEP_SHARE, Hardware, cp_attention_rate, find_device
+from lightning_par.devices import (
+    DEVICES,
+    H100_GROUPED_MM,
+    STEP_SHARE,
+    Hardware,
+    cp_attention_rate,
+    find_device,
+)
 
 Shape = tuple[int, int, int]
 
@@ -320,9 +327,12 @@ def probe_hardware(
     memory = _memory_bytes(device)
     # the probe times dense matmuls: experts' skinny grouped ones on a GPU as measured on an H100 relative to those
     grouped = H100_GROUPED_MM if device.type == "cuda" else None
-    # the context-parallel blocks' fp32 matmuls, at the table's fp32 / dtype peak ratio of this GPU
-    spec = find_device(_device_name(device)) if device.type == "cuda" else None
-    cp_rate = cp_attention_rate(spec, _PEAK_KIND.get(dtype, "fp32")) if spec is not None else None
+    # the context-parallel blocks' fp32 matmuls, at the table's fp32 / dtype peak ratio of this GPU (of an H100
+    # where the table does not list it: the engine runs its math path on any GPU)
+    cp_rate = None
+    if device.type == "cuda":
+        spec = find_device(_device_name(device)) or DEVICES["H100-SXM"]
+        cp_rate = cp_attention_rate(spec, _PEAK_KIND.get(dtype, "fp32"))
     what = f"measured on this machine: matmul {_name(dtype)} at {len(shapes)} shape{'s' if len(shapes) > 1 else ''}"
     if degrees:
         what += f" (and split for tp {', '.join(map(str, degrees))})"

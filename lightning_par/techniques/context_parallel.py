@@ -12,14 +12,15 @@ from typing import Any
 from lightning_par.checks import check_bool, check_choice
 from lightning_par.costs.sheet import CostSheet, Transfer, busiest_sections, per_cut
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel import context as ring_attention
+from lightning_par.parallel import context as cp_attention
 from lightning_par.parallel.context import ALGORITHMS
 from lightning_par.parallel.context_hf import route_attention
 from lightning_par.parallel.context_routing import ContextParallelScope, shard_batch
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.techniques.technique import Target, Technique
 
-#: the score-sized fp32 tensors a block's backward holds at once (``parallel.context._tile_backward``)
+#: the score-sized fp32 tensors a block's backward holds at once (``parallel.context._tile_backward``; its fp32
+#: dK/dV accumulators, keys x head size each, are left out: a score tensor is keys x query rows)
 SCORE_TENSORS = 3
 FP32_BYTES = 4
 
@@ -63,7 +64,7 @@ class ContextParallel(Technique):
         if cp == 1:
             return
         sheet.cp = cp
-        tile = ring_attention.SCORE_TILE_BYTES
+        tile = cp_attention.SCORE_TILE_BYTES
         sheet.buffer_bytes += SCORE_TENSORS * per_cut(
             sheet, ("cp_scores", sheet.token_scale, sheet.sequence_scale, cp, sheet.tp, tile),
             lambda: _score_tile_bytes(sheet, tile))

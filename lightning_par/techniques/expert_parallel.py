@@ -63,9 +63,10 @@ class ExpertParallel(Technique):
         return f"expert parallel (ep={dims.ep}, experts FSDP-sharded over {dims.dp_shard * dims.cp // dims.ep})"
 
     def account(self, sheet: CostSheet) -> None:
-        """The dispatch's all-to-alls: per layer with experts, the routed rows out to their experts and back, in
-        forward and again in backward (and in the recomputed forward under activation checkpointing), each leaving
-        ``(ep - 1) / ep`` of its bytes to other ranks with the router's load even: one row per token and choice,
+        """The dispatch's all-to-alls: per layer with experts, the routed rows out to their experts and back (and
+        for transformers' experts their choices out, a message of its own), in forward and again in backward (and
+        in the recomputed forward under full activation checkpointing), each leaving ``(ep - 1) / ep`` of its bytes
+        to other ranks with the router's load even: one row per token and choice,
         or for transformers' experts one per token and rank holding one of its experts, with its choices
         (:func:`dispatched_bytes`). Memory is unchanged (the experts are sharded over ``efsdp x ep``, as many ranks
         as FSDP would use); what ep saves, FSDP's account prices: each rank gathers only its own experts, over
@@ -85,14 +86,18 @@ class ExpertParallel(Technique):
         if not routed:
             return
         layers = len(routed)
-        # tensor parallelism leaves the experts whole: every tp rank routes the micro-batch's tokens (its cp chunk)
-        nbytes = sum(routed) / layers * sheet.token_scale / dims.cp
-        # out and back, in forward and in backward; the recomputed forward sends the first two again under full
-        # checkpointing (selective keeps the all-to-alls' outputs: lightning_par.parallel.recompute.KEPT_OPS)
-        m = sheet.microbatches * layers
-        sheet.transfers.append(Transfer("all_to_all", "ep", "all_to_all", nbytes, 4 * m, False, recomputed_full=2 * m))
-        # the counts: per destination rank, the tokens and choices (transformers' experts) or the rows per expert
         per_rank = any(section.routed_choices for section in sheet.profile.sections.values())
+        # per layer and pass: the rows out and back, and for transformers' experts their choices out too (a message
+        # of its own, whose weights' gradient comes back in backward); the bytes spread over the messages
+        messages = 3 if per_rank else 2
+        # tensor parallelism leaves the experts whole: every tp rank routes the micro-batch's tokens (its cp chunk)
+        nbytes = sum(routed) / layers * sheet.token_scale / dims.cp * 2 / messages
+        # in forward and in backward; the recomputed forward sends its messages again under full checkpointing
+        # (selective keeps the all-to-alls' outputs: lightning_par.parallel.recompute.KEPT_OPS)
+        m = sheet.microbatches * layers
+        sheet.transfers.append(Transfer("all_to_all", "ep", "all_to_all", nbytes, 2 * messages * m, False,
+                                        recomputed_full=messages * m))
+        # the counts: per destination rank, the tokens and choices (transformers' experts) or the rows per expert
         counts = COUNT_BYTES * (2 * dims.ep if per_rank else experts)
         sheet.transfers.append(Transfer("all_to_all", "ep", "all_to_all", counts, m, False, recomputed_full=m,
                                         recomputed_selective=m))
