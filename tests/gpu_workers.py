@@ -536,9 +536,50 @@ def cp_kernel_seconds(fused: bool, dtype: torch.dtype = torch.bfloat16, seq: int
 
 
 def run_cp_kernels() -> dict[str, Any]:
+    from lightning_par.parallel import context as ctx
+
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    return {"math": cp_kernel_errors(False, "cuda", dtypes), "fused": cp_kernel_errors(True, "cuda", dtypes),
-            "seconds": {"math": cp_kernel_seconds(False), "fused": cp_kernel_seconds(True)}}
+    out = {"math": cp_kernel_errors(False, "cuda", dtypes), "fused": cp_kernel_errors(True, "cuda", dtypes),
+           "seconds": {"math": cp_kernel_seconds(False), "fused": cp_kernel_seconds(True)}}
+    before, ctx.SCORE_TILE_BYTES = ctx.SCORE_TILE_BYTES, 2**16  # the math path in row tiles of 64 KiB of scores
+    try:
+        out["tiled"] = cp_kernel_errors(False, "cuda", dtypes)
+    finally:
+        ctx.SCORE_TILE_BYTES = before
+    return out
+
+
+def run_dispatch_syncs() -> dict[str, Any]:
+    """The per-rank dispatch of transformers' experts on CUDA tensors (NCCL, one rank, ep 1): the synchronizing
+    CUDA operations torch reports (``torch.cuda.set_sync_debug_mode``) in its forward and backward, which should
+    be the counts' one ``tolist()``, and the output against the weighted sum (each expert doubles its rows)."""
+    import warnings
+
+    from lightning_par.parallel.experts import _TokenDispatch
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl")
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(64, 16, device="cuda", generator=g, requires_grad=True)
+        weights, index = torch.rand(64, 8, device="cuda", generator=g).softmax(-1).topk(2, dim=1)
+        weights = weights.detach().requires_grad_()
+        dispatch = _TokenDispatch(dist.group.WORLD, 1)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                sent = dispatch.send_tokens(x, index, weights, 8)
+                y = dispatch.combine_tokens(sent.expert_rows * 2.0, sent, x)
+                y.sum().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        expected = 2.0 * x.detach() * weights.detach().sum(dim=1, keepdim=True)
+        return {"syncs": syncs, "error": float((y.detach() - expected).abs().max())}
+    finally:
+        dist.destroy_process_group()
 
 
 def run_cp_attention_world1(fused: bool) -> dict[str, float]:

@@ -8,7 +8,8 @@ a fresh CUDA context and NCCL group, and CUPTI state that one test cannot leave 
 Covered: every strategy that runs at world size 1 against a hand-written GPU loop (fp32, bf16-mixed, bf16-true),
 16-mixed through the Trainer, checkpoint save and resume, the three monitors with real NVML and the CUDA
 allocator, a CUDA trace with compute and NCCL communication classified, what the monitors cost a launch-bound step
-(and the steps after a profiling window), and the context-parallel fused CUDA kernel against the math path.
+(and the steps after a profiling window), the context-parallel fused CUDA kernel against the math path (and the
+math path in row tiles), and the expert dispatch's one host sync per layer.
 Two faults read from the code without a GPU were fixed before these tests ever ran (cpu_offload at world size 1:
 FSDP2 with CPUOffloadPolicy on the one-rank mesh; NCCL's one-rank reduction kernel counted as communication): the
 tests that cover them are the first to look at on a GPU.
@@ -246,6 +247,20 @@ def test_cp_fused_kernel_matches_the_math_path(cp_kernels):
     benchmarks/bench_context.py on a GPU). Both holding on a GPU: set it True."""
     for case, err in cp_kernels["fused"].items():
         assert err <= max(CP_TOL[case.split("/")[0]], 2 * cp_kernels["math"][case]), (case, err)
+
+
+def test_cp_math_path_in_row_tiles_is_exact_on_gpu(cp_kernels):
+    """The math path with its queries in row tiles (64 KiB of scores each) as exact as untiled."""
+    for case, err in cp_kernels["tiled"].items():
+        assert err <= max(CP_TOL[case.split("/")[0]], 2 * cp_kernels["math"][case]), (case, err)
+
+
+def test_expert_dispatch_syncs_with_the_host_once_per_layer():
+    """The dispatch of transformers' experts waits for the host once per layer, forward and backward together:
+    the split sizes' ``tolist()``."""
+    result = launch(1, G.run_dispatch_syncs, timeout=300)[0]
+    assert result["error"] < 1e-5, result
+    assert len(result["syncs"]) == 1, result["syncs"]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["math", "fused"])
