@@ -507,7 +507,7 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
         if sheet.checkpointing == "full":
             recomputed += section.full_recompute_flops * sheet.token_scale + attention + slower + whole
             attentions += attention
-        elif sheet.checkpointing == "selective":  # (flops - slower - whole: the non-matmul work, experts' included)
+        elif sheet.checkpointing == "selective":  # (whole: the duplicated experts, recomputed in full)
             recomputed += (matmul_share * section.selective_recompute_flops * sheet.token_scale + slower + whole
                            + (1 - matmul_share) * (flops - slower - whole))
             if sheet.cp > 1:  # the engine's context-parallel attention is its own function, recomputed whole
