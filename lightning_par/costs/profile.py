@@ -146,7 +146,6 @@ class Section:
         return self.attention_flops - masked + sum(f * computed_share(seq_len, causal, window)
                                                    for f, causal, window in self.attention_calls)
 
-
     def blockwise_work(self, seq_len: int, cp: int) -> float:
         """``attention_flops`` as the engine's context-parallel math path computes them over ``cp`` ranks (load
         balanced, its default): whole blocks, never the lower triangle of one, so a causal score matrix costs

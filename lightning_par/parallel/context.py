@@ -138,13 +138,18 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
 SCORE_TILE_BYTES = 256 * 2**20
 
 
+def rows_per_tile(row_bytes: float) -> int:
+    """The query rows of one tile, whose scores take ``row_bytes`` a row: as many as ``SCORE_TILE_BYTES`` holds,
+    at least one (the planner sizes the transient with it too)."""
+    return max(1, int(SCORE_TILE_BYTES // max(1, row_bytes)))
+
+
 def _row_tiles(q: torch.Tensor, k: torch.Tensor, causal: bool) -> list[tuple[int, int, int]]:
     """(first row, end row, keys seen) per tile of the block's query rows: whole if its scores fit
     ``SCORE_TILE_BYTES``; a causal block's tile sees only the keys up to its last row."""
     b, h, rows, _ = q.shape
     keys = k.size(2)
-    per_row = b * h * keys * _acc(q).itemsize
-    step = max(1, SCORE_TILE_BYTES // max(1, per_row))
+    step = rows_per_tile(b * h * keys * _acc(q).itemsize)
     return [(r0, min(rows, r0 + step), min(keys, r0 + step) if causal else keys) for r0 in range(0, rows, step)]
 
 

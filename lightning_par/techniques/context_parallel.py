@@ -64,10 +64,9 @@ class ContextParallel(Technique):
         if cp == 1:
             return
         sheet.cp = cp
-        tile = cp_attention.SCORE_TILE_BYTES
         sheet.buffer_bytes += SCORE_TENSORS * per_cut(
-            sheet, ("cp_scores", sheet.token_scale, sheet.sequence_scale, cp, sheet.tp, tile),
-            lambda: _score_tile_bytes(sheet, tile))
+            sheet, ("cp_scores", sheet.token_scale, sheet.sequence_scale, cp, sheet.tp, cp_attention.SCORE_TILE_BYTES),
+            lambda: _score_tile_bytes(sheet))
         m = sheet.microbatches
         grad = sheet.grad_scale  # dK/dV travel in fp32
         # attentions of one size (the blocks) are one Transfer with their message counts summed
@@ -93,11 +92,11 @@ class ContextParallel(Technique):
         return f"context parallel ({self.algorithm}, load balance {self.load_balance})"
 
 
-def _score_tile_bytes(sheet: CostSheet, tile: int) -> float:
-    """The fp32 scores of one row tile of the largest block: the rank's own, its micro-batch's queries and keys of
-    one sequence chunk (heads split over tp), whole if under ``tile`` bytes, else ``tile`` (at least one row)."""
+def _score_tile_bytes(sheet: CostSheet) -> float:
+    """The fp32 scores of one row tile of the largest block (``parallel.context.rows_per_tile``): the rank's own,
+    its micro-batch's queries and keys of one sequence chunk (heads split over tp)."""
     scores = max((sheet.profile.sections[name].attention_scores for name in busiest_sections(sheet)), default=0)
     cp = sheet.dims.cp
     block = scores * sheet.token_scale * sheet.sequence_scale / cp**2 / sheet.tp * FP32_BYTES
     rows = sheet.seq_len / cp  # the block's query rows, one sequence chunk
-    return min(block, max(tile, block / rows))
+    return min(rows, cp_attention.rows_per_tile(block / rows)) * block / rows

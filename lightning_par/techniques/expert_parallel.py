@@ -14,6 +14,9 @@ from lightning_par.parallel.experts import apply_expert_parallel, hf_ep_plan, nu
 from lightning_par.parallel.modules import fqn_matches, match_modules
 from lightning_par.techniques.technique import Target, Technique
 
+#: an int64 count (the dispatch's split sizes)
+COUNT_BYTES = 8
+
 
 class ExpertParallel(Technique):
     """Each rank of an ``ep`` group holds ``num_experts / ep`` experts of every experts module the plan names (FQN
@@ -101,10 +104,6 @@ class ExpertParallel(Technique):
         counts = COUNT_BYTES * (2 * dims.ep if per_rank else experts)
         sheet.transfers.append(Transfer("all_to_all", "ep", "all_to_all", counts, m, False, recomputed_full=m,
                                         recomputed_selective=m))
-
-
-#: an int64 count
-COUNT_BYTES = 8
 
 
 def ranks_per_token(experts: int, ep: int, choices: int) -> float:
