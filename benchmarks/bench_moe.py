@@ -26,7 +26,8 @@ Qwen3-MoE built from a config with the same sizes (hidden, expert width, experts
    - the actual routing of that step, read from the counts all-to-all (sent and received counts per expert):
      2 x (rows this rank routed to other ranks' experts + rows other ranks routed to this rank's experts) x H x 4
      bytes leave the rank. Measured must equal it exactly; the difference to the even formula is the load.
-     transformers' experts (``ours Qwen3-MoE``) are dispatched once per token and rank: their counts are per rank,
+     transformers' experts (``ours Qwen3-MoE``) are dispatched once per token and rank: their counts are per rank
+     (tokens, and the choices they carry: the first column is read),
      their rows one per (token, rank), and their choices (2 x k float32 per row, out in forward and back as their
      gradient) are counted apart and added: below the even formula by the tokens whose choices share a rank.
 
@@ -252,6 +253,8 @@ def collective_recorder() -> Any:
             choice_bytes = choices[0]["row_bytes"] if choices else 0
             out_off = in_off = routed = 0
             for sent, received, rank, size in self._counts:
+                if choices and sent.dim() == 2:  # the per-rank dispatch's (tokens, choices) per destination rank
+                    sent, received = sent[:, 0], received.detach()[:, 0]
                 sent, received = sent.flatten().long(), received.detach().flatten().long()
                 local = sent.numel() // size
                 mine = slice(rank * local, (rank + 1) * local)
