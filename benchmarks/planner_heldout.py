@@ -70,10 +70,11 @@ _TT_ASYNC = ("pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtit
 #: context and pipeline parallelism (1F1B, interleaved), selective or full recomputation, and data parallelism
 #: through its distributed optimizer over the whole data-parallel group (parameters whole, optimizer state and
 #: gradients sharded: the ZeRO-1-like variant; Megatron-FSDP and partial distributed-optimizer instances came
-#: later). BLOOM's Megatron-DeepSpeed (2022): tensor and pipeline (1F1B) parallelism and ZeRO-1, no sequence or
-#: context parallelism. MPT's LLM Foundry and torchtitan (2025-06) run as planned by default.
+#: later); its interleaved schedule needed equal stages. BLOOM's Megatron-DeepSpeed (2022): tensor and pipeline
+#: (1F1B) parallelism and ZeRO-1, no sequence or context parallelism. MPT's LLM Foundry and torchtitan (2025-06)
+#: run as planned by default.
 MEGATRON_CORE_2024 = dict(restrict={"dp_replicate": [1]}, schedules=("1f1b", "interleaved_1f1b"),
-                          reshard_after_forward=(False,), accumulate_unsharded=(True,))
+                          reshard_after_forward=(False,), accumulate_unsharded=(True,), uneven_stages=False)
 MEGATRON_DEEPSPEED_2022 = dict(restrict={"dp_replicate": [1], "cp": [1]}, schedules=("1f1b",),
                                sequence_parallel=(False,), reshard_after_forward=(False,),
                                accumulate_unsharded=(True,))
@@ -168,7 +169,7 @@ def all_options(case: PublishedCase) -> PublishedCase:
     sequence, precision, checkpointing and async TP kept)."""
     defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(PublishedCase)
                 if f.name in ("restrict", "schedules", "sequence_parallel", "reshard_after_forward",
-                              "accumulate_unsharded")}
+                              "accumulate_unsharded", "uneven_stages")}
     return replace(case, **defaults)
 
 

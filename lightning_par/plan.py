@@ -68,7 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULES), default=list(PIPELINE_SCHEDULES),
                        metavar="NAME", help=f"the pipeline schedules to weigh, of {', '.join(sorted(SCHEDULES))} "
                        f"(default: {' '.join(PIPELINE_SCHEDULES)}); interleaved ones with every stage count per rank "
-                       f"that cuts the blocks evenly")
+                       f"that cuts the blocks evenly (and see --uneven-stages)")
+    where.add_argument("--uneven-stages", choices=("on", "off"), default="on",
+                       help="interleaved schedules: also weigh 4, 8 and 16 stages per rank where the blocks cannot be "
+                       "cut into equal stages (default on; Megatron-LM needs equal stages: off)")
     where.add_argument("--sequence-parallel", choices=("both", "on", "off"), default="both",
                        help="with tp > 1: weigh sequence parallelism on, off or both (default)")
     where.add_argument("--regather-sequence", choices=("both", "on", "off"), default="both",
@@ -116,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                         reshard_after_forward=_CHOICES[args.reshard_after_forward],
                         accumulate_unsharded=_CHOICES[args.accumulate_unsharded],
                         regather_sequence=_CHOICES[args.regather_sequence], async_tp=_CHOICES[args.async_tp],
-                        gradient_accumulation=args.gradient_accumulation == "on")
+                        gradient_accumulation=args.gradient_accumulation == "on",
+                        uneven_stages=args.uneven_stages == "on")
     seconds = time.perf_counter() - start
     print(f"{profile.name}: {sum(p.numel for p in profile.params) / 1e9:.3f} B parameters, global batch "
           f"{global_batch} x {profile.seq_len} tokens, {args.world} devices ({hardware.source}); "

@@ -89,6 +89,8 @@ def _world2(ckpt_dir: str, log_dir: str) -> dict:
     }}
     out["parity"] = {name: fit(pp(s, m), 2, 1, n_layer=4) for name, (s, m) in PP2.items()}
     out["uneven_split"] = fit(pp("1f1b", 4, pp_split_points=["model.blocks.1"]), 2, 1, n_layer=4)
+    # interleaved stages that cannot be equal (8 blocks in 6 stages: 2, 2, 1, 1, 1, 1), which the planner weighs
+    out["uneven_interleaved"] = fit(pp("interleaved_1f1b", 4, pp_stages_per_rank=3), 2, 1, n_layer=8)
     out["activation_checkpointing"] = fit(pp("1f1b", 4, activation_checkpointing=True), 2, 1, n_layer=4)
     out["selective_activation_checkpointing"] = fit(pp("1f1b", 4, activation_checkpointing="selective"), 2, 1,
                                                     n_layer=4)
@@ -212,6 +214,10 @@ def test_pp_x_fsdp_reduces_once_per_optimizer_step_under_gradient_accumulation(w
 @pytest.mark.parametrize("name", ["uneven_split", "activation_checkpointing", "selective_activation_checkpointing"])
 def test_uneven_split_and_activation_checkpointing(world2, ref4, name):
     assert_parity(world2["ranks"][0][name], ref4)
+
+
+def test_interleaved_stages_cut_unevenly_match_one_process(world2, ref8):
+    assert_parity(world2["ranks"][0]["uneven_interleaved"], ref8)
 
 
 def test_gradient_clipping_across_stages(world2):

@@ -419,11 +419,33 @@ def predict_attention_seconds(sheet: CostSheet, hardware: Hardware) -> float:
     return max(r[6] for r in _rank_costs(sheet, hardware.matmul_share)) / hardware.matmul_flops
 
 
-def test_interleaved_schedules_weigh_every_stage_count_that_cuts_the_blocks_evenly():
-    """12 blocks on pp 2: the schedule's default (2 per rank) and 3 and 6; 4 and 5 leave uneven stages."""
+def test_interleaved_schedules_weigh_every_stage_count_that_cuts_the_blocks_evenly_and_the_usual_uneven_ones():
+    """12 blocks on pp 2: the schedule's default (2 per rank), 3 and 6 (equal stages) and 4 (stages of 2 and 1
+    blocks, 6 blocks on each rank); 5 leaves uneven stages and is not a usual count, 8 stages per rank would need
+    16 blocks."""
     plan = plan_layouts(gpt(n_layer=12), batch(), 2, CPU, restrict={"pp": [2]}, schedules=("interleaved_1f1b",),
                         activation_checkpointing=(False,))
-    assert {p.layout.pp_stages_per_rank for p in plan.predictions} == {None, 3, 6}
+    assert {p.layout.pp_stages_per_rank for p in plan.predictions} == {None, 3, 4, 6}
+    even = plan_layouts(plan.profile, batch(), 2, CPU, restrict={"pp": [2]}, schedules=("interleaved_1f1b",),
+                        activation_checkpointing=(False,), uneven_stages=False)  # Megatron-LM's interleaving
+    assert {p.layout.pp_stages_per_rank for p in even.predictions} == {None, 3, 6}
+    with pytest.raises(TypeError, match=r"uneven_stages='no' must be True"):
+        plan_layouts(plan.profile, batch(), 2, CPU, uneven_stages="no")
+
+
+@pytest.mark.parametrize("blocks, v, like", [(64, 4, 4.0), (60, 4, 15 / 4), (61, 8, 8.0), (60, 5, 5.0), (61, 2, 2.0)])
+def test_uneven_stages_price_the_bubble_by_the_largest_stage(blocks, v, like):
+    """The warm-up and cool-down run (pp - 1) turns of the largest stage: 60 blocks in 16 stages of 4 and 3 (15 on
+    every rank) bubble as 3.75 equal stages per rank would, not 4; 61 in 32 stages of 2 and 1 (16 blocks on the
+    busiest rank) as 8."""
+    from lightning_par.techniques.pipeline_parallel import bubble_fraction, pipeline_shape
+
+    names = tuple(f"model.blocks.{i}" for i in range(blocks))
+    sections, _, bubble, _ = pipeline_shape("interleaved_1f1b", names, 4, v, 8)
+    assert sorted(s for rank in sections for s in rank if s.startswith("model.")) == sorted(names)
+    assert max(sum(s.startswith("model.") for s in rank) for rank in sections) == -(-blocks // 4)
+    assert bubble == pytest.approx(bubble_fraction("interleaved_1f1b", 4, like, 8), rel=1e-12)
+    assert bubble >= bubble_fraction("interleaved_1f1b", 4, v, 8)
 
 
 def test_a_layout_computes_at_the_rate_probed_for_its_tensor_parallel_split():

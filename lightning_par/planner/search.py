@@ -110,7 +110,8 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
                  block_list: str | None = None, sequence_parallel: Iterable[bool] = (True, False),
                  reshard_after_forward: Iterable[bool] = (True, False), memory_reserve: float = RESERVE,
                  gradient_accumulation: bool = True, accumulate_unsharded: Iterable[bool] = (False, True),
-                 regather_sequence: Iterable[bool] = (False, True), async_tp: Iterable[bool] = (False, True)) -> Plan:
+                 regather_sequence: Iterable[bool] = (False, True), async_tp: Iterable[bool] = (False, True),
+                 uneven_stages: bool = True) -> Plan:
     """Predict and rank every valid layout of ``module`` on ``world_size`` devices of ``hardware``.
 
     Args:
@@ -123,7 +124,8 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
         restrict: sizes allowed per dimension, e.g. ``{"pp": [1], "tp": [1, 2]}``.
         activation_checkpointing: the options to weigh: ``False``, ``"selective"``, ``True`` (full).
         schedules: the pipeline schedules to weigh (``PIPELINE_SCHEDULES``); interleaved ones with every stage
-            count per rank that cuts the blocks evenly.
+            count per rank that cuts the blocks evenly and, with ``uneven_stages``, 4, 8 and 16 where they cannot
+            be even (the engine cuts unevenly, as torchtitan and NeMo AutoModel do; Megatron-LM cut evenly only).
         allow_offload: also consider CPU offload (otherwise only when nothing else fits).
         sequence_parallel: with ``tp > 1``, weigh sequence parallelism on (``True``), off (``False``) or both.
         reshard_after_forward: with FSDP, weigh resharding after forward (``True``, ZeRO-3), keeping units gathered
@@ -172,11 +174,15 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
     if not isinstance(gradient_accumulation, bool):
         raise TypeError(f"gradient_accumulation={gradient_accumulation!r} must be True (weigh micro-batches for "
                         f"layouts whose batch does not fit) or False.")
+    if not isinstance(uneven_stages, bool):
+        raise TypeError(f"uneven_stages={uneven_stages!r} must be True (also weigh interleavings whose stages cannot "
+                        f"be equal) or False.")
     twins = len(options["reshard_after_forward"]) == 2  # ZeRO-2 variants weighed where they can matter, below
     candidates, skipped = enumerate_layouts(profile, world_size, hardware.gpus_per_node, batch, batch_is_global,
                                             restrict or {}, tuple(activation_checkpointing), schedules,
                                             options["sequence_parallel"],
-                                            (True,) if twins else options["reshard_after_forward"])
+                                            (True,) if twins else options["reshard_after_forward"],
+                                            uneven_stages)
     if not candidates:
         raise ValueError(_no_layout_message(profile, world_size, skipped))
 
@@ -379,7 +385,7 @@ def _dimensions(layout: Layout) -> int:
 def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, batch: int, batch_is_global: bool,
                       restrict: Mapping[str, Iterable[int]], checkpointing: tuple[bool | str, ...],
                       schedules: tuple[str, ...], sequence_parallel: tuple[bool, ...] = (True, False),
-                      reshard_after_forward: tuple[bool, ...] = (True, False),
+                      reshard_after_forward: tuple[bool, ...] = (True, False), uneven_stages: bool = True,
                       ) -> tuple[list[Layout], dict[str, int]]:
     """The layouts the engine would accept; ``skipped`` counts the candidates left out, by reason."""
     unknown = set(restrict) - set(RESTRICTABLE)
@@ -443,7 +449,7 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
                 if schedule in ("interleaved_zb", "zbv") and dims["dp_shard"] * dims["dp_replicate"] * dims["cp"] > 1:
                     skip("zero-bubble schedule with FSDP")
                     continue
-                for v, m in product(_stages_per_rank(schedule, blocks, dims["pp"]),
+                for v, m in product(_stages_per_rank(schedule, blocks, dims["pp"], uneven_stages),
                                     _microbatches(dims["pp"], local)):
                     try:
                         validate_pipeline(schedule, dims["pp"], m, blocks, v, local)
@@ -464,13 +470,17 @@ def _expert_splits(profile: ModelProfile, borrowed: int, allowed: set[int] | Non
 
 
 @cache
-def _stages_per_rank(schedule: str, blocks: int, pp: int) -> tuple[int | None, ...]:
+def _stages_per_rank(schedule: str, blocks: int, pp: int, uneven: bool = True) -> tuple[int | None, ...]:
     """Stages per rank to weigh: the schedule's own (None: 2 for the interleaved ones), and for the interleaved
     ones every other count up to ``MAX_STAGES_PER_RANK`` that cuts the blocks into ``pp x v`` equal stages (fewer
-    bubbles, more sends)."""
+    bubbles, more sends), and with ``uneven`` the usual 4, 8 and 16 where the stages cannot be equal:
+    DeepSeek-V3's 61 layers ran at pp 4 x vp 8 (NeMo). The engine's cut (``even_cut``) then leaves no rank more
+    than ``ceil(blocks / pp)`` blocks, and the bubble is priced by the largest stage (``pipeline_shape``)."""
     if schedule not in INTERLEAVED:
         return (None,)
-    return (None, *(v for v in range(3, min(blocks // pp, MAX_STAGES_PER_RANK) + 1) if blocks % (pp * v) == 0))
+    top = min(blocks // pp, MAX_STAGES_PER_RANK)
+    even = {v for v in range(3, top + 1) if blocks % (pp * v) == 0}
+    return (None, *sorted(even | ({v for v in (4, 8, 16) if v <= top} if uneven else set())))
 
 
 def _microbatches(pp: int, local_batch: int) -> list[int]:

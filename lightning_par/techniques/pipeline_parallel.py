@@ -132,13 +132,17 @@ def pipeline_shape(schedule: str, blocks: tuple[str, ...], pp: int, v: int,
     boundaries the busiest rank sends across) of one pipeline shape. The same for every layout of that shape, so
     worked out once (tuples: shared): a plan at thousands of GPUs asks it for tens of thousands of layouts."""
     stages = even_cut(list(blocks), pp * v)
+    style = SCHEDULES[schedule].style
+    # the warm-up and cool-down take (pp - 1) of the largest stage's turns: where the blocks do not cut evenly,
+    # more than (pp - 1) / v of a rank's work (the bubble as if each rank ran busiest / largest equal stages)
+    largest = max(len(s) for s in stages)
+    busiest = max(sum(len(stages[sid]) for sid in stage_ids(r, pp, v, style)) for r in range(pp))
     stages[0].insert(0, "first")
     stages[-1].append("last")
-    style = SCHEDULES[schedule].style
     rank_sections = tuple(tuple(s for sid in stage_ids(r, pp, v, style) for s in stages[sid]) for r in range(pp))
     inflight = tuple(in_flight(schedule, r, pp, v, m) for r in range(pp))
     boundaries = max(sum(sid < pp * v - 1 for sid in stage_ids(r, pp, v, style)) for r in range(pp))
-    return rank_sections, inflight, bubble_fraction(schedule, pp, v, m), boundaries
+    return rank_sections, inflight, bubble_fraction(schedule, pp, busiest / largest, m), boundaries
 
 
 def in_flight(schedule: str, rank: int, pp: int, v: int, m: int) -> float:
@@ -153,10 +157,11 @@ def in_flight(schedule: str, rank: int, pp: int, v: int, m: int) -> float:
     return chunks / v
 
 
-def bubble_fraction(schedule: str, pp: int, v: int, m: int) -> float:
+def bubble_fraction(schedule: str, pp: int, v: float, m: int) -> float:
     """Share of the step a rank waits, textbook: (p - 1) / (m + p - 1) for GPipe and 1F1B, the interleaved
-    schedule divides the warm-up by v, the zero-bubble ones fill most of the rest with weight gradients (a third
-    of 1F1B's, the figure of their paper for a schedule whose weight and input gradients cost alike)."""
+    schedule divides the warm-up by v (its stages per rank, where they are equal), the zero-bubble ones fill most
+    of the rest with weight gradients (a third of 1F1B's, the figure of their paper for a schedule whose weight
+    and input gradients cost alike)."""
     if schedule in ("gpipe", "1f1b"):
         return (pp - 1) / (m + pp - 1)
     interleaved = ((pp - 1) / v) / (m + (pp - 1) / v)
