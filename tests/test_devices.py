@@ -201,10 +201,11 @@ def test_measured_group_links_serve_the_mesh_dimensions_of_their_shape():
     # dp_shard 2 x tp 2 on one node of 4: FSDP's groups are 2 apart, TP's adjacent
     dims = ParallelDims(dp_shard=2, tp=2).resolve(4)
     assert (dims.group_stride("dp_shard"), dims.group_stride("tp"), dims.group_stride("dp_shard_cp")) == (2, 1, 2)
-    assert _link("dp_shard", dims, hw) == (2, 5e10, 4e-6, 5e10) and _link("tp", dims, hw) == (2, 1e11, 2e-6, 1e11)
-    assert _link("dp_shard", dims, replace(hw, gpus_per_node=2)) == (2, 1e10, 1e-5, 1e10)  # across two nodes
+    assert _link("dp_shard", dims, hw) == (2, 5e10, 4e-6, 5e10, 2, 1e11)
+    assert _link("tp", dims, hw) == (2, 1e11, 2e-6, 1e11, 2, 1e11)
+    assert _link("dp_shard", dims, replace(hw, gpus_per_node=2)) == (2, 1e10, 1e-5, 1e10, 1, 1e11)  # across two nodes
     # ranks sharing CPU cores: the node's all-reduce prices every group (see predict._link)
-    assert _link("dp_shard", dims, replace(hw, device="cpu (x86_64, 1 threads)")) == (2, 1e11, 2e-6, 1e11)
+    assert _link("dp_shard", dims, replace(hw, device="cpu (x86_64, 1 threads)")) == (2, 1e11, 2e-6, 1e11, 2, 1e11)
     assert ParallelDims(pp=2, dp_replicate=2, cp=2).resolve(8).group_stride("dp_cp") == 1
     assert ParallelDims(pp=2, dp_replicate=2, cp=2).resolve(8).group_stride("pp") == 4
     for bad in [(2,), (0, 1, 1e9, 0.0), (2, 1, -1.0, 0.0)]:
@@ -401,11 +402,12 @@ def test_probe_on_gloo_is_the_same_on_every_rank(world_size, gpus_per_node):
 def test_a_group_across_nodes_rings_over_as_many_nics_as_it_has_ranks_in_a_node():
     """NCCL spreads a ring's channels over the NICs of the group's ranks in a node: FSDP over 64 GPUs of 8 nodes
     moves its cross-node bytes through 8 NICs per node (8 x 50 GB/s, capped by NVLink's 450), a data-parallel group
-    one rank per node (TP 8 inside) through one; all-to-alls and pipeline sends go through a rank's own NIC."""
+    one rank per node (TP 8 inside) through one; all-to-alls and pipeline sends go through a rank's own NIC, an
+    all-to-all's bytes for the other ranks of its node over NVLink meanwhile."""
     hw = known_hardware("H100-SXM", gpus_per_node=8, inter_link="ib-ndr400")
     fsdp = ParallelDims(dp_shard=64).resolve(64)
     assert fsdp.members_per_node("dp_shard", 8) == 8
-    assert _link("dp_shard", fsdp, hw) == (64, 400e9, hw.inter_latency, 50e9)
+    assert _link("dp_shard", fsdp, hw) == (64, 400e9, hw.inter_latency, 50e9, 8, 450e9)
     over_tp = ParallelDims(dp_shard=8, tp=8).resolve(64)
     assert over_tp.members_per_node("dp_shard", 8) == 1
     assert _link("dp_shard", over_tp, hw)[1] == 50e9
@@ -422,4 +424,16 @@ def test_a_group_across_nodes_rings_over_as_many_nics_as_it_has_ranks_in_a_node(
     to_all = Transfer("ep_all_to_all", "dp_shard", "all_to_all", 64e9, 1, False)
     link = _link("dp_shard", fsdp, hw)
     assert _transfer_time(gather, *link) == pytest.approx(63 / 64 * 64e9 / 400e9 + 63 * hw.inter_latency)
-    assert _transfer_time(to_all, *link) == pytest.approx(63 / 64 * 64e9 / 50e9 + 63 * hw.inter_latency)
+    # 56 of its 64 shares leave the node through the NIC; 7 cross NVLink meanwhile, one stays
+    assert _transfer_time(to_all, *link) == pytest.approx(56 / 64 * 64e9 / 50e9 + 63 * hw.inter_latency)
+    assert _transfer_time(to_all, *link[:4]) == pytest.approx(63 / 64 * 64e9 / 50e9 + 63 * hw.inter_latency)
+    # expert parallelism over two nodes: half of each all-to-all stays in the node
+    ep16 = ParallelDims(dp_shard=16, ep=16).resolve(16)
+    experts = Transfer("all_to_all", "ep", "all_to_all", 64e9, 1, False)
+    assert _link("ep", ep16, hw)[4:] == (8, 450e9)
+    assert _transfer_time(experts, *_link("ep", ep16, hw)) == pytest.approx(8 / 16 * 64e9 / 50e9
+                                                                           + 15 * hw.inter_latency)
+    # within one node: every byte over NVLink, as before
+    ep8 = ParallelDims(dp_shard=8, ep=8).resolve(8)
+    assert _transfer_time(experts, *_link("ep", ep8, hw)) == pytest.approx(7 / 8 * 64e9 / 450e9
+                                                                          + 7 * hw.intra_latency)

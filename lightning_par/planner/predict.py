@@ -265,7 +265,7 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     hidden = {t.kind: 0.0 for t in sheet.transfers}  # behind any compute
     behind_attention = {t.kind: 0.0 for t in sheet.transfers}  # behind the attention kernels only
     pipelined = {t.kind: 0.0 for t in sheet.transfers}  # hidden behind their own matmul (async tp)
-    links: dict[str, tuple[int, float, float]] = {}  # per mesh dimension: its group size and link
+    links: dict[str, Link] = {}  # per mesh dimension: its group size and links
     shared = shares_cores(hardware)
     for t in sheet.transfers:
         if t.dim not in links:
@@ -532,21 +532,27 @@ def expert_slowdown(sheet: CostSheet, section: Section, grouped_mm: GroupedMatmu
     return section.expert_flops * sheet.token_scale * (1.0 / rate - 1.0)
 
 
-def _cached_link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float, float]:
+#: a mesh dimension's groups as the time model sees them: (ranks, ring bandwidth, latency, a rank's own bandwidth,
+#: ranks of the group in one node, the node-internal bandwidth), see ``_link``
+Link = tuple[int, float, float, float, int, float]
+
+
+def _cached_link(dim: str, dims: ParallelDims, hw: Hardware) -> Link:
     """``_link``, remembered across layouts (the same few mesh shapes recur in thousands of them)."""
     return _link_of_sizes(dim, (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp, dims.ep), hw)
 
 
 @lru_cache(maxsize=4096)
-def _link_of_sizes(dim: str, sizes: tuple[int, ...], hw: Hardware) -> tuple[int, float, float, float]:
+def _link_of_sizes(dim: str, sizes: tuple[int, ...], hw: Hardware) -> Link:
     return _link(dim, ParallelDims(*sizes), hw)
 
 
-def _link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float, float]:
+def _link(dim: str, dims: ParallelDims, hw: Hardware) -> Link:
     """The group size of mesh dimension ``dim``, the bandwidth and latency of the link its groups' ring collectives
     use (measured for groups of that shape when the probe measured it, else the node's or the inter-node link, whose
-    NICs a group across nodes uses as many of as it has ranks in a node: ``Hardware.link``), and the bandwidth one
-    rank's own sends get (point-to-point and all-to-all: its own NIC across nodes).
+    NICs a group across nodes uses as many of as it has ranks in a node: ``Hardware.link``), the bandwidth one
+    rank's own sends get (point-to-point and all-to-all: its own NIC across nodes), and for a group across nodes how
+    many of its ranks share a node and the link inside it (an all-to-all reaches those over it, not over the NIC).
 
     Not on ranks that share CPU cores: there a pair of ranks measured on its own gets the cores between its hops,
     while in training the other ranks compute meanwhile, and the all-reduce over the whole node, which waits for
@@ -559,16 +565,23 @@ def _link(dim: str, dims: ParallelDims, hw: Hardware) -> tuple[int, float, float
     ring, latency = hw.link(size, stride, within, by_shape=by_shape,
                             members_per_node=dims.members_per_node(dim, hw.gpus_per_node))
     own, _ = hw.link(size, stride, within, by_shape=by_shape)
-    return size, ring, latency, own
+    return size, ring, latency, own, dims.members_per_node(dim, hw.gpus_per_node), hw.intra_bandwidth
 
 
-def _transfer_time(t: Transfer, n: int, bandwidth: float, latency: float, own_bandwidth: float | None = None) -> float:
+def _transfer_time(t: Transfer, n: int, bandwidth: float, latency: float, own_bandwidth: float | None = None,
+                   node_ranks: int | None = None, node_bandwidth: float | None = None) -> float:
     """The ring model of one transfer over a group of ``n`` ranks, ``t.count`` times: ring collectives at the
     group's ``bandwidth``, all-to-alls and point-to-point messages at a rank's ``own_bandwidth`` (default: the
-    same)."""
+    same). An all-to-all across nodes, ``node_ranks`` of its ranks in each, sends ``(n - node_ranks) / n`` of its
+    bytes over the rank's own NIC and, at the same time, those for the other ranks of its node over the node's link
+    (``node_bandwidth``): the slower of the two."""
     if n <= 1:
         return 0.0
     own = bandwidth if own_bandwidth is None else own_bandwidth
+    if t.collective == "all_to_all" and node_ranks is not None and node_bandwidth is not None and node_ranks < n:
+        remote = (n - node_ranks) / n * t.nbytes / own
+        local = (node_ranks - 1) / n * t.nbytes / node_bandwidth
+        return (max(remote, local) + (n - 1) * latency) * t.count
     if t.collective == "all_reduce":
         one = 2 * (n - 1) / n * t.nbytes / bandwidth + 2 * (n - 1) * latency
     elif t.collective in ("all_gather", "reduce_scatter"):  # (n - 1) / n of the bytes leave
