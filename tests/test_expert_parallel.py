@@ -29,6 +29,7 @@ from lightning_par.parallel.experts import (
     _TokenDispatch,
     grouped_experts,
     is_hf_experts,
+    node_groups,
     runs_transformers_grouped_mm,
 )
 
@@ -70,6 +71,15 @@ class LoRAExpertsLM(HFCausalLM):
 
     def configure_optimizers(self):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=3e-3, eps=1e-6)
+
+
+class NodesSeen(Callback):
+    """How many ranks per node the expert dispatch was built with (None: one step)."""
+
+    def on_fit_start(self, trainer, pl_module):
+        nodes = trainer.strategy.expert_parallel.nodes
+        self.per_node = None if nodes is None else nodes.per_node
+        self.summary = trainer.strategy.expert_parallel.describe(trainer.strategy.dims)
 
 
 def _monitored(log_dir: str) -> tuple[ExpertLoadMonitor, dict]:
@@ -217,6 +227,18 @@ def _world4() -> dict:
     # parallel folding: attention under tp, experts under ep
     out["mixtral_tp2_ep2"] = fit(NDParallelStrategy(dp_shard=2, tp=2, ep=2), 4, 2, module_cls=HFCausalLM,
                                  arch="mixtral")
+    # ep across two nodes of 2 ranks: each token crosses once to each node holding one of its experts, then once to
+    # each rank there (transformers' experts: with shared experts and group-limited routing, and LoRA on them)
+    for name, module_cls, arch in (("qwen3_moe_ep4_two_nodes", HFCausalLM, "qwen3_moe"),
+                                   ("deepseek_v3_ep4_two_nodes", HFCausalLM, "deepseek_v3"),
+                                   ("lora_experts_ep4_two_nodes", LoRAExpertsLM, "qwen3_moe")):
+        seen = NodesSeen()
+        out[name] = fit(NDParallelStrategy(ep=4, ep_ranks_per_node=2), 4, 4, module_cls=module_cls, arch=arch,
+                        callbacks=[seen])
+        out[name].update(per_node=seen.per_node, summary=seen.summary)
+    seen = NodesSeen()  # one host here: found from the hosts' names, one step
+    fit(NDParallelStrategy(ep=4), 4, 4, module_cls=HFCausalLM, arch="qwen3_moe", callbacks=[seen], max_steps=1)
+    out["one_host_per_node"] = seen.per_node
     return out
 
 
@@ -559,6 +581,31 @@ def test_expert_parallel_world4_in_parity(world4, reference, reference_shared_si
     assert_parity(world4[name], expected.get(name, reference))
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe_ep4_two_nodes", "deepseek_v3_ep4_two_nodes", "lora_experts_ep4_two_nodes"])
+def test_expert_parallel_across_nodes_dispatches_in_two_steps_in_parity(world4, reference_lora_experts, name):
+    """ep 4 as two nodes of 2 ranks (``ep_ranks_per_node=2``): between nodes once per node, inside them once per
+    rank; the start-up summary says so; losses and weights are one process's (Qwen3-MoE, DeepSeek-V3 with its
+    shared expert and group-limited routing, LoRA on Qwen3-MoE's experts). On one host, left to find the nodes, the
+    dispatch is one step."""
+    result = world4[name]
+    assert result["per_node"] == 2 and "once per node across 2 nodes" in result["summary"], result["summary"]
+    arch = "deepseek_v3" if name.startswith("deepseek") else "qwen3_moe"
+    assert_parity(result, reference_lora_experts if name.startswith("lora") else hf_reference(arch))
+    assert world4["one_host_per_node"] is None
+
+
+def test_the_ranks_of_an_ep_group_per_host():
+    """From every rank's host name: consecutive ranks of each ep group on one host, as many on each, else 1."""
+    from lightning_par.techniques.expert_parallel import _ranks_per_host
+
+    two_nodes = ["a"] * 4 + ["b"] * 4
+    assert _ranks_per_host([[0, 1, 2, 3, 4, 5, 6, 7]], two_nodes) == 4
+    assert _ranks_per_host([[0, 2, 4, 6], [1, 3, 5, 7]], two_nodes) == 2  # tp 2 inside: every other rank
+    assert _ranks_per_host([[0, 1, 2, 3]], two_nodes) == 4  # within one node
+    assert _ranks_per_host([[0, 4, 1, 5]], two_nodes) == 1  # alternating hosts: one step
+    assert _ranks_per_host([[0, 1, 2, 3, 4, 5]], ["a"] * 4 + ["b"] * 2) == 1  # uneven
+
+
 def test_experts_units_reshard_after_forward_as_the_blocks_do(world4):
     """Each experts module is an FSDP unit of its own over efsdp: it frees its gathered experts after forward like
     every block but the last (which backward needs at once); it used to keep them gathered (ZeRO-2-like)."""
@@ -590,6 +637,10 @@ def test_ep_must_divide_the_data_and_context_ranks(sizes, message):
 def test_ep_refusals_at_construction():
     with pytest.raises(ValueError, match="`ep=-1` is not a valid size"):
         ParallelDims(ep=-1)
+    with pytest.raises(ValueError, match=r"ep_ranks_per_node=3 must divide ep=4.*\[1, 2, 4\]"):
+        NDParallelStrategy(ep=4, ep_ranks_per_node=3)
+    with pytest.raises(ValueError, match=r"ep_ranks_per_node"):
+        NDParallelStrategy(ep=4, ep_ranks_per_node=0)
     with pytest.raises(ValueError, match=r"moe_top_k=5 must be between 1 and n_experts=4"):
         from example_projects.gpt.lit import GPTModule
 
@@ -609,19 +660,21 @@ def test_rows_regrouped_from_source_rank_to_expert():
     assert regrouped == sorted(labels, key=lambda se: (se[1], se[0]))
 
 
-def _per_rank_dispatch(tokens: int, k: int, experts: int) -> dict:
-    """One rank of a world-2 ep group: its tokens (own seed) through the per-rank dispatch, an expert as a matrix,
-    and the combine; the same sum computed here without sending anything."""
+def _per_rank_dispatch(tokens: int, k: int, experts: int, per_node: int | None = None) -> dict:
+    """One rank of an ep group of the whole world: its tokens (own seed) through the per-rank dispatch (across
+    nodes of ``per_node`` ranks: between them, then inside), an expert as a matrix, and the combine; the same sum
+    computed here without sending anything."""
     dist.init_process_group("gloo")
     try:
-        rank, ep, hidden = dist.get_rank(), 2, 4
+        rank, ep, hidden = dist.get_rank(), dist.get_world_size(), 4
         gen = torch.Generator().manual_seed(rank)
         x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
         weights, index = torch.rand(tokens, experts, generator=gen).softmax(-1).topk(k, dim=1)
         weights = weights.detach().requires_grad_()
         maps = torch.randn(experts, hidden, hidden, generator=torch.Generator().manual_seed(99))  # every rank's
         local = experts // ep
-        dispatch = _TokenDispatch(dist.group.WORLD, ep)
+        nodes = None if per_node is None else node_groups([list(range(ep))], per_node)
+        dispatch = _TokenDispatch(dist.group.WORLD, ep, nodes)
         mine = maps[rank * local:(rank + 1) * local]
         grad = torch.randn(tokens, hidden, generator=gen)
         with HostSyncs() as syncs:
@@ -632,10 +685,12 @@ def _per_rank_dispatch(tokens: int, k: int, experts: int) -> dict:
         x_ref, w_ref = x.detach().clone().requires_grad_(), weights.detach().clone().requires_grad_()
         y_ref = torch.einsum("tk,tkh->th", w_ref, torch.einsum("th,tkhg->tkg", x_ref, maps[index]))
         y_ref.backward(grad)
-        ranks_of_token = [len(set((index[t] // local).tolist())) for t in range(tokens)]
+        per_place = local * (per_node or 1)  # the experts of one rank, or across nodes of one node
+        places_of_token = [len(set((index[t] // per_place).tolist())) for t in range(tokens)]
         return {"y": (y - y_ref).abs().max().item(), "x_grad": (x.grad - x_ref.grad).abs().max().item(),
-                "w_grad": (weights.grad - w_ref.grad).abs().max().item(), "sent_rows": sum(sent.input_splits),
-                "pairs": sum(ranks_of_token), "choices": tokens * k, "expert_rows": sent.expert_rows.shape[0],
+                "w_grad": (weights.grad - w_ref.grad).abs().max().item(),
+                "sent_rows": sum(sent.exchanges[0].input_splits), "exchanges": len(sent.exchanges),
+                "pairs": sum(places_of_token), "choices": tokens * k, "expert_rows": sent.expert_rows.shape[0],
                 "grouped": bool((sent.expert_index[1:] >= sent.expert_index[:-1]).all()), "host_syncs": syncs.ops}
     finally:
         dist.destroy_process_group()
@@ -659,6 +714,21 @@ def test_hugging_face_experts_get_each_token_once_per_rank():
         x.nonzero(), x[x > 0], x.sum().item(), x[torch.tensor([1])]
     assert control.ops == ["aten::nonzero", "aten::index.Tensor", "aten::_local_scalar_dense"], control.ops
     assert sum(r["expert_rows"] for r in ranks) == sum(r["choices"] for r in ranks)  # every choice computed once
+
+
+def test_across_nodes_a_token_crosses_once_per_node_and_is_forwarded_inside_it():
+    """An ep group of 4 ranks as 2 nodes of 2 (``NodeGroups``): a token goes to each node holding one of its
+    experts once, to the rank of its own place there, which forwards it once to each rank of the node holding one;
+    output and gradients are the one-place sum's (fp32, 1e-6), every choice is computed once, and no operator waits
+    for the host (the two exchanges' split sizes are the two host syncs)."""
+    ranks = launch(4, _per_rank_dispatch, 16, 3, 8, 2)
+    for rank in ranks:
+        assert max(rank["y"], rank["x_grad"], rank["w_grad"]) < 1e-6, rank
+        assert rank["exchanges"] == 2, rank
+        assert rank["sent_rows"] == rank["pairs"] < rank["choices"], rank  # rows between nodes: one per node
+        assert rank["grouped"], rank
+        assert rank["host_syncs"] == [], rank
+    assert sum(r["expert_rows"] for r in ranks) == sum(r["choices"] for r in ranks)
 
 
 def _experts_of(arch: str) -> torch.nn.Module:

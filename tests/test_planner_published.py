@@ -218,13 +218,12 @@ GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=2
                    vocab_size=201088, sliding_window=128, max_position_embeddings=131072, tie_word_embeddings=False)
 _NEMO_AUTOMODEL = "NeMo AutoModel, docs 'Performance Summary', pre-training table, System: DGX-H100, BF16"
 _NEMO_CONFIGS = "configs: NVIDIA-NeMo/Automodel examples/llm_benchmark/"
-#: NeMo's dispatch (read in NeMo AutoModel's source, 2026-11): DeepEP sends a token once per destination rank, as
-#: lightning_par's dispatch of transformers' experts now does, and across nodes once per destination node, forwarding
-#: it over NVLink inside the node, which lightning_par does not; NeMo calls it synchronously
-#: (``moe_deepep_async_dispatch`` is off in these configs, nothing is computed between dispatch and experts), so
-#: neither overlaps its all-to-alls with compute
-_DEEPEP = ("NeMo dispatches with DeepEP: like lightning_par it sends a token once per rank holding one of its "
-           "experts, synchronously; unlike it, across nodes once per node, forwarded over NVLink inside the node")
+#: NeMo's dispatch (read in NeMo AutoModel's source, 2026-11): DeepEP sends a token once per destination rank, and
+#: across nodes once per destination node, forwarding it over NVLink inside the node, as lightning_par's dispatch of
+#: transformers' experts does; NeMo calls it synchronously (``moe_deepep_async_dispatch`` is off in these configs,
+#: nothing is computed between dispatch and experts), so neither overlaps its all-to-alls with compute
+_DEEPEP = ("NeMo dispatches with DeepEP, synchronously: like lightning_par it sends a token once per rank holding one "
+           "of its experts, and across nodes once per node, forwarded over NVLink inside the node")
 CASES += [
     PublishedCase(
         "NeMo AutoModel Qwen3-30B-A3B, 8 H100, EP 8 x FSDP 8",
@@ -268,11 +267,11 @@ CASES += [
         DEEPSEEK_V3, world=256, global_batch=512, seq_len=4096, published_tokens_per_s=1002,
         layout={"dp_shard": 64, "ep": 64, "pp": 4}, inter_link="ib-ndr400", arch="deepseek_v3",
         known_gaps={
-            "rank": f"{_DEEPEP}: across 8 nodes (ep 64, each token routed to at most 4 of them) lightning_par's "
-                    f"all-to-alls cost 6.3 s of a 14.7 s step here (8 stages per rank, as NeMo's vp 8), and the "
-                    f"planner ranks the published layout 68th, behind pipelines of 32 and 16 stages with ep 8 "
-                    f"inside a node (852 tokens/s)",
-            "throughput": f"{_DEEPEP}: 557 tokens/s predicted for the published layout, 0.56 of the published "
+            "rank": f"{_DEEPEP}: across 8 nodes (ep 64, each token routed to at most 4 of them: 3.6 nodes and 7.4 "
+                    f"ranks on average) lightning_par's all-to-alls cost 3.6 s of an 11.2 s step here (8 stages per "
+                    f"rank, as NeMo's vp 8), and the planner ranks the published layout 40th, behind FSDP 256 with "
+                    f"ep 32 and the same pipeline with ep 16 (874 and 877 tokens/s: an ep group over 4 or 2 nodes)",
+            "throughput": f"{_DEEPEP}: 728 tokens/s predicted for the published layout, 0.73 of the published "
                           f"figure"}),
 ]
 

@@ -16,6 +16,7 @@ from workers import GLOBAL_BATCH, TINY_GPT
 
 from example_projects.gpt.lit import GPTModule
 from lightning_par.costs.profile import ModelProfile, Section, profile_model
+from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.devices import GroupedMatmulCurve, Hardware, known_hardware
 from lightning_par.parallel import context
 from lightning_par.parallel.context_sharding import block_plan, sequence_positions
@@ -230,6 +231,67 @@ def test_transformers_experts_are_dispatched_once_per_token_and_rank():
                                      "32-true").transfers if t.kind == "all_to_all"]
     assert gpt_a2a.nbytes == tokens / 2 * 2 * TINY_GPT["n_embd"] * 4  # one row per choice
     assert gpt_a2a.count == 4 * 4  # 4 blocks
+
+
+def test_group_limited_routing_sends_a_token_to_fewer_ranks():
+    """DeepSeek-V3's routing picks ``topk_group`` of ``n_group`` groups of consecutive experts first: the tiny
+    config's 2 choices are the 2 experts of one of 2 groups, so at ep 2 (a group a rank) a token goes to exactly 1
+    rank, not 5/3; at DeepSeek-V3's sizes (256 experts, 8 groups, 4 chosen, top-8) 7.36 ranks at ep 64 instead of
+    7.68, and 3.63 of 8 nodes instead of 5.29."""
+    with torch.device("meta"):
+        model = HFCausalLM("deepseek_v3")
+    profile = profile_model(model, (torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long),) * 2)
+    assert profile.expert_groups == (2, 1)
+    assert ranks_per_token(4, 2, 2, (2, 1)) == 1.0 and ranks_per_token(4, 4, 2, (2, 1)) == 2.0
+    assert ranks_per_token(256, 64, 8, (8, 4)) == pytest.approx(7.359, abs=1e-3)
+    assert ranks_per_token(256, 64, 8) == pytest.approx(7.676, abs=1e-3)
+    assert ranks_per_token(256, 8, 8, (8, 4)) == pytest.approx(3.629, abs=1e-3)
+    assert ranks_per_token(256, 4, 8, (8, 4)) == pytest.approx(4 * (1 - 15 / 70))  # 2 whole groups a rank
+    a2a = next(t for t in account(Layout(dp_shard=2, ep=2), profile, GLOBAL_BATCH // 2, SEQ, "32-true").transfers
+               if t.kind == "all_to_all")
+    block = profile.sections[profile.blocks[-1]]
+    tokens, row = block.routed_rows / 2, block.routed_bytes / block.routed_rows
+    assert a2a.nbytes == pytest.approx(tokens / 2 * (row + 4 * 2) * 2 / 3)  # 1 rank a token, half the batch
+
+
+def test_across_nodes_transformers_experts_are_priced_in_two_steps():
+    """ep 4 over nodes of 2 ranks: between nodes one row per token and node holding one of its 2 choices (of 4
+    experts, 2 per node: 5/3 nodes a token, as 2 ranks would be), inside a node one per token and rank (2 a
+    token), each step with its counts; within a node, or with ``ep_ranks_per_node=4``, one step. Between nodes
+    through the rank's NIC over the 2 places, inside over the node's link."""
+    from lightning_par.planner.predict import _cached_link, _transfer_time
+    from lightning_par.techniques import ExpertParallel
+
+    with torch.device("meta"):
+        model = HFCausalLM("qwen3_moe")
+    qwen3_moe = profile_model(model, (torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long),) * 2)
+    layout = Layout(dp_shard=4, ep=4)
+
+    def steps(sheet: CostSheet) -> dict[str, list[Transfer]]:
+        out: dict[str, list[Transfer]] = {}
+        for t in sheet.transfers:
+            if t.kind == "all_to_all":
+                out.setdefault(t.collective, []).append(t)
+        return out
+
+    two = steps(account(layout, qwen3_moe, GLOBAL_BATCH // 4, SEQ, "32-true", ranks_per_node=2))
+    one = steps(account(layout, qwen3_moe, GLOBAL_BATCH // 4, SEQ, "32-true", ranks_per_node=8))
+    assert set(two) == {"all_to_all_between", "all_to_all_inside"} and set(one) == {"all_to_all"}
+    (between, between_counts), (inside, inside_counts) = two["all_to_all_between"], two["all_to_all_inside"]
+    flat, _ = one["all_to_all"]
+    assert inside.nbytes == flat.nbytes and inside.count == between.count == flat.count
+    assert between.nbytes == pytest.approx(flat.nbytes * ranks_per_token(4, 2, 2) / ranks_per_token(4, 4, 2))
+    assert (between_counts.nbytes, inside_counts.nbytes) == (2 * 2 * 8, 2 * 2 * 8)
+    sheet = CostSheet(layout.dims(), qwen3_moe, GLOBAL_BATCH // 4, SEQ, ranks_per_node=2)
+    ExpertParallel(ranks_per_node=4).account(sheet)  # the user's say: one step
+    assert set(steps(sheet)) == {"all_to_all"}
+    hw = replace(GPU, gpus_per_node=2, inter_bandwidth=GPU.intra_bandwidth / 4)
+    link = _cached_link("ep", layout.dims(), hw)
+    assert link[4] == 2
+    assert _transfer_time(between, *link) == pytest.approx(
+        between.count * (between.nbytes / 2 / hw.inter_bandwidth + hw.inter_latency))
+    assert _transfer_time(inside, *link) == pytest.approx(
+        inside.count * (inside.nbytes / 2 / hw.intra_bandwidth + hw.inter_latency))
 
 
 def profile_model_gpt4(moe: bool = False) -> ModelProfile:

@@ -207,6 +207,9 @@ class ModelProfile:
     tp_checks: dict[tuple[int, bool], bool] = field(default_factory=dict, repr=False)
     #: the fewest experts of its experts modules (the ep sizes that fit divide it); 0: no mixture of experts
     num_experts: int = 0
+    #: group-limited routing (DeepSeek-V3's ``n_group``, ``topk_group`` of its config): a token's choices fall in
+    #: ``topk_group`` of ``n_group`` groups of consecutive experts; None: anywhere
+    expert_groups: tuple[int, int] | None = None
 
     @property
     def tokens(self) -> int:
@@ -617,7 +620,19 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
         seq_len=int(sample.shape[1]) if sample.ndim > 1 else 1,
         hidden_bytes=hidden_bytes // max(1, int(sample.shape[0]) * (int(sample.shape[1]) if sample.ndim > 1 else 1)),
         optimizer_bytes_per_element=_optimizer_bytes(model), tp_plan=resolved, meta_module=model,
-        tp_source_plan=source_plan, num_experts=min((num_experts_of(m, n) for n, m in experts), default=0))
+        tp_source_plan=source_plan, num_experts=min((num_experts_of(m, n) for n, m in experts), default=0),
+        expert_groups=_expert_groups(model) if experts else None)
+
+
+def _expert_groups(model: nn.Module) -> tuple[int, int] | None:
+    """``(n_group, topk_group)`` of a Hugging Face config with group-limited routing (DeepSeek-V3, GLM-4.5, ...),
+    where it limits anything (more than one group, fewer chosen)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        groups, chosen = getattr(config, "n_group", None), getattr(config, "topk_group", None)
+        if isinstance(groups, int) and isinstance(chosen, int) and 1 <= chosen < groups:
+            return groups, chosen
+    return None
 
 
 def _count_routed(trace: _Trace, args: tuple, module: nn.Module) -> None:

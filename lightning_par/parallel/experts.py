@@ -15,7 +15,10 @@ Two contracts of an experts module, every parameter of which has the experts on 
   it runs; the model's code is not changed): by :func:`grouped_experts`, the math of transformers' ``grouped_mm``
   experts implementation on rows already grouped, where the model uses it, else by the module's own forward, each
   row with its local expert and weight 1. The outputs are weighted and summed per token on that rank, and one sum
-  per token and rank comes back.
+  per token and rank comes back. Across nodes (:class:`NodeGroups`) a token crosses to each node holding one of
+  its experts once, to the rank of the same place in that node, which forwards it inside the node once per rank
+  (DeepEP's internode dispatch, with torch's all-to-alls): the bytes on the slow links are one row per token and
+  node, not per token and rank.
 
 :func:`apply_expert_parallel` splits the parameters ``Shard(0)`` over the ``ep`` mesh (DTensors, so that checkpoints
 reshard across ep sizes) and wraps the forward: before it the tokens go to the ranks of their experts (all-to-alls:
@@ -192,14 +195,16 @@ def experts_core(module: nn.Module) -> nn.Module:
     return unwrap_param_wrappers(module)[1]
 
 
-def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> str:
-    """Split ``module``'s experts over ``ep_mesh`` (1-D) and route its tokens to them (see the module docstring).
-    Returns the path from ``module`` to the module holding the experts' parameters ("" unless LoRA wraps it)."""
+def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh, nodes: NodeGroups | None = None) -> str:
+    """Split ``module``'s experts over ``ep_mesh`` (1-D) and route its tokens to them (see the module docstring;
+    ``nodes``: the ep group across nodes, for transformers' experts). Returns the path from ``module`` to the module
+    holding the experts' parameters ("" unless LoRA wraps it)."""
     wrappers, core = unwrap_param_wrappers(module)
     for name, param in list(core.named_parameters(recurse=False)):
         sharded = nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]), requires_grad=param.requires_grad)
         core.register_parameter(name, sharded)
-    dispatch = _TokenDispatch(ep_mesh.get_group(), ep_mesh.size())  # one per module: its forward never nests
+    # one per module: its forward never nests
+    dispatch = _TokenDispatch(ep_mesh.get_group(), ep_mesh.size(), nodes if is_hf_experts(core) else None)
     if is_hf_experts(core):
         _route_hf_experts(module, dispatch)
     elif wrappers:
@@ -324,9 +329,29 @@ class _SentTokens(NamedTuple):
     weights: torch.Tensor  # each row's routing weight
     received_row: torch.Tensor  # each row's received token (its row in what arrived)
     received: int  # tokens that arrived
+    exchanges: list[_Exchange]  # the all-to-alls that brought them: one, or across nodes two (between, inside)
+
+
+class _Exchange(NamedTuple):
+    """One all-to-all of :func:`_exchange`: what arrived, and what :func:`_exchange_back` needs to send sums back."""
+
+    rows: torch.Tensor  # one row per (token, this rank) pair sent here
+    choices: torch.Tensor  # (rows, 2k) float: each choice's weight, then its expert among this rank's (-1: none)
+    arrived_choices: int  # choices of this rank's among them
     input_splits: list[int]
     output_splits: list[int]
     token_of_pair: torch.Tensor  # each sent (token, rank) pair's token
+    tokens: int  # the tokens sent from (the sums come back to as many rows)
+    group: dist.ProcessGroup
+
+
+class NodeGroups(NamedTuple):
+    """An ep group across nodes, ``per_node`` of its ranks in each (ep rank ``e`` on node ``e // per_node``):
+    ``between`` joins the ranks of this one's place in every node, ``inside`` the ranks of this one's node."""
+
+    between: dist.ProcessGroup
+    inside: dist.ProcessGroup
+    per_node: int
 
 
 @contextmanager
@@ -358,12 +383,22 @@ def _adapt_local_shard(module: nn.Module, wrapper: nn.Module, local_experts: int
     module._parameters[name] = weight
 
 
+def node_groups(ep_groups: Sequence[Sequence[int]], per_node: int) -> NodeGroups:
+    """This rank's :class:`NodeGroups`, from every ep group's global ranks in ep order, ``per_node`` consecutive ones
+    in each node. Every rank calls it with the same lists: the process groups are created collectively."""
+    inside = [list(group[i:i + per_node]) for group in ep_groups for i in range(0, len(group), per_node)]
+    between = [list(group[j::per_node]) for group in ep_groups for j in range(per_node)]
+    mine_inside, _ = dist.new_subgroups_by_enumeration(inside)
+    mine_between, _ = dist.new_subgroups_by_enumeration(between)
+    return NodeGroups(mine_between, mine_inside, per_node)
+
+
 class _TokenDispatch:
     """The all-to-alls around one experts module. State from the forward's start to its end (the splits, the
     permutation) lives here; a module's forward never interleaves with another forward of itself."""
 
-    def __init__(self, group: dist.ProcessGroup, ep: int) -> None:
-        self.group, self.ep, self.rank = group, ep, dist.get_rank(group)
+    def __init__(self, group: dist.ProcessGroup, ep: int, nodes: NodeGroups | None = None) -> None:
+        self.group, self.ep, self.rank, self.nodes = group, ep, dist.get_rank(group), nodes
         self._pending: list[tuple[list[int], list[int], torch.Tensor]] = []
 
     def send(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -394,49 +429,76 @@ class _TokenDispatch:
 
     def send_tokens(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                     local_experts: int) -> _SentTokens:
-        """Send each token once to each rank that holds at least one of its chosen experts (DeepEP's
-        deduplication, with torch's all-to-all: a token whose k choices fall on d ranks travels d times, not k), with
-        its choices on that rank (local expert, weight; -1 and 0 for the others) in a small float tensor beside it.
-        On arrival each token is copied once per choice, grouped by local expert for the experts' grouped matmul."""
-        tokens, k = top_k_index.shape
-        rank_of_choice = top_k_index // local_experts
-        hit = torch.zeros(tokens, self.ep, dtype=torch.bool, device=top_k_index.device)
-        hit.scatter_(1, rank_of_choice, True)
-        # per destination rank, the tokens sent there and the choices they carry: one all-to-all of the counts and
-        # the dispatch's one host sync, after which every size is known (nonzero_static: no sync of its own)
-        flat = rank_of_choice.flatten()
-        choices_to = torch.zeros(self.ep, dtype=torch.long, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
-        counts = torch.stack([hit.sum(dim=0), choices_to], dim=1)
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)
-        both = torch.cat([counts, received]).tolist()
-        input_splits, output_splits = [n for n, _ in both[:self.ep]], [n for n, _ in both[self.ep:]]
-        arrived_choices = sum(c for _, c in both[self.ep:])
-        rank_of_pair, token_of_pair = hit.t().nonzero_static(size=sum(input_splits)).unbind(1)  # by rank, token
-        on_rank = rank_of_choice[token_of_pair] == rank_of_pair.unsqueeze(1)
-        choices = torch.cat([torch.where(on_rank, top_k_weights[token_of_pair].float(), 0.0),
-                             torch.where(on_rank, top_k_index[token_of_pair] % local_experts, -1).float()], dim=1)
-        rows = all_to_all_single_autograd(hidden_states[token_of_pair].contiguous(), output_splits, input_splits,
-                                          self.group)
-        choices = all_to_all_single_autograd(choices, output_splits, input_splits, self.group)
-        expert_of = choices[:, k:].long()
-        received_row, slot = (expert_of >= 0).nonzero_static(size=arrived_choices).unbind(1)
+        """Send each token once to each rank that holds at least one of its chosen experts (:func:`_exchange`);
+        across nodes once to each node, then inside it once to each rank. On arrival each token is copied once per
+        choice, grouped by local expert for the experts' grouped matmul."""
+        k = top_k_index.shape[1]
+        if self.nodes is None:
+            exchanges = [_exchange(hidden_states, top_k_index, top_k_weights, local_experts, self.group, self.ep)]
+        else:
+            between = _exchange(hidden_states, top_k_index, top_k_weights, local_experts * self.nodes.per_node,
+                                self.nodes.between, self.ep // self.nodes.per_node)
+            inside = _exchange(between.rows, between.choices[:, k:].long(), between.choices[:, :k], local_experts,
+                               self.nodes.inside, self.nodes.per_node)
+            exchanges = [between, inside]
+        last = exchanges[-1]
+        expert_of = last.choices[:, k:].long()
+        received_row, slot = (expert_of >= 0).nonzero_static(size=last.arrived_choices).unbind(1)
         experts = expert_of[received_row, slot]
         order = experts.argsort(stable=True)  # grouped by local expert, in arrival order within each
         received_row, slot, experts = received_row[order], slot[order], experts[order]
-        expert_rows = _ScaleGradient.apply(rows[received_row], float(self.ep))
-        return _SentTokens(expert_rows, experts.unsqueeze(1), choices[received_row, slot], received_row,
-                           rows.shape[0], input_splits, output_splits, token_of_pair)
+        expert_rows = _ScaleGradient.apply(last.rows[received_row], float(self.ep))
+        return _SentTokens(expert_rows, experts.unsqueeze(1), last.choices[received_row, slot], received_row,
+                           last.rows.shape[0], exchanges)
 
     def combine_tokens(self, output: torch.Tensor, sent: _SentTokens, hidden_states: torch.Tensor) -> torch.Tensor:
         """The experts' outputs weighted and summed per received token, sent back (one row per token and rank, as
-        they came) and summed per token: the experts' weighted sum for every token of this rank."""
+        they came; across nodes summed on the forwarding rank first) and summed per token: the experts' weighted sum
+        for every token of this rank."""
         output = _ScaleGradient.apply(output, 1.0 / self.ep)
         weighted = output * sent.weights.unsqueeze(-1).to(output.dtype)
         sums = weighted.new_zeros(sent.received, weighted.shape[-1]).index_add(0, sent.received_row, weighted)
-        back = all_to_all_single_autograd(sums, sent.input_splits, sent.output_splits, self.group)
-        return torch.zeros_like(hidden_states).index_add(0, sent.token_of_pair, back.to(hidden_states.dtype))
+        for exchange in reversed(sent.exchanges):
+            sums = _exchange_back(sums, exchange)
+        return sums.to(hidden_states.dtype)
+
+
+def _exchange(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+              local_experts: int, group: dist.ProcessGroup, size: int) -> _Exchange:
+    """Send each token once to each rank of ``group`` (``size`` ranks, ``local_experts`` experts each) that holds
+    at least one of its chosen experts (DeepEP's deduplication, with torch's all-to-all: a token whose k choices fall
+    on d ranks travels d times, not k), with its choices on that rank (expert there, weight; -1 and 0 for the
+    others) in a small float tensor beside it. A choice of -1 is for none of the group's ranks (a choice another
+    node's ranks compute)."""
+    tokens = top_k_index.shape[0]
+    chosen = (top_k_index >= 0).long()
+    rank_of_choice = torch.where(top_k_index >= 0, top_k_index // local_experts, 0)
+    hit = torch.zeros(tokens, size, dtype=torch.long, device=top_k_index.device).scatter_add_(
+        1, rank_of_choice, chosen) > 0
+    # per destination rank, the tokens sent there and the choices they carry: one all-to-all of the counts and
+    # the exchange's one host sync, after which every size is known (nonzero_static: no sync of its own)
+    choices_to = torch.zeros(size, dtype=torch.long, device=top_k_index.device).scatter_add_(
+        0, rank_of_choice.flatten(), chosen.flatten())
+    counts = torch.stack([hit.sum(dim=0), choices_to], dim=1)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    both = torch.cat([counts, received]).tolist()
+    input_splits, output_splits = [n for n, _ in both[:size]], [n for n, _ in both[size:]]
+    rank_of_pair, token_of_pair = hit.t().nonzero_static(size=sum(input_splits)).unbind(1)  # by rank, token
+    on_rank = (rank_of_choice[token_of_pair] == rank_of_pair.unsqueeze(1)) & (chosen[token_of_pair] > 0)
+    choices = torch.cat([torch.where(on_rank, top_k_weights[token_of_pair].float(), 0.0),
+                         torch.where(on_rank, top_k_index[token_of_pair] % local_experts, -1).float()], dim=1)
+    rows = all_to_all_single_autograd(hidden_states[token_of_pair].contiguous(), output_splits, input_splits, group)
+    choices = all_to_all_single_autograd(choices, output_splits, input_splits, group)
+    return _Exchange(rows, choices, sum(c for _, c in both[size:]), input_splits, output_splits, token_of_pair,
+                     tokens, group)
+
+
+def _exchange_back(sums: torch.Tensor, exchange: _Exchange) -> torch.Tensor:
+    """One sum per row that ``exchange`` brought, sent back to where it came from and added up per token there."""
+    back = all_to_all_single_autograd(sums.contiguous(), exchange.input_splits, exchange.output_splits,
+                                      exchange.group)
+    return back.new_zeros(exchange.tokens, back.shape[-1]).index_add(0, exchange.token_of_pair, back)
 
 
 class _ScaleGradient(torch.autograd.Function):

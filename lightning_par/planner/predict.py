@@ -211,13 +211,16 @@ class Prediction:
         return out
 
 
-def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, precision: str) -> CostSheet:
-    """Every technique of the engine's recipe writes its share into one sheet, in the engine's order."""
+def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, precision: str,
+            ranks_per_node: int | None = None) -> CostSheet:
+    """Every technique of the engine's recipe writes its share into one sheet, in the engine's order
+    (``ranks_per_node``: the devices of a node, where the hardware says)."""
     act, gather, grad = _PRECISION.get(precision, (1.0, 1.0, 1.0))
     dims = _planning_dims(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.pp, layout.ep)
     autocast_only = precision in ("bf16-mixed", "16-mixed") and not fsdp_casts_parameters(dims, layout.cpu_offload)
     sheet = CostSheet(dims, profile, batch, seq_len, activation_scale=act, autocast_only=autocast_only,
-                      gather_scale=gather, grad_scale=grad, microbatches=layout.accumulate_grad_batches)
+                      gather_scale=gather, grad_scale=grad, microbatches=layout.accumulate_grad_batches,
+                      ranks_per_node=ranks_per_node)
     recipe = _planning_recipe(layout.pp_schedule, layout.pp_microbatches, layout.pp_stages_per_rank,
                               layout.sequence_parallel, layout.loss_parallel, layout.activation_checkpointing,
                               layout.cpu_offload, layout.reshard_after_forward, layout.accumulate_unsharded,
@@ -252,7 +255,7 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
             memory_reserve: float = RESERVE) -> Prediction:
     """``batch``: samples per data-parallel rank per step; ``memory_budget``: bytes a device may use (default: the
     hardware's memory less ``memory_reserve`` of it)."""
-    sheet = account(layout, profile, batch, seq_len, precision)
+    sheet = account(layout, profile, batch, seq_len, precision, hardware.gpus_per_node)
     (params, grads, optimizer, activations), busiest, recompute = _busiest_ranks(sheet, hardware.matmul_share,
                                                                                  hardware.grouped_mm,
                                                                                  hardware.cp_attention_rate)
@@ -454,7 +457,8 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float, float]
             if sheet.checkpointing == "selective":
                 kept += section.selective_kept.per_rank(tp, cp, sp, lp, scale)
                 if sheet.dims.ep > 1:  # the dispatch's two all-to-alls' outputs (kept: the profile traces no ep)
-                    kept += (2 * dispatched_bytes(section, profile.num_experts, sheet.dims.ep, sheet.activation_scale)
+                    kept += (2 * dispatched_bytes(section, profile.num_experts, sheet.dims.ep, sheet.activation_scale,
+                                                  profile.expert_groups)
                              * sheet.token_scale / cp)
                 if sp:  # its reduce-scatters' outputs, on this rank's sequence chunk
                     kept += section.reduce_scattered_bytes * scale / tp / cp
@@ -574,10 +578,15 @@ def _transfer_time(t: Transfer, n: int, bandwidth: float, latency: float, own_ba
     group's ``bandwidth``, all-to-alls and point-to-point messages at a rank's ``own_bandwidth`` (default: the
     same). An all-to-all across nodes, ``node_ranks`` of its ranks in each, sends ``(n - node_ranks) / n`` of its
     bytes over the rank's own NIC and, at the same time, those for the other ranks of its node over the node's link
-    (``node_bandwidth``): the slower of the two."""
+    (``node_bandwidth``): the slower of the two. The two steps of a dispatch across nodes (``ExpertParallel``):
+    ``all_to_all_between`` over the ``n / node_ranks`` ranks of a place in every node, through the NICs, and
+    ``all_to_all_inside`` over the ``node_ranks`` ranks of a node, over its link."""
     if n <= 1:
         return 0.0
     own = bandwidth if own_bandwidth is None else own_bandwidth
+    if t.collective in ("all_to_all_between", "all_to_all_inside") and node_ranks is not None and node_ranks < n:
+        size, link = (n // node_ranks, own) if t.collective == "all_to_all_between" else (node_ranks, node_bandwidth)
+        return ((size - 1) / size * t.nbytes / (link or own) + (size - 1) * latency) * t.count
     if t.collective == "all_to_all" and node_ranks is not None and node_bandwidth is not None and node_ranks < n:
         remote = (n - node_ranks) / n * t.nbytes / own
         local = (node_ranks - 1) / n * t.nbytes / node_bandwidth
@@ -586,7 +595,7 @@ def _transfer_time(t: Transfer, n: int, bandwidth: float, latency: float, own_ba
         one = 2 * (n - 1) / n * t.nbytes / bandwidth + 2 * (n - 1) * latency
     elif t.collective in ("all_gather", "reduce_scatter"):  # (n - 1) / n of the bytes leave
         one = (n - 1) / n * t.nbytes / bandwidth + (n - 1) * latency
-    elif t.collective == "all_to_all":
+    elif t.collective.startswith("all_to_all"):
         one = (n - 1) / n * t.nbytes / own + (n - 1) * latency
     else:  # one point-to-point message
         one = t.nbytes / own + latency

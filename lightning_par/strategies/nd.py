@@ -75,6 +75,11 @@ class NDParallelStrategy(BaseParallelStrategy):
         ep_plan: FQN globs or class names of the experts modules (called as ``experts(x, num_tokens_per_expert)``
             with tokens grouped by expert; parameters with the experts on dim 0). Default: the LightningModule's
             ``ep_plan`` attribute.
+        ep_ranks_per_node: how many ranks of an ep group share a node. Where an ep group spans nodes with more than
+            one of its ranks in each, transformers' experts get their tokens in two steps: each token crosses to a
+            node holding one of its experts once, then goes once to each rank there holding one (fewer bytes on the
+            links between nodes; two host syncs per layer instead of one). Default: found from the hosts' names;
+            ``ep`` or 1: one step.
         cp_algorithm: ``"ring"`` (K/V passed around the cp group point to point) or ``"allgather"``.
         cp_load_balance: split each sequence into 2*cp chunks, rank i holding chunks i and 2*cp-1-i, so causal
             attention costs every rank the same (the sequence length must then be divisible by 2*cp).
@@ -143,6 +148,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         cp_seq_dim: int = 1,
         tp_plan: Mapping[str, Any] | None = None,
         ep_plan: list[str] | None = None,
+        ep_ranks_per_node: int | None = None,
         sequence_parallel: bool = False,
         regather_sequence: bool = False,
         async_tp: bool = False,
@@ -178,7 +184,8 @@ class NDParallelStrategy(BaseParallelStrategy):
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, cp_algorithm=cp_algorithm,
             cp_load_balance=cp_load_balance, cp_seq_dim=cp_seq_dim, activation_checkpointing=activation_checkpointing,
             compile=compile, shard_units=shard_units, reshard_after_forward=reshard_after_forward,
-            cpu_offload=cpu_offload, ep_plan=ep_plan, accumulate_unsharded=accumulate_unsharded,
+            cpu_offload=cpu_offload, ep_plan=ep_plan, ep_ranks_per_node=ep_ranks_per_node,
+            accumulate_unsharded=accumulate_unsharded,
             regather_sequence=regather_sequence, async_tp=async_tp)
         (self.pipeline_parallel, self.tensor_parallel, self.context_parallel, self.expert_parallel,
          self.activation_checkpointing, self.compile, self.fully_sharded) = self.techniques

@@ -20,14 +20,14 @@ def build_recipe(*, pp_schedule: str = "1f1b", pp_microbatches: int | None = Non
                  cp_load_balance: bool = True, cp_seq_dim: int = 1, activation_checkpointing: bool | str = False,
                  compile: bool = False, shard_units: list[str] | None = None, reshard_after_forward: bool = True,
                  cpu_offload: bool = False, ep_plan: list[str] | None = None,
-                 accumulate_unsharded: bool = False, regather_sequence: bool = False,
-                 async_tp: bool = False) -> tuple[Technique, ...]:
+                 ep_ranks_per_node: int | None = None, accumulate_unsharded: bool = False,
+                 regather_sequence: bool = False, async_tp: bool = False) -> tuple[Technique, ...]:
     """The engine's recipe: every technique with its options, in the order they are applied (and accounted)."""
     return (
         PipelineParallel(pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points, pp_loss_method),
         TensorParallel(tp_plan, sequence_parallel, loss_parallel, regather_sequence, async_tp),
         ContextParallel(cp_algorithm, cp_load_balance, cp_seq_dim),
-        ExpertParallel(ep_plan),
+        ExpertParallel(ep_plan, ep_ranks_per_node),
         ActivationCheckpointing(activation_checkpointing),
         Compile(compile),
         FullySharded(shard_units, reshard_after_forward, cpu_offload, accumulate_unsharded),

@@ -4,13 +4,16 @@ over the ranks left (``efsdp``)."""
 
 from __future__ import annotations
 
+import socket
+
+import torch.distributed as dist
 from torch import nn
 
-from lightning_par.checks import check_str_list
+from lightning_par.checks import check_positive_int, check_str_list
 from lightning_par.costs.profile import Section
 from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.experts import apply_expert_parallel, hf_ep_plan, num_experts_of
+from lightning_par.parallel.experts import NodeGroups, apply_expert_parallel, hf_ep_plan, node_groups, num_experts_of
 from lightning_par.parallel.modules import fqn_matches, match_modules
 from lightning_par.techniques.technique import Target, Technique
 
@@ -21,11 +24,25 @@ COUNT_BYTES = 8
 class ExpertParallel(Technique):
     """Each rank of an ``ep`` group holds ``num_experts / ep`` experts of every experts module the plan names (FQN
     globs or class names; default: the LightningModule's ``ep_plan`` attribute). Dropless: every routed token is
-    computed by its expert, so the result is the one-process result."""
+    computed by its expert, so the result is the one-process result.
 
-    def __init__(self, plan: list[str] | None = None) -> None:
+    An ep group across nodes dispatches transformers' experts' tokens in two steps (``NodeGroups``): once per node
+    between nodes, then inside the node once per rank. ``ranks_per_node``: how many ranks of an ep group share a
+    node; None finds it from the hosts' names (the same number on every node, consecutive in the group, else one
+    step); ``ep`` or 1 dispatch in one step."""
+
+    def __init__(self, plan: list[str] | None = None, ranks_per_node: int | None = None) -> None:
         self.plan = check_str_list("ep_plan", plan, "FQN globs or class names of experts modules",
                                    ["model.blocks.*.mlp.experts"])
+        self.ranks_per_node = check_positive_int("ep_ranks_per_node", ranks_per_node, allow_none=True)
+        self.nodes: NodeGroups | None = None
+
+    def check(self, dims: ParallelDims) -> None:
+        if self.ranks_per_node is not None and dims.ep % self.ranks_per_node:
+            raise ValueError(
+                f"ep_ranks_per_node={self.ranks_per_node} must divide ep={dims.ep}: the ranks of an ep group that "
+                f"share a node. Choose one of {[d for d in range(1, dims.ep + 1) if dims.ep % d == 0]}, or leave it "
+                f"unset (found from the hosts).")
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
         if dims.ep == 1:
@@ -56,14 +73,32 @@ class ExpertParallel(Technique):
         mine = [fqn for fqn, _ in everywhere if target.keep is None
                 or any(fqn == owner or fqn.startswith(owner + ".") for owner in target.keep)]
         ep_mesh = dims.expert_mesh()["ep"]
+        self.nodes = self._node_groups(dims)
         # FSDP's experts units are the modules holding the experts' parameters (LoRA's wrappers stay in the block's)
         target.experts = [".".join(filter(None, (fqn, apply_expert_parallel(target.module.get_submodule(fqn),
-                                                                              ep_mesh)))) for fqn in mine]
+                                                                              ep_mesh, self.nodes)))) for fqn in mine]
+
+    def _node_groups(self, dims: ParallelDims) -> NodeGroups | None:
+        """The process groups of the two-step dispatch, where the ep groups span nodes with more than one of their
+        ranks in each (every rank decides alike, from every rank's host name: the groups are created together)."""
+        mesh = dims.expert_mesh().mesh  # (pp, dp_replicate, efsdp, ep, tp): every ep group, in ep order
+        groups = mesh.movedim(3, -1).reshape(-1, dims.ep).tolist()
+        per_node = self.ranks_per_node
+        if per_node is None:
+            hosts: list[str | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(hosts, socket.gethostname())
+            per_node = _ranks_per_host(groups, hosts)
+        if per_node in (1, dims.ep):
+            return None
+        return node_groups(groups, per_node)
 
     def describe(self, dims: ParallelDims) -> str | None:
         if dims.ep == 1:
             return None
-        return f"expert parallel (ep={dims.ep}, experts FSDP-sharded over {dims.dp_shard * dims.cp // dims.ep})"
+        across = ("" if self.nodes is None else f"; transformers' experts dispatched once per node across "
+                  f"{dims.ep // self.nodes.per_node} nodes, then once per rank inside each of {self.nodes.per_node}")
+        return (f"expert parallel (ep={dims.ep}, experts FSDP-sharded over {dims.dp_shard * dims.cp // dims.ep}"
+                f"{across})")
 
     def account(self, sheet: CostSheet) -> None:
         """The dispatch's all-to-alls: per layer with experts, the routed rows out to their experts and back (and
@@ -76,16 +111,24 @@ class ExpertParallel(Technique):
         ``efsdp`` (selective checkpointing keeps the all-to-alls' outputs: the activations' prediction adds them).
         Every layer sends its own messages, so each pays the link's latency, as does the all-to-all of the counts
         before them (per layer, in every forward: recomputed ones too, selective checkpointing keeps only the rows'
-        all-to-alls). Not priced: the host sync after the counts (one per layer and forward), and an uneven load."""
+        all-to-alls). Across nodes (``sheet.ranks_per_node``; transformers' experts) in two steps: between nodes one
+        row per token and node holding one of its experts (:func:`dispatched_bytes` over ``ep / per_node`` places),
+        inside them one per token and rank, each step with its counts. Not priced: the host sync after the counts
+        (one per layer, step and forward), and an uneven load."""
         dims = sheet.dims
         experts = sheet.profile.num_experts
         if dims.ep == 1 or not experts:
             return
         ranks = sheet.rank_sections or [list(sheet.profile.sections)]
+
+        def sent(names: list[str], places: int) -> list[float]:
+            return [dispatched_bytes(sheet.profile.sections[s], experts, places, sheet.activation_scale,
+                                     sheet.profile.expert_groups) for s in names]
+
         # the pipeline rank routing the most (dense first layers route nothing: not the rank with most sections)
-        routed = max(([dispatched_bytes(sheet.profile.sections[s], experts, dims.ep, sheet.activation_scale)
-                       for s in set(sections) if sheet.profile.sections[s].routed_bytes] for sections in ranks),
-                     key=sum)
+        routing = [[s for s in set(sections) if sheet.profile.sections[s].routed_bytes] for sections in ranks]
+        busiest = max(routing, key=lambda names: sum(sent(names, dims.ep)))
+        routed = sent(busiest, dims.ep)
         if not routed:
             return
         layers = len(routed)
@@ -98,17 +141,57 @@ class ExpertParallel(Technique):
         # in forward and in backward; the recomputed forward sends its messages again under full checkpointing
         # (selective keeps the all-to-alls' outputs: lightning_par.parallel.recompute.KEPT_OPS)
         m = sheet.microbatches * layers
-        sheet.transfers.append(Transfer("all_to_all", "ep", "all_to_all", nbytes, 2 * messages * m, False,
-                                        recomputed_full=messages * m))
-        # the counts: per destination rank, the tokens and choices (transformers' experts) or the rows per expert
-        counts = COUNT_BYTES * (2 * dims.ep if per_rank else experts)
-        sheet.transfers.append(Transfer("all_to_all", "ep", "all_to_all", counts, m, False, recomputed_full=m,
-                                        recomputed_selective=m))
+        per_node = self._ranks_per_node(sheet) if per_rank else dims.ep
+        if 1 < per_node < dims.ep:  # two steps: the bytes between nodes are those of ep / per_node places
+            between = sum(sent(busiest, dims.ep // per_node))
+            steps = [("all_to_all_between", between / sum(routed) * nbytes, dims.ep // per_node),
+                     ("all_to_all_inside", nbytes, per_node)]
+        else:
+            steps = [("all_to_all", nbytes, dims.ep)]
+        for collective, step_bytes, places in steps:
+            sheet.transfers.append(Transfer("all_to_all", "ep", collective, step_bytes, 2 * messages * m, False,
+                                            recomputed_full=messages * m))
+            # the counts: per destination rank, the tokens and choices (transformers' experts) or the rows per
+            # expert
+            counts = COUNT_BYTES * (2 * places if per_rank else experts)
+            sheet.transfers.append(Transfer("all_to_all", "ep", collective, counts, m, False, recomputed_full=m,
+                                            recomputed_selective=m))
+
+    def _ranks_per_node(self, sheet: CostSheet) -> int:
+        """The ranks of an ep group in one node, as the engine finds them (or as ``ranks_per_node`` says)."""
+        if self.ranks_per_node is not None:
+            return self.ranks_per_node
+        if sheet.ranks_per_node is None:
+            return sheet.dims.ep
+        return sheet.dims.members_per_node("ep", sheet.ranks_per_node)
 
 
-def ranks_per_token(experts: int, ep: int, choices: int) -> float:
+def _ranks_per_host(groups: list[list[int]], hosts: list[str | None]) -> int:
+    """How many consecutive ranks of every ep group share a host, the same in every group and on every host (1: the
+    hosts do not cut the groups so, and the dispatch is one step)."""
+    ep = len(groups[0])
+    first = groups[0]
+    per_host = next((i for i in range(1, ep) if hosts[first[i]] != hosts[first[0]]), ep)
+    for group in groups:
+        blocks = [group[i:i + per_host] for i in range(0, ep, per_host)]
+        names = [hosts[block[0]] for block in blocks]
+        if ep % per_host or len(set(names)) != len(names) or any(hosts[r] != hosts[b[0]] for b in blocks for r in b):
+            return 1
+    return per_host
+
+
+def ranks_per_token(experts: int, ep: int, choices: int, groups: tuple[int, int] | None = None) -> float:
     """How many of the ``ep`` ranks a token's ``choices`` distinct experts (of ``experts``, ``experts / ep`` per
-    rank) fall on, on average with the router's choices even: ``ep x (1 - C(E - E/ep, k) / C(E, k))``."""
+    rank) fall on, on average with the router's choices even: ``ep x (1 - C(E - E/ep, k) / C(E, k))``. With
+    group-limited routing (``groups``: ``(n_group, topk_group)``) the choices fall in the chosen groups only: where a
+    group spans several ranks, the same count over the chosen groups' experts and ranks; where a rank holds whole
+    groups, the ranks holding a chosen group (each chosen group carries a choice: its score is its best experts')."""
+    if groups is not None:
+        n_group, chosen = groups
+        if ep % n_group == 0 and experts % n_group == 0:
+            return ranks_per_token(experts * chosen // n_group, ep * chosen // n_group, choices)
+        if n_group % ep == 0 and chosen <= choices:
+            return ranks_per_token(n_group, ep, chosen)
     local = experts // ep
     missed = 1.0  # the chance that none of the k choices is one of a given rank's experts
     for i in range(choices):
@@ -116,18 +199,19 @@ def ranks_per_token(experts: int, ep: int, choices: int) -> float:
     return ep * (1.0 - missed)
 
 
-def dispatched_bytes(section: Section, experts: int, ep: int, activation_scale: float = 1.0) -> float:
+def dispatched_bytes(section: Section, experts: int, ep: int, activation_scale: float = 1.0,
+                     groups: tuple[int, int] | None = None) -> float:
     """The bytes one all-to-all of the dispatch sends for ``section``'s traced micro-batch under expert parallelism
     ``ep`` (activations at ``activation_scale`` of the traced dtype): one row per token and choice (grouped-token
     experts), or for transformers' experts one per token and rank holding one of its choices, each with those
     choices (2 x k float32: local expert and weight, out in forward and back as their gradient, so half of it per
-    transfer on average)."""
+    transfer on average); ``groups``: group-limited routing (:func:`ranks_per_token`)."""
     if not section.routed_choices or ep == 1:
         return section.routed_bytes * activation_scale
     k = section.routed_choices
     tokens = section.routed_rows / k
     row = section.routed_bytes / section.routed_rows * activation_scale  # one token's hidden row
-    return tokens * ranks_per_token(experts, ep, k) * (row + 4 * k)
+    return tokens * ranks_per_token(experts, ep, k, groups) * (row + 4 * k)
 
 
 def _matches_some_module(root: nn.Module, pattern: str) -> bool:
