@@ -201,11 +201,13 @@ def test_measured_group_links_serve_the_mesh_dimensions_of_their_shape():
     # dp_shard 2 x tp 2 on one node of 4: FSDP's groups are 2 apart, TP's adjacent
     dims = ParallelDims(dp_shard=2, tp=2).resolve(4)
     assert (dims.group_stride("dp_shard"), dims.group_stride("tp"), dims.group_stride("dp_shard_cp")) == (2, 1, 2)
-    assert _link("dp_shard", dims, hw) == (2, 5e10, 4e-6, 5e10, 2, 1e11)
-    assert _link("tp", dims, hw) == (2, 1e11, 2e-6, 1e11, 2, 1e11)
-    assert _link("dp_shard", dims, replace(hw, gpus_per_node=2)) == (2, 1e10, 1e-5, 1e10, 1, 1e11)  # across two nodes
+    assert _link("dp_shard", dims, hw) == (2, 5e10, 4e-6, 5e10, 2, 1e11, 2e-6)
+    assert _link("tp", dims, hw) == (2, 1e11, 2e-6, 1e11, 2, 1e11, 2e-6)
+    across = _link("dp_shard", dims, replace(hw, gpus_per_node=2))  # across two nodes
+    assert across == (2, 1e10, 1e-5, 1e10, 1, 1e11, 2e-6)
     # ranks sharing CPU cores: the node's all-reduce prices every group (see predict._link)
-    assert _link("dp_shard", dims, replace(hw, device="cpu (x86_64, 1 threads)")) == (2, 1e11, 2e-6, 1e11, 2, 1e11)
+    cpu = _link("dp_shard", dims, replace(hw, device="cpu (x86_64, 1 threads)"))
+    assert cpu == (2, 1e11, 2e-6, 1e11, 2, 1e11, 2e-6)
     assert ParallelDims(pp=2, dp_replicate=2, cp=2).resolve(8).group_stride("dp_cp") == 1
     assert ParallelDims(pp=2, dp_replicate=2, cp=2).resolve(8).group_stride("pp") == 4
     for bad in [(2,), (0, 1, 1e9, 0.0), (2, 1, -1.0, 0.0)]:
@@ -407,7 +409,7 @@ def test_a_group_across_nodes_rings_over_as_many_nics_as_it_has_ranks_in_a_node(
     hw = known_hardware("H100-SXM", gpus_per_node=8, inter_link="ib-ndr400")
     fsdp = ParallelDims(dp_shard=64).resolve(64)
     assert fsdp.members_per_node("dp_shard", 8) == 8
-    assert _link("dp_shard", fsdp, hw) == (64, 400e9, hw.inter_latency, 50e9, 8, 450e9)
+    assert _link("dp_shard", fsdp, hw) == (64, 400e9, hw.inter_latency, 50e9, 8, 450e9, hw.intra_latency)
     over_tp = ParallelDims(dp_shard=8, tp=8).resolve(64)
     assert over_tp.members_per_node("dp_shard", 8) == 1
     assert _link("dp_shard", over_tp, hw)[1] == 50e9
@@ -430,10 +432,10 @@ def test_a_group_across_nodes_rings_over_as_many_nics_as_it_has_ranks_in_a_node(
     # expert parallelism over two nodes: half of each all-to-all stays in the node
     ep16 = ParallelDims(dp_shard=16, ep=16).resolve(16)
     experts = Transfer("all_to_all", "ep", "all_to_all", 64e9, 1, False)
-    assert _link("ep", ep16, hw)[4:] == (8, 450e9)
+    assert _link("ep", ep16, hw)[4:] == (8, 450e9, hw.intra_latency)
     assert _transfer_time(experts, *_link("ep", ep16, hw)) == pytest.approx(8 / 16 * 64e9 / 50e9
                                                                            + 15 * hw.inter_latency)
-    # within one node: every byte over NVLink, as before
+    # within one node: every byte over NVLink
     ep8 = ParallelDims(dp_shard=8, ep=8).resolve(8)
     assert _transfer_time(experts, *_link("ep", ep8, hw)) == pytest.approx(7 / 8 * 64e9 / 450e9
                                                                           + 7 * hw.intra_latency)

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 from workers import TINY_GPT, assert_parity, error_of, fit, fit_reference, max_weight_diff
 
-from lightning_par import ExpertBiasBalancer, NDParallelStrategy, count_dropped_choices
+from lightning_par import AutoParallelStrategy, ExpertBiasBalancer, NDParallelStrategy, count_dropped_choices
 from lightning_par.callbacks import ExpertLoadMonitor
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.experts import (
@@ -604,6 +604,9 @@ def test_the_ranks_of_an_ep_group_per_host():
     assert _ranks_per_host([[0, 1, 2, 3]], two_nodes) == 4  # within one node
     assert _ranks_per_host([[0, 4, 1, 5]], two_nodes) == 1  # alternating hosts: one step
     assert _ranks_per_host([[0, 1, 2, 3, 4, 5]], ["a"] * 4 + ["b"] * 2) == 1  # uneven
+    assert _ranks_per_host([[0, 1, 2, 3], [4, 5, 6, 7]], ["a", "a", "b", "b"] + ["c"] * 4) == 1  # the 2nd group
+    with pytest.raises(ValueError, match=r"ep group \[2, 0\] must list its ranks in increasing order"):
+        node_groups([[2, 0]], 1)
 
 
 def test_experts_units_reshard_after_forward_as_the_blocks_do(world4):
@@ -641,6 +644,8 @@ def test_ep_refusals_at_construction():
         NDParallelStrategy(ep=4, ep_ranks_per_node=3)
     with pytest.raises(ValueError, match=r"ep_ranks_per_node"):
         NDParallelStrategy(ep=4, ep_ranks_per_node=0)
+    # auto_parallel chooses ep in setup (then checks it against the given value)
+    assert AutoParallelStrategy(ep_ranks_per_node=2).expert_parallel.ranks_per_node == 2
     with pytest.raises(ValueError, match=r"moe_top_k=5 must be between 1 and n_experts=4"):
         from example_projects.gpt.lit import GPTModule
 
@@ -687,9 +692,15 @@ def _per_rank_dispatch(tokens: int, k: int, experts: int, per_node: int | None =
         y_ref.backward(grad)
         per_place = local * (per_node or 1)  # the experts of one rank, or across nodes of one node
         places_of_token = [len(set((index[t] // per_place).tolist())) for t in range(tokens)]
+        inside_rows = inside_pairs = 0
+        if per_node is not None:  # the forwarded rows: one per arrived row and rank of this node holding a choice
+            arrived = sent.exchanges[0].choices[:, k:].long()
+            inside_pairs = sum(len(set((row[row >= 0] // local).tolist())) for row in arrived)
+            inside_rows = sum(sent.exchanges[1].input_splits)
         return {"y": (y - y_ref).abs().max().item(), "x_grad": (x.grad - x_ref.grad).abs().max().item(),
                 "w_grad": (weights.grad - w_ref.grad).abs().max().item(),
                 "sent_rows": sum(sent.exchanges[0].input_splits), "exchanges": len(sent.exchanges),
+                "inside_rows": inside_rows, "inside_pairs": inside_pairs,
                 "pairs": sum(places_of_token), "choices": tokens * k, "expert_rows": sent.expert_rows.shape[0],
                 "grouped": bool((sent.expert_index[1:] >= sent.expert_index[:-1]).all()), "host_syncs": syncs.ops}
     finally:
@@ -726,6 +737,7 @@ def test_across_nodes_a_token_crosses_once_per_node_and_is_forwarded_inside_it()
         assert max(rank["y"], rank["x_grad"], rank["w_grad"]) < 1e-6, rank
         assert rank["exchanges"] == 2, rank
         assert rank["sent_rows"] == rank["pairs"] < rank["choices"], rank  # rows between nodes: one per node
+        assert rank["inside_rows"] == rank["inside_pairs"] > 0, rank  # inside: one per row and rank
         assert rank["grouped"], rank
         assert rank["host_syncs"] == [], rank
     assert sum(r["expert_rows"] for r in ranks) == sum(r["choices"] for r in ranks)

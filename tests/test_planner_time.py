@@ -237,7 +237,7 @@ def test_group_limited_routing_sends_a_token_to_fewer_ranks():
     """DeepSeek-V3's routing picks ``topk_group`` of ``n_group`` groups of consecutive experts first: the tiny
     config's 2 choices are the 2 experts of one of 2 groups, so at ep 2 (a group a rank) a token goes to exactly 1
     rank, not 5/3; at DeepSeek-V3's sizes (256 experts, 8 groups, 4 chosen, top-8) 7.36 ranks at ep 64 instead of
-    7.68, and 3.63 of 8 nodes instead of 5.29."""
+    7.68, and 4 of 8 nodes (a group a node, each chosen group carrying a choice) instead of 5.29."""
     with torch.device("meta"):
         model = HFCausalLM("deepseek_v3")
     profile = profile_model(model, (torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long),) * 2)
@@ -245,7 +245,7 @@ def test_group_limited_routing_sends_a_token_to_fewer_ranks():
     assert ranks_per_token(4, 2, 2, (2, 1)) == 1.0 and ranks_per_token(4, 4, 2, (2, 1)) == 2.0
     assert ranks_per_token(256, 64, 8, (8, 4)) == pytest.approx(7.359, abs=1e-3)
     assert ranks_per_token(256, 64, 8) == pytest.approx(7.676, abs=1e-3)
-    assert ranks_per_token(256, 8, 8, (8, 4)) == pytest.approx(3.629, abs=1e-3)
+    assert ranks_per_token(256, 8, 8, (8, 4)) == pytest.approx(4.0)
     assert ranks_per_token(256, 4, 8, (8, 4)) == pytest.approx(4 * (1 - 15 / 70))  # 2 whole groups a rank
     a2a = next(t for t in account(Layout(dp_shard=2, ep=2), profile, GLOBAL_BATCH // 2, SEQ, "32-true").transfers
                if t.kind == "all_to_all")
@@ -291,7 +291,7 @@ def test_across_nodes_transformers_experts_are_priced_in_two_steps():
     assert _transfer_time(between, *link) == pytest.approx(
         between.count * (between.nbytes / 2 / hw.inter_bandwidth + hw.inter_latency))
     assert _transfer_time(inside, *link) == pytest.approx(
-        inside.count * (inside.nbytes / 2 / hw.intra_bandwidth + hw.inter_latency))
+        inside.count * (inside.nbytes / 2 / hw.intra_bandwidth + hw.intra_latency))
 
 
 def profile_model_gpt4(moe: bool = False) -> ModelProfile:

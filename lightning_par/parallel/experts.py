@@ -385,7 +385,13 @@ def _adapt_local_shard(module: nn.Module, wrapper: nn.Module, local_experts: int
 
 def node_groups(ep_groups: Sequence[Sequence[int]], per_node: int) -> NodeGroups:
     """This rank's :class:`NodeGroups`, from every ep group's global ranks in ep order, ``per_node`` consecutive ones
-    in each node. Every rank calls it with the same lists: the process groups are created collectively."""
+    in each node. Every rank calls it with the same lists: the process groups are created collectively. The ranks
+    of each group must increase (a process group numbers its ranks in increasing order: then a rank's number in
+    it is its place)."""
+    for group in ep_groups:
+        if list(group) != sorted(group) or len(group) % per_node:
+            raise ValueError(f"node_groups: the ep group {list(group)} must list its ranks in increasing order and "
+                             f"hold a multiple of per_node={per_node} of them.")
     inside = [list(group[i:i + per_node]) for group in ep_groups for i in range(0, len(group), per_node)]
     between = [list(group[j::per_node]) for group in ep_groups for j in range(per_node)]
     mine_inside, _ = dist.new_subgroups_by_enumeration(inside)
@@ -458,7 +464,7 @@ class _TokenDispatch:
         output = _ScaleGradient.apply(output, 1.0 / self.ep)
         weighted = output * sent.weights.unsqueeze(-1).to(output.dtype)
         sums = weighted.new_zeros(sent.received, weighted.shape[-1]).index_add(0, sent.received_row, weighted)
-        for exchange in reversed(sent.exchanges):
+        for exchange in reversed(sent.exchanges):  # (summed in the experts' output dtype on the way)
             sums = _exchange_back(sums, exchange)
         return sums.to(hidden_states.dtype)
 

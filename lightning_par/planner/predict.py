@@ -31,7 +31,7 @@ from lightning_par.costs.profile import END_SECTIONS, ModelProfile, Section
 from lightning_par.costs.sheet import CostSheet, Transfer, per_cut
 from lightning_par.dims import MESH_DIM_NAMES, ParallelDims
 from lightning_par.techniques import build_recipe
-from lightning_par.techniques.expert_parallel import dispatched_bytes
+from lightning_par.techniques.expert_parallel import dispatch_ranks_per_node, dispatched_bytes
 from lightning_par.techniques.fully_sharded import fsdp_casts_parameters
 
 if TYPE_CHECKING:
@@ -457,9 +457,12 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float, float]
             if sheet.checkpointing == "selective":
                 kept += section.selective_kept.per_rank(tp, cp, sp, lp, scale)
                 if sheet.dims.ep > 1:  # the dispatch's two all-to-alls' outputs (kept: the profile traces no ep)
-                    kept += (2 * dispatched_bytes(section, profile.num_experts, sheet.dims.ep, sheet.activation_scale,
-                                                  profile.expert_groups)
-                             * sheet.token_scale / cp)
+                    places = [sheet.dims.ep]
+                    per_node = dispatch_ranks_per_node(sheet.dims, sheet.ranks_per_node)
+                    if section.routed_choices and 1 < per_node < sheet.dims.ep:  # and the step between nodes'
+                        places.append(sheet.dims.ep // per_node)
+                    kept += sum(2 * dispatched_bytes(section, profile.num_experts, n, sheet.activation_scale,
+                                                     profile.expert_groups) for n in places) * sheet.token_scale / cp
                 if sp:  # its reduce-scatters' outputs, on this rank's sequence chunk
                     kept += section.reduce_scattered_bytes * scale / tp / cp
             peak_block = max(peak_block, full + copies)  # recomputed in backward, one block at a time
@@ -537,8 +540,8 @@ def expert_slowdown(sheet: CostSheet, section: Section, grouped_mm: GroupedMatmu
 
 
 #: a mesh dimension's groups as the time model sees them: (ranks, ring bandwidth, latency, a rank's own bandwidth,
-#: ranks of the group in one node, the node-internal bandwidth), see ``_link``
-Link = tuple[int, float, float, float, int, float]
+#: ranks of the group in one node, the node-internal bandwidth and latency), see ``_link``
+Link = tuple[int, float, float, float, int, float, float]
 
 
 def _cached_link(dim: str, dims: ParallelDims, hw: Hardware) -> Link:
@@ -569,24 +572,29 @@ def _link(dim: str, dims: ParallelDims, hw: Hardware) -> Link:
     ring, latency = hw.link(size, stride, within, by_shape=by_shape,
                             members_per_node=dims.members_per_node(dim, hw.gpus_per_node))
     own, _ = hw.link(size, stride, within, by_shape=by_shape)
-    return size, ring, latency, own, dims.members_per_node(dim, hw.gpus_per_node), hw.intra_bandwidth
+    return (size, ring, latency, own, dims.members_per_node(dim, hw.gpus_per_node), hw.intra_bandwidth,
+            hw.intra_latency)
 
 
 def _transfer_time(t: Transfer, n: int, bandwidth: float, latency: float, own_bandwidth: float | None = None,
-                   node_ranks: int | None = None, node_bandwidth: float | None = None) -> float:
+                   node_ranks: int | None = None, node_bandwidth: float | None = None,
+                   node_latency: float | None = None) -> float:
     """The ring model of one transfer over a group of ``n`` ranks, ``t.count`` times: ring collectives at the
     group's ``bandwidth``, all-to-alls and point-to-point messages at a rank's ``own_bandwidth`` (default: the
     same). An all-to-all across nodes, ``node_ranks`` of its ranks in each, sends ``(n - node_ranks) / n`` of its
     bytes over the rank's own NIC and, at the same time, those for the other ranks of its node over the node's link
     (``node_bandwidth``): the slower of the two. The two steps of a dispatch across nodes (``ExpertParallel``):
     ``all_to_all_between`` over the ``n / node_ranks`` ranks of a place in every node, through the NICs, and
-    ``all_to_all_inside`` over the ``node_ranks`` ranks of a node, over its link."""
+    ``all_to_all_inside`` over the ``node_ranks`` ranks of a node, over its link (``node_latency`` a hop)."""
     if n <= 1:
         return 0.0
     own = bandwidth if own_bandwidth is None else own_bandwidth
     if t.collective in ("all_to_all_between", "all_to_all_inside") and node_ranks is not None and node_ranks < n:
-        size, link = (n // node_ranks, own) if t.collective == "all_to_all_between" else (node_ranks, node_bandwidth)
-        return ((size - 1) / size * t.nbytes / (link or own) + (size - 1) * latency) * t.count
+        if t.collective == "all_to_all_between":
+            size, link, hop = n // node_ranks, own, latency
+        else:
+            size, link, hop = node_ranks, node_bandwidth or own, latency if node_latency is None else node_latency
+        return ((size - 1) / size * t.nbytes / link + (size - 1) * hop) * t.count
     if t.collective == "all_to_all" and node_ranks is not None and node_bandwidth is not None and node_ranks < n:
         remote = (n - node_ranks) / n * t.nbytes / own
         local = (node_ranks - 1) / n * t.nbytes / node_bandwidth

@@ -122,6 +122,7 @@ class AutoParallelStrategy(NDParallelStrategy):
         self.techniques = build_recipe(**{**self._options, **_recipe_options(layout)})
         (self.pipeline_parallel, self.tensor_parallel, self.context_parallel, self.expert_parallel,
          self.activation_checkpointing, self.compile, self.fully_sharded) = self.techniques
+        self.expert_parallel.check(self.dims)  # the ep chosen against the given ep_ranks_per_node, on every rank
         self.build_mesh()
         rank_zero_info(self._summary())
         if self.plot_dir is not None:

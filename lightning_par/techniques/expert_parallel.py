@@ -13,7 +13,14 @@ from lightning_par.checks import check_positive_int, check_str_list
 from lightning_par.costs.profile import Section
 from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.experts import NodeGroups, apply_expert_parallel, hf_ep_plan, node_groups, num_experts_of
+from lightning_par.parallel.experts import (
+    NodeGroups,
+    apply_expert_parallel,
+    hf_ep_plan,
+    is_hf_experts,
+    node_groups,
+    num_experts_of,
+)
 from lightning_par.parallel.modules import fqn_matches, match_modules
 from lightning_par.techniques.technique import Target, Technique
 
@@ -38,7 +45,8 @@ class ExpertParallel(Technique):
         self.nodes: NodeGroups | None = None
 
     def check(self, dims: ParallelDims) -> None:
-        if self.ranks_per_node is not None and dims.ep % self.ranks_per_node:
+        """(With ``ep > 1``: auto_parallel checks again once it has chosen ``ep``.)"""
+        if self.ranks_per_node is not None and dims.ep > 1 and dims.ep % self.ranks_per_node:
             raise ValueError(
                 f"ep_ranks_per_node={self.ranks_per_node} must divide ep={dims.ep}: the ranks of an ep group that "
                 f"share a node. Choose one of {[d for d in range(1, dims.ep + 1) if dims.ep % d == 0]}, or leave it "
@@ -73,7 +81,8 @@ class ExpertParallel(Technique):
         mine = [fqn for fqn, _ in everywhere if target.keep is None
                 or any(fqn == owner or fqn.startswith(owner + ".") for owner in target.keep)]
         ep_mesh = dims.expert_mesh()["ep"]
-        self.nodes = self._node_groups(dims)
+        # (every rank decides alike: ``everywhere`` is the whole model's)
+        self.nodes = self._node_groups(dims) if any(is_hf_experts(m) for _, m in everywhere) else None
         # FSDP's experts units are the modules holding the experts' parameters (LoRA's wrappers stay in the block's)
         target.experts = [".".join(filter(None, (fqn, apply_expert_parallel(target.module.get_submodule(fqn),
                                                                               ep_mesh, self.nodes)))) for fqn in mine]
@@ -161,9 +170,16 @@ class ExpertParallel(Technique):
         """The ranks of an ep group in one node, as the engine finds them (or as ``ranks_per_node`` says)."""
         if self.ranks_per_node is not None:
             return self.ranks_per_node
-        if sheet.ranks_per_node is None:
-            return sheet.dims.ep
-        return sheet.dims.members_per_node("ep", sheet.ranks_per_node)
+        return dispatch_ranks_per_node(sheet.dims, sheet.ranks_per_node)
+
+
+def dispatch_ranks_per_node(dims: ParallelDims, devices_per_node: int | None) -> int:
+    """The ranks of an ep group per node where the engine's host detection dispatches in two steps (nodes of
+    ``devices_per_node`` consecutive ranks; None: unknown), else ``ep``: one step."""
+    if devices_per_node is None:
+        return dims.ep
+    per_node = dims.members_per_node("ep", devices_per_node)
+    return per_node if dims.ep % per_node == 0 else dims.ep
 
 
 def _ranks_per_host(groups: list[list[int]], hosts: list[str | None]) -> int:
@@ -184,14 +200,14 @@ def ranks_per_token(experts: int, ep: int, choices: int, groups: tuple[int, int]
     """How many of the ``ep`` ranks a token's ``choices`` distinct experts (of ``experts``, ``experts / ep`` per
     rank) fall on, on average with the router's choices even: ``ep x (1 - C(E - E/ep, k) / C(E, k))``. With
     group-limited routing (``groups``: ``(n_group, topk_group)``) the choices fall in the chosen groups only: where a
-    group spans several ranks, the same count over the chosen groups' experts and ranks; where a rank holds whole
-    groups, the ranks holding a chosen group (each chosen group carries a choice: its score is its best experts')."""
+    rank holds whole groups, the ranks holding a chosen group (each chosen group carries a choice: its score is its
+    best experts'); where a group spans several ranks, the same count over the chosen groups' experts and ranks."""
     if groups is not None:
         n_group, chosen = groups
-        if ep % n_group == 0 and experts % n_group == 0:
-            return ranks_per_token(experts * chosen // n_group, ep * chosen // n_group, choices)
         if n_group % ep == 0 and chosen <= choices:
             return ranks_per_token(n_group, ep, chosen)
+        if ep % n_group == 0 and experts % n_group == 0:
+            return ranks_per_token(experts * chosen // n_group, ep * chosen // n_group, choices)
     local = experts // ep
     missed = 1.0  # the chance that none of the k choices is one of a given rank's experts
     for i in range(choices):
