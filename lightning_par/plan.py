@@ -99,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from lightning_par.costs.profile import profile_model
+    from lightning_par.planner.predict import trace_dtype
     from lightning_par.planner.search import plan_layouts
 
     start = time.perf_counter()
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         module, batch = _lightning_project(args)
     global_batch = int(batch[0].shape[0])
-    profile = profile_model(module, batch)
+    profile = profile_model(module, batch, dtype=trace_dtype(args.precision))
     hardware = _hardware(args, profile)
     restrict = {k: [int(x) for x in v.split(",")] for k, v in (item.split("=", 1) for item in args.restrict)}
     plan = plan_layouts(profile, batch, args.world, hardware, precision=args.precision, batch_is_global=True,

@@ -559,6 +559,35 @@ def test_known_devices_plan_a_llama_8b_shape(device, memory):
     assert any(p.layout.tp > 1 for p in plan.predictions) and all(p.layout.tp <= 8 for p in plan.predictions)
 
 
+def test_bf16_true_prices_every_byte_in_bf16_whatever_dtype_the_module_was_built_in():
+    """Lightning's "bf16-true" converts the module to bf16 before training: a module built in fp32 (as most are) is
+    planned as that bf16 module (weights 2 bytes, AdamW's moments 2 x 2, FSDP gathering 2 bytes an element; the
+    activations those of the bf16 trace, not halved again), and a profile traced in fp32 is refused for it."""
+    with torch.device("meta"):
+        module = HFCausalLM("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=4, vocab_size=1024)
+    ids = torch.zeros(8, 256, dtype=torch.long, device="meta")
+    hardware = known_hardware("H100", gpus_per_node=8)
+    from_fp32 = plan_layouts(module, (ids, ids), 8, hardware, precision="bf16-true", restrict={"pp": [1]})
+    bf16_profile = profile_model(module, (ids, ids), dtype=torch.bfloat16)
+    from_bf16 = plan_layouts(bf16_profile, (ids, ids), 8, hardware, precision="bf16-true", restrict={"pp": [1]})
+    assert [p.as_dict() for p in from_fp32.predictions] == [p.as_dict() for p in from_bf16.predictions]
+    elements = sum(p.numel for p in bf16_profile.params)
+    assert bf16_profile.weight_itemsize() == 2 and bf16_profile.optimizer_bytes_per_element == 4
+    layout = Layout(dp_shard=8)
+    true = predict(layout, bf16_profile, hardware, 1, 256, precision="bf16-true")
+    mixed = predict(layout, profile_model(module, (ids, ids)), hardware, 1, 256, precision="bf16-mixed")
+    assert true.params == pytest.approx(2 * elements / 8, rel=0.01) and mixed.params == pytest.approx(2 * true.params)
+    assert true.optimizer == pytest.approx(4 * elements / 8, rel=0.01)
+    assert true.activations == predict(layout, bf16_profile, hardware, 1, 256, precision="32-true").activations
+    gathered = {p: sum(t.nbytes * t.count for t in account(layout, prof, 1, 256, p).transfers
+                       if t.kind == "fsdp_all_gather")
+                for p, prof in (("bf16-true", bf16_profile), ("bf16-mixed", profile_model(module, (ids, ids))))}
+    assert gathered["bf16-true"] == pytest.approx(gathered["bf16-mixed"])  # bf16 on the wire either way
+    with pytest.raises(ValueError, match=r"precision='bf16-true' .* profile_model\(\.\.\., dtype="):
+        plan_layouts(profile_model(module, (ids, ids)), (ids, ids), 8, hardware, precision="bf16-true")
+
+
 # ---- predictions against measurements (world 4) -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def measured():

@@ -4,6 +4,7 @@ share their cores. The rules' effect against measurements is benchmarks/bench_pl
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import replace
@@ -231,6 +232,20 @@ def test_transformers_experts_are_dispatched_once_per_token_and_rank():
                                      "32-true").transfers if t.kind == "all_to_all"]
     assert gpt_a2a.nbytes == tokens / 2 * 2 * TINY_GPT["n_embd"] * 4  # one row per choice
     assert gpt_a2a.count == 4 * 4  # 4 blocks
+
+
+@pytest.mark.parametrize("experts,ep,choices,n_group", [
+    (128, 8, 8, 16), (32, 8, 4, 8), (32, 2, 4, 8), (256, 64, 8, 32), (384, 32, 8, 48), (384, 8, 8, 48),
+    (12, 4, 2, 3), (30, 6, 2, 5), (24, 6, 3, 4)])
+def test_routing_within_one_group_against_every_choice(experts, ep, choices, n_group):
+    """A token's choices confined to one group of consecutive experts (``topk_group`` 1), however groups and ranks
+    align: the count equals the mean over every group and every set of choices in it of the ranks they fall on
+    (the first six: NeMo AutoModel's benchmark gate, the k consecutive experts of one of E / k groups, on its runs'
+    expert and ep sizes; Kimi K2's 384 at ep 32 spans 1 or 2 ranks, 4/3 on average)."""
+    size, local = experts // n_group, experts // ep
+    counts = [len({e // local for e in chosen}) for start in range(0, experts, size)
+              for chosen in itertools.combinations(range(start, start + size), choices)]
+    assert ranks_per_token(experts, ep, choices, (n_group, 1)) == pytest.approx(sum(counts) / len(counts))
 
 
 def test_group_limited_routing_sends_a_token_to_fewer_ranks():

@@ -218,6 +218,13 @@ class ModelProfile:
     def param_bytes(self, trainable_only: bool = False) -> int:
         return sum(p.numel * p.itemsize for p in self.params if p.trainable or not trainable_only)
 
+    def weight_itemsize(self) -> int:
+        """The bytes per element of most of the weights (by count): the dtype the trace stored them in."""
+        counts: dict[int, int] = {}
+        for p in self.params:
+            counts[p.itemsize] = counts.get(p.itemsize, 0) + p.numel
+        return max(counts, key=counts.__getitem__, default=4)
+
 
 # ---- the trace -------------------------------------------------------------------------------------------------
 def _cdata(t: torch.Tensor) -> int:
@@ -520,13 +527,18 @@ def _set_layout(trace: _Trace, out: Any, layout: str | None) -> None:
 
 def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = None,
                   tp_plan: dict[str, Any] | None = None, step: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-                  share: tuple[Any, ...] = ()) -> ModelProfile:
+                  share: tuple[Any, ...] = (), dtype: torch.dtype | None = None) -> ModelProfile:
     """Trace ``module`` (real or meta; it is copied to meta) on one ``batch`` (one micro-batch's worth; its tensors
     are only looked at for shapes). ``step(module, batch)`` returns the loss; default: the module's
-    ``training_step``, else ``loss(forward(x), y)``, else cross-entropy of ``forward(x)`` against ``y``."""
+    ``training_step``, else ``loss(forward(x), y)``, else cross-entropy of ``forward(x)`` against ``y``.
+    ``dtype``: the copy's floating-point weights cast to it first, as a precision that stores them so (Lightning's
+    ``"bf16-true"`` converts the module before training) will have them: weights, gradients, optimizer state and
+    activations are then traced at that size (``planner.predict.trace_dtype``)."""
     from lightning_par.parallel.pipeline import meta_clone
 
     model = meta_clone(module, share=share)
+    if dtype is not None:
+        model.to(dtype)  # floating-point parameters and buffers only
     _plan_attention(model)
     block_fqn, container = find_block_list(model, block_list)
     blocks = [f"{block_fqn}.{n}" for n in container._modules]

@@ -60,8 +60,26 @@ MATH_PATH_BACKWARD_EXTRA = 0.5
 RESERVE = 0.1
 _PRECISION = {  # activation bytes, FSDP all-gather bytes per parameter byte, gradient bytes per activation byte
     "32-true": (1.0, 1.0, 1.0), "bf16-mixed": (0.5, 0.5, 2.0), "16-mixed": (0.5, 0.5, 2.0),
-    "bf16-true": (0.5, 1.0, 1.0),
+    "bf16-true": (1.0, 1.0, 1.0),  # traced in bf16 (trace_dtype): every byte is already the run's
 }
+#: the precisions that store the weights in another dtype than the module's: the trace runs on a copy cast to it
+_TRACE_DTYPES = {"bf16-true": torch.bfloat16}
+
+
+def trace_dtype(precision: str) -> torch.dtype | None:
+    """The dtype a module is traced in for ``precision`` (``profile_model(dtype=...)``): bf16 for ``"bf16-true"``,
+    whose weights, gradients, optimizer state and activations are all bf16; None (the module's own) otherwise."""
+    return _TRACE_DTYPES.get(precision)
+
+
+def check_profile_precision(profile: ModelProfile, precision: str) -> None:
+    """A profile traced in fp32 priced as ``"bf16-true"`` would count every weight, gradient and optimizer state
+    twice its size: refuse it, naming the fix."""
+    dtype = trace_dtype(precision)
+    if dtype is not None and profile.weight_itemsize() != dtype.itemsize:
+        raise ValueError(f"precision={precision!r} prices the weights in {dtype}, but this profile traced them at "
+                         f"{profile.weight_itemsize()} bytes an element: profile the module with "
+                         f"profile_model(..., dtype=trace_dtype({precision!r})), or pass the module itself.")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,15 @@ from torch import nn
 from lightning_par.costs.profile import ModelProfile, profile_model
 from lightning_par.parallel.pipeline import SCHEDULES, validate_pipeline
 from lightning_par.parallel.tensor_plan import validate_tp_plan
-from lightning_par.planner.predict import RESERVE, Layout, Prediction, predict, shares_cores
+from lightning_par.planner.predict import (
+    RESERVE,
+    Layout,
+    Prediction,
+    check_profile_precision,
+    predict,
+    shares_cores,
+    trace_dtype,
+)
 
 if TYPE_CHECKING:
     from lightning_par.devices import Hardware
@@ -151,8 +159,11 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
             ``trainer_kwargs()``; the fewest that fit: ``accumulated_variants``), as Megatron's and DeepSpeed's
             published runs did. ``auto_parallel`` passes ``False``: the Trainer's own setting stands.
     """
-    profile = module if isinstance(module, ModelProfile) else profile_model(module, example_batch,
-                                                                            block_list=block_list)
+    if isinstance(module, ModelProfile):
+        profile = module
+        check_profile_precision(profile, precision)
+    else:
+        profile = profile_model(module, example_batch, block_list=block_list, dtype=trace_dtype(precision))
     batch, seq_len = profile.batch, profile.seq_len
     options = {}
     for name, given in (("sequence_parallel", sequence_parallel), ("reshard_after_forward", reshard_after_forward),

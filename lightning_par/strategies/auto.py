@@ -143,9 +143,11 @@ class AutoParallelStrategy(NDParallelStrategy):
             hardware = known_hardware(self.plan_device, precision=_kind(precision), gpus_per_node=per_node)
         else:
             from lightning_par.costs.profile import profile_model
+            from lightning_par.planner.predict import trace_dtype
             from lightning_par.planner.probe import probe_hardware, tp_degrees
 
-            profile = profile_model(module, batch, block_list=self.block_list, share=(trainer,))
+            profile = profile_model(module, batch, block_list=self.block_list, share=(trainer,),
+                                    dtype=trace_dtype(precision))
             shapes = _matmul_shapes(profile)
             hardware = probe_hardware(self.root_device, _dtype(precision), shapes, per_node,
                                       tp_sizes=tp_degrees(shapes, per_node))

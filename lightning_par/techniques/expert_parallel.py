@@ -5,6 +5,7 @@ over the ranks left (``efsdp``)."""
 from __future__ import annotations
 
 import socket
+from functools import lru_cache
 
 import torch.distributed as dist
 from torch import nn
@@ -196,14 +197,18 @@ def _ranks_per_host(groups: list[list[int]], hosts: list[str | None]) -> int:
     return per_host
 
 
+@lru_cache(maxsize=1024)
 def ranks_per_token(experts: int, ep: int, choices: int, groups: tuple[int, int] | None = None) -> float:
     """How many of the ``ep`` ranks a token's ``choices`` distinct experts (of ``experts``, ``experts / ep`` per
     rank) fall on, on average with the router's choices even: ``ep x (1 - C(E - E/ep, k) / C(E, k))``. With
-    group-limited routing (``groups``: ``(n_group, topk_group)``) the choices fall in the chosen groups only: where a
-    rank holds whole groups, the ranks holding a chosen group (each chosen group carries a choice: its score is its
-    best experts'); where a group spans several ranks, the same count over the chosen groups' experts and ranks."""
+    group-limited routing (``groups``: ``(n_group, topk_group)``) the choices fall in the chosen groups only: in one
+    group, exactly (:func:`_ranks_within_one_group`); else where a rank holds whole groups, the ranks holding a
+    chosen group (each chosen group carries a choice: its score is its best experts'); where a group spans several
+    ranks, the same count over the chosen groups' experts and ranks."""
     if groups is not None:
         n_group, chosen = groups
+        if chosen == 1 and experts % n_group == 0 and experts % ep == 0:
+            return _ranks_within_one_group(experts, ep, choices, n_group)
         if n_group % ep == 0 and chosen <= choices:
             return ranks_per_token(n_group, ep, chosen)
         if ep % n_group == 0 and experts % n_group == 0:
@@ -213,6 +218,24 @@ def ranks_per_token(experts: int, ep: int, choices: int, groups: tuple[int, int]
     for i in range(choices):
         missed *= max(0.0, (experts - local - i) / (experts - i))
     return ep * (1.0 - missed)
+
+
+def _ranks_within_one_group(experts: int, ep: int, choices: int, n_group: int) -> float:
+    """The ranks a token's ``choices`` fall on when they all lie in one group of ``experts / n_group`` consecutive
+    experts (each group as likely, the choices even within it), however the groups and the ranks' ``experts / ep``
+    consecutive experts align: per group, each rank holding ``h`` of its ``g`` experts is hit with probability
+    ``1 - C(g - h, k) / C(g, k)``. A group of k experts taken whole is NeMo AutoModel's balanced benchmark gate
+    (token t to experts t k ... t k + k - 1, mod E)."""
+    size, local = experts // n_group, experts // ep
+    hit = 0.0
+    for start in range(0, experts, size):
+        for rank in range(start // local, (start + size - 1) // local + 1):
+            held = min(start + size, (rank + 1) * local) - max(start, rank * local)
+            missed = 1.0
+            for i in range(choices):
+                missed *= max(0.0, (size - held - i) / (size - i)) if size > i else 0.0
+            hit += 1.0 - missed
+    return hit / n_group
 
 
 def dispatched_bytes(section: Section, experts: int, ep: int, activation_scale: float = 1.0,
