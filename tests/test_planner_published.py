@@ -2,9 +2,10 @@
 planned from the device table (``known_hardware``, no probe), the model built on the meta device (transformers'
 ``LlamaConfig`` with the published sizes, or for Megatron's GPT runs the example project's GPT, which has Megatron's
 GPT shape; nothing downloaded), restricted only as the published run was: the same world, global batch, sequence and
-precision (and the GPUs' memory where the table's device differs), and for runs of 2021 software the techniques it
-had (Megatron-LM then: tensor, pipeline and plain data parallelism, full recomputation; no sharded data or context
-parallelism, so ``restrict`` keeps dp_shard and cp at 1 and the planner weighs full checkpointing only).
+precision (and the GPUs' memory where the table's device differs), and the techniques its software had (Megatron-LM
+in 2021: tensor, pipeline and plain data parallelism, full recomputation; no sharded data or context parallelism, so
+``restrict`` keeps dp_shard and cp at 1 and the planner weighs full checkpointing only; NeMo AutoModel's MoE
+parallelizer: no tensor or context parallelism, whole-block checkpointing).
 
 Two things are checked per case: the tokens per second per GPU the planner predicts for the published layout
 against the published figure, and where the published layout ranks in the plan. A layout is its mesh sizes
@@ -242,10 +243,20 @@ _DEEPEP = ("NeMo dispatches with DeepEP, synchronously: like lightning_par it se
 def nemo_case(name: str, row: str, config_file: str, config: str, model: dict[str, Any], arch: str, **kwargs: Any
               ) -> PublishedCase:
     """One row of NeMo AutoModel's table: an H100 cluster of 8-GPU nodes over 400 Gb/s InfiniBand, the weights
-    stored in bf16 as NeMo stores them, the tokens routed as its benchmark gate routes them (``nemo_routing``)."""
+    stored in bf16 as NeMo stores them, the tokens routed as its benchmark gate routes them (``nemo_routing``), among
+    the layouts its software could run (``_NEMO_SOFTWARE``)."""
     return PublishedCase(name, f"{_NEMO_AUTOMODEL}, row {row}; {_NEMO_CONFIGS}{config_file}",
-                         f"{config}; {_NEMO_STORAGE}; {_NEMO_GATE}", {**model, **nemo_routing(model)}, seq_len=4096,
-                         inter_link="ib-ndr400", arch=arch, precision="bf16-true", **kwargs)
+                         f"{config}; {_NEMO_STORAGE}; {_NEMO_GATE}; {_NEMO_SOFTWARE}", {**model, **nemo_routing(model)},
+                         seq_len=4096, inter_link="ib-ndr400", arch=arch, precision="bf16-true",
+                         restrict={"tp": [1], "cp": [1]}, checkpointing=(False, True), **kwargs)
+
+
+#: what NeMo AutoModel's MoE parallelizer, which every row's config names
+#: (``nemo_automodel.components.moe.parallelizer.parallelize_model`` at 79d0ccfdb), could run: it asserts a tensor-
+#: and a context-parallel size of 1 ("not supported for DeepSeek v3 model", its Qwen3-MoE and gpt-oss models
+#: alike), and its activation checkpointing wraps whole blocks (``apply_ac``: full recomputation, no op-level
+#: selective policy); FSDP, HSDP, expert and pipeline parallelism, accumulation and ZeRO-2-like FSDP it had
+_NEMO_SOFTWARE = "NeMo's MoE parallelizer: no tensor or context parallelism, whole-block checkpointing only"
 
 
 #: the routing of every row (``fake_balanced_gate: true`` in each config; ``FakeBalancedGate`` in
@@ -270,26 +281,14 @@ CASES += [
         "sequences), EP 8, FSDP 8, full activation checkpointing, TE + DeepEP, balanced routing; 21.773 s per "
         "global step, 277 model TFLOP/s, 12,040 tokens/s per GPU",
         QWEN3_30B_A3B, "qwen3_moe", world=8, global_batch=32, published_tokens_per_s=12040,
-        layout={"dp_shard": 8, "ep": 8}, activation_checkpointing=True,
-        known_gaps={"rank": (
-            "near-ties on one node: ep 2, 4 and 8 within 1.7 % (their best variants, without recomputation, 4 "
-            "micro-batches: 15,268, 15,218 and 15,010 tokens/s; NeMo's gate sends a token to 1 rank at every ep), and "
-            "the context-parallel splits of each priced alike: 9th. Its published variant, full recomputation of 4 "
-            "sequences at once, is predicted at 11,717 (0.97 of the published figure). torchtitan's DeepEP page "
-            "(torchtitan/distributed/deepep/README.md) reports the same for this model, almost no throughput lost "
-            "from ep 1 to ep 8 (8 B200)")}),
+        layout={"dp_shard": 8, "ep": 8}, activation_checkpointing=True),
     nemo_case(
         "NeMo AutoModel gpt-oss-20b, 8 H100, EP 8 x FSDP 8", "'GPT-OSS 20B'", "gptoss_20b_te_deepep.yaml",
         "gpt-oss-20b, seq 4096, GBS 256 = 8 GPUs x LBS 2 x GA 16 (planned as one accumulation step: 16 sequences), "
         "EP 8 (the config's ep_size; the table prints '-'), FSDP 8, full activation checkpointing, TE + DeepEP + "
         "flex attention, balanced routing; 10.04 s per global step, 279 model TFLOP/s, 13,058 tokens/s per GPU",
         GPT_OSS_20B, "gpt_oss", world=8, global_batch=16, published_tokens_per_s=13058,
-        layout={"dp_shard": 8, "ep": 8}, activation_checkpointing=True,
-        known_gaps={"rank": (
-            "near-ties on one node: ep 2, 4 and 8 within 1.5 % (their best variants, without recomputation: 17,941, "
-            "17,846 and 17,673 tokens/s) and their context-parallel splits, priced alike: 9th. The published variant, "
-            "with full recomputation, is predicted at 13,821 (1.06 of the published figure); NeMo published ep 8 "
-            "only")}),
+        layout={"dp_shard": 8, "ep": 8}, activation_checkpointing=True),
     nemo_case(
         "NeMo AutoModel DeepSeek-V3 671B, 256 H100, PP 4 x EP 64 x FSDP 64", "'DeepSeek V3 671B' of 256 GPUs",
         "deepseek_v3_te_deepep.yaml",
@@ -299,11 +298,11 @@ CASES += [
         DEEPSEEK_V3, "deepseek_v3", world=256, global_batch=512, published_tokens_per_s=1002,
         layout={"dp_shard": 64, "ep": 64, "pp": 4}, activation_checkpointing=True,
         known_gaps={"rank": (
-            f"{_DEEPEP}. The published mesh's best variant (selective recomputation: 1,039 tokens/s; 948 as run, "
-            f"with full recomputation, 0.95 of the published figure) pays a pipeline's bubble and sends (0.5 s a "
-            f"step); the planner ranks first FSDP 256 with the same ep 64 and 2 micro-batches of accumulation "
-            f"(1,148) and layouts splitting the activations by context parallelism: 35th. NeMo published this mesh "
-            f"only")}),
+            f"{_DEEPEP}. The published layout, predicted at 948 tokens/s (0.95 of the published figure), pays a "
+            f"pipeline's bubble and sends (0.54 s a step) and ep 64's all-to-alls across 8 nodes (1.07 s); the "
+            f"planner ranks first layouts without a pipeline and with ep over 2 or 4 nodes (HSDP 2 x 128 or FSDP "
+            f"256 with ep 16: 1,116 and 1,102; ep 32: 1,084), also with full recomputation: 22nd. NeMo published "
+            f"this mesh only")}),
     nemo_case(
         "NeMo AutoModel DeepSeek-V3 671B, 1024 H100, PP 4 x EP 64 x FSDP 256", "'DeepSeek V3 671B' of 1024 GPUs",
         "deepseek_v3_te_deepep.yaml (the 1024-GPU row has no config of its own)",
@@ -314,10 +313,9 @@ CASES += [
         DEEPSEEK_V3, "deepseek_v3", world=1024, global_batch=2048, published_tokens_per_s=865,
         layout={"dp_shard": 256, "ep": 64, "pp": 4},
         known_gaps={"rank": (
-            f"{_DEEPEP}. The published mesh (predicted at 1,039 tokens/s, 1.20 of the published figure, with "
-            f"selective recomputation) pays a pipeline's bubble and sends; the planner ranks first HSDP 4 x 256 "
-            f"with the same ep 64 and 2 micro-batches of accumulation (1,148) and pipelines split by context "
-            f"parallelism: 58th")}),
+            f"{_DEEPEP}. The published layout, predicted at 948 tokens/s (1.10 of the published figure), ranks "
+            f"43rd, behind layouts without a pipeline and with ep over 2 or 4 nodes, as on 256 GPUs (HSDP 8 x 128 "
+            f"with ep 16: 1,116)")}),
     nemo_case(
         "NeMo AutoModel Kimi K2 1T, 256 H100, PP 8 x EP 32 x FSDP 32", "'Kimi K2'", "kimi_k2_te_deepep.yaml",
         "Kimi K2 (1.04T parameters, 32B active), seq 4096, GBS 512 = 32 data-parallel ranks x LBS 8 x GA 2 "
@@ -327,9 +325,9 @@ CASES += [
         KIMI_K2, "deepseek_v3", world=256, global_batch=256, published_tokens_per_s=924,
         layout={"dp_shard": 32, "ep": 32, "pp": 8}, activation_checkpointing=True,
         known_gaps={"rank": (
-            f"{_DEEPEP}. The published layout (predicted at 977 tokens/s, 1.06 of the published figure, full "
-            f"recomputation) loses 0.75 s a step to its pipeline's bubble; the planner ranks FSDP 256 without a "
-            f"pipeline first (ep 128 or 64, also with full recomputation: 1,219-1,226): 32nd")}),
+            f"{_DEEPEP}. The published layout, predicted at 977 tokens/s (1.06 of the published figure), loses 0.83 "
+            f"s a step to its pipeline's bubble and sends; the planner ranks FSDP 256 without a pipeline first (ep "
+            f"128 or 64: 1,219 and 1,226), then shallower pipelines (pp 2 and 4): 7th")}),
 ]
 
 
