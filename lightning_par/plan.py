@@ -190,7 +190,9 @@ def _hf_model(args: argparse.Namespace) -> tuple[nn.Module, tuple[torch.Tensor, 
     else:
         config = AutoConfig.for_model(args.hf_config, **overrides)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        # fp32 weights whatever the config's dtype, as a Lightning module trains them under 32-true and the mixed
+        # precisions; "bf16-true" is traced on a bf16 copy (trace_dtype)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     seq = args.seq_len or 4096
     batch = args.batch or args.world
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")

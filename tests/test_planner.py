@@ -25,9 +25,9 @@ from lightning_par.costs.profile import profile_model
 from lightning_par.costs.sheet import CostSheet
 from lightning_par.devices import Hardware, known_hardware
 from lightning_par.planner import search
-from lightning_par.planner.predict import Layout, Prediction, account, predict
+from lightning_par.planner.predict import Layout, Prediction, account, check_profile_precision, predict
 from lightning_par.planner.search import SPEED_RESOLUTION, _dimensions, zero2_twins
-from lightning_par.strategies.auto import _recipe_options
+from lightning_par.strategies.auto import _matmul_shapes, _recipe_options
 from lightning_par.techniques import build_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -562,7 +562,8 @@ def test_known_devices_plan_a_llama_8b_shape(device, memory):
 def test_bf16_true_prices_every_byte_in_bf16_whatever_dtype_the_module_was_built_in():
     """Lightning's "bf16-true" converts the module to bf16 before training: a module built in fp32 (as most are) is
     planned as that bf16 module (weights 2 bytes, AdamW's moments 2 x 2, FSDP gathering 2 bytes an element; the
-    activations those of the bf16 trace, not halved again), and a profile traced in fp32 is refused for it."""
+    activations those of the bf16 trace, not halved again), and a profile traced in fp32 is refused for it; mixed
+    precision over a module built in bf16 is priced alike."""
     with torch.device("meta"):
         module = HFCausalLM("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=4, vocab_size=1024)
@@ -573,7 +574,7 @@ def test_bf16_true_prices_every_byte_in_bf16_whatever_dtype_the_module_was_built
     from_bf16 = plan_layouts(bf16_profile, (ids, ids), 8, hardware, precision="bf16-true", restrict={"pp": [1]})
     assert [p.as_dict() for p in from_fp32.predictions] == [p.as_dict() for p in from_bf16.predictions]
     elements = sum(p.numel for p in bf16_profile.params)
-    assert bf16_profile.weight_itemsize() == 2 and bf16_profile.optimizer_bytes_per_element == 4
+    assert bf16_profile.dtype == torch.bfloat16 and bf16_profile.optimizer_bytes_per_element == 4
     layout = Layout(dp_shard=8)
     true = predict(layout, bf16_profile, hardware, 1, 256, precision="bf16-true")
     mixed = predict(layout, profile_model(module, (ids, ids)), hardware, 1, 256, precision="bf16-mixed")
@@ -586,6 +587,41 @@ def test_bf16_true_prices_every_byte_in_bf16_whatever_dtype_the_module_was_built
     assert gathered["bf16-true"] == pytest.approx(gathered["bf16-mixed"])  # bf16 on the wire either way
     with pytest.raises(ValueError, match=r"precision='bf16-true' .* profile_model\(\.\.\., dtype="):
         plan_layouts(profile_model(module, (ids, ids)), (ids, ids), 8, hardware, precision="bf16-true")
+    # mixed precision over weights built in bf16 keeps them so: priced as bf16-true, not halved again
+    half = predict(layout, bf16_profile, hardware, 1, 256, precision="bf16-mixed")
+    assert (half.params, half.optimizer, half.activations) == (true.params, true.optimizer, true.activations)
+    assert _matmul_shapes(bf16_profile) == _matmul_shapes(profile_model(module, (ids, ids)))  # the probe's widths
+
+
+class _FloatInputs(nn.Module):
+    """Float inputs (not token ids), an int8 frozen table larger than the weights, no optimizer of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+        self.codes = nn.Parameter(torch.zeros(64, 512, dtype=torch.int8), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x) + torch.ones(x.shape[-1], device=x.device)  # made in forward, in the default dtype
+        return x
+
+
+def test_a_bf16_trace_casts_float_inputs_and_what_forward_creates_and_ignores_integer_weights():
+    """Under "bf16-true" Lightning hands the module bf16 inputs and a bf16 default dtype: the trace does the same, so
+    a float-input model's activations are bf16-sized; integer weights do not make it an int8 model, and without an
+    optimizer of its own it is priced with Adam's moments in bf16."""
+    x = torch.zeros(4, 16, 64)
+    step = lambda m, b: m(b[0]).float().square().mean()  # noqa: E731
+    fp32 = profile_model(_FloatInputs(), (x, x), step=step)
+    bf16 = profile_model(_FloatInputs(), (x, x), step=step, dtype=torch.bfloat16)
+    assert (fp32.dtype, bf16.dtype) == (torch.float32, torch.bfloat16)
+    first = bf16.blocks[0]
+    assert bf16.sections[first].input_bytes == fp32.sections[first].input_bytes // 2 == 4 * 16 * 64 * 2
+    assert sum(bf16.sections[b].saved.total for b in bf16.blocks) == pytest.approx(
+        sum(fp32.sections[b].saved.total for b in fp32.blocks) / 2)
+    assert (fp32.optimizer_bytes_per_element, bf16.optimizer_bytes_per_element) == (8.0, 4.0)
+    check_profile_precision(bf16, "bf16-true")  # not refused for its int8 table
 
 
 # ---- predictions against measurements (world 4) -----------------------------------------------------------------
@@ -692,6 +728,19 @@ def test_cli_plans_a_hugging_face_config_on_a_big_cluster(tmp_path):
     # the schedules asked for, no others
     assert {lay["strategy_kwargs"].get("pp_schedule") for lay in record["layouts"]} == {None, "1f1b"}
     assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+def test_cli_builds_a_hugging_face_config_in_fp32_whatever_its_dtype(tmp_path):
+    """Hub configs say ``torch_dtype: bfloat16``, which transformers 5 builds in: the command line builds fp32 weights
+    (a Lightning run's under the mixed precisions) and leaves bf16 to ``--precision bf16-true``'s trace."""
+    from lightning_par.plan import _hf_model, _parser
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+                                  "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": 4, "torch_dtype": "bfloat16"}))
+    module, _ = _hf_model(_parser().parse_args(["--hf-config", str(config), "--world", "8", "--device", "H100"]))
+    assert {p.dtype for p in module.parameters()} == {torch.float32}
 
 
 def test_cli_plans_a_lightning_cli_project():

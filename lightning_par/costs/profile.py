@@ -24,8 +24,8 @@ example batch this records:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -210,6 +210,8 @@ class ModelProfile:
     #: group-limited routing (DeepSeek-V3's ``n_group``, ``topk_group`` of its config): a token's choices fall in
     #: ``topk_group`` of ``n_group`` groups of consecutive experts; None: anywhere
     expert_groups: tuple[int, int] | None = None
+    #: the dtype the floating-point weights were traced in (``profile_model``'s ``dtype``, else most of theirs)
+    dtype: torch.dtype = torch.float32
 
     @property
     def tokens(self) -> int:
@@ -217,13 +219,6 @@ class ModelProfile:
 
     def param_bytes(self, trainable_only: bool = False) -> int:
         return sum(p.numel * p.itemsize for p in self.params if p.trainable or not trainable_only)
-
-    def weight_itemsize(self) -> int:
-        """The bytes per element of most of the weights (by count): the dtype the trace stored them in."""
-        counts: dict[int, int] = {}
-        for p in self.params:
-            counts[p.itemsize] = counts.get(p.itemsize, 0) + p.numel
-        return max(counts, key=counts.__getitem__, default=4)
 
 
 # ---- the trace -------------------------------------------------------------------------------------------------
@@ -539,6 +534,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
     model = meta_clone(module, share=share)
     if dtype is not None:
         model.to(dtype)  # floating-point parameters and buffers only
+    weights_dtype = dtype or _floating_dtype(model)
     _plan_attention(model)
     block_fqn, container = find_block_list(model, block_list)
     blocks = [f"{block_fqn}.{n}" for n in container._modules]
@@ -549,8 +545,9 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
         resolved = validate_tp_plan(model, source_plan, 1)
     except ValueError:
         source_plan, resolved = {}, {}
-    meta_batch = tree_map(
-        lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, batch)
+    meta_batch = tree_map(  # floating inputs in the weights' dtype, as the precision plugin converts them
+        lambda t: t.to("meta", dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+        if isinstance(t, torch.Tensor) else t, batch)
     trace = _Trace()
     trace.params = {_cdata(p) for p in model.parameters()}
     hidden_bytes = 0
@@ -602,6 +599,8 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
             stack.enter_context(trace)
             stack.enter_context(_AttentionMarker(trace))
             stack.enter_context(_AutocastMarker(trace))  # entered last, it sees attention first
+            if dtype is not None:  # tensors the forward creates, as under the precision's forward context
+                stack.enter_context(_default_dtype(dtype))
             try:
                 loss = _run_step(model, meta_batch, step)
             except Exception as e:  # noqa: BLE001 - any failure of the user's code on meta tensors
@@ -631,9 +630,28 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
         block_list=block_fqn, blocks=blocks, sections=sections, batch=int(sample.shape[0]),
         seq_len=int(sample.shape[1]) if sample.ndim > 1 else 1,
         hidden_bytes=hidden_bytes // max(1, int(sample.shape[0]) * (int(sample.shape[1]) if sample.ndim > 1 else 1)),
-        optimizer_bytes_per_element=_optimizer_bytes(model), tp_plan=resolved, meta_module=model,
+        optimizer_bytes_per_element=_optimizer_bytes(model, weights_dtype), tp_plan=resolved, meta_module=model,
         tp_source_plan=source_plan, num_experts=min((num_experts_of(m, n) for n, m in experts), default=0),
-        expert_groups=_expert_groups(model) if experts else None)
+        expert_groups=_expert_groups(model) if experts else None, dtype=weights_dtype)
+
+
+def _floating_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of most of the model's floating-point weights (by count); fp32 without any."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.__getitem__, default=torch.float32)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _expert_groups(model: nn.Module) -> tuple[int, int] | None:
@@ -702,12 +720,14 @@ def _run_step(model: nn.Module, batch: Any, step: Callable[[nn.Module, Any], tor
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-def _optimizer_bytes(model: nn.Module) -> float:
+def _optimizer_bytes(model: nn.Module, dtype: torch.dtype = torch.float32) -> float:
     """Optimizer state bytes per trainable parameter element, from one step of the module's own optimizer on meta
-    gradients (AdamW: 8 in fp32). Falls back to Adam's 8 when the module configures none that runs on meta."""
+    gradients (AdamW: 8 in fp32). Falls back to Adam's two moments in the weights' ``dtype`` when the module
+    configures none that runs on meta."""
+    adam = 2.0 * dtype.itemsize
     configure = getattr(model, "configure_optimizers", None)
     if not callable(configure):
-        return 8.0
+        return adam
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -724,7 +744,7 @@ def _optimizer_bytes(model: nn.Module) -> float:
                 p.grad = None
         return state / max(1, numel)
     except Exception:  # noqa: BLE001 - an optimizer that cannot run on meta: assume Adam
-        return 8.0
+        return adam
 
 
 def _first_optimizer(configured: Any) -> torch.optim.Optimizer:

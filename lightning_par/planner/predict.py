@@ -73,13 +73,14 @@ def trace_dtype(precision: str) -> torch.dtype | None:
 
 
 def check_profile_precision(profile: ModelProfile, precision: str) -> None:
-    """A profile traced in fp32 priced as ``"bf16-true"`` would count every weight, gradient and optimizer state
-    twice its size: refuse it, naming the fix."""
-    dtype = trace_dtype(precision)
-    if dtype is not None and profile.weight_itemsize() != dtype.itemsize:
-        raise ValueError(f"precision={precision!r} prices the weights in {dtype}, but this profile traced them at "
-                         f"{profile.weight_itemsize()} bytes an element: profile the module with "
-                         f"profile_model(..., dtype=trace_dtype({precision!r})), or pass the module itself.")
+    """The profile's bytes are priced relative to the dtype it was traced in: ``"bf16-true"`` needs a bf16 trace (an
+    fp32 one would count every weight, gradient and optimizer state at twice its size): refuse another, naming the
+    fix. (Mixed precision over weights already in 16 bits is priced as they are: ``account``.)"""
+    expected = trace_dtype(precision)
+    if expected is not None and profile.dtype != expected:
+        raise ValueError(f"precision={precision!r} prices a profile traced with {expected} weights, but this one was "
+                         f"traced with {profile.dtype} weights: profile the module with profile_model(..., "
+                         f"dtype=trace_dtype({precision!r})), or pass the module itself.")
 
 
 @dataclass(frozen=True)
@@ -233,9 +234,13 @@ def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, pre
             ranks_per_node: int | None = None) -> CostSheet:
     """Every technique of the engine's recipe writes its share into one sheet, in the engine's order
     (``ranks_per_node``: the devices of a node, where the hardware says)."""
-    act, gather, grad = _PRECISION.get(precision, (1.0, 1.0, 1.0))
+    mixed = precision in ("bf16-mixed", "16-mixed")
+    # mixed precision over weights already in 16 bits (a module built so) computes, gathers and keeps everything in
+    # them, as the trace did: nothing to scale, and autocast changes nothing
+    half_weights = mixed and profile.dtype.itemsize == 2
+    act, gather, grad = (1.0, 1.0, 1.0) if half_weights else _PRECISION.get(precision, (1.0, 1.0, 1.0))
     dims = _planning_dims(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.pp, layout.ep)
-    autocast_only = precision in ("bf16-mixed", "16-mixed") and not fsdp_casts_parameters(dims, layout.cpu_offload)
+    autocast_only = mixed and not half_weights and not fsdp_casts_parameters(dims, layout.cpu_offload)
     sheet = CostSheet(dims, profile, batch, seq_len, activation_scale=act, autocast_only=autocast_only,
                       gather_scale=gather, grad_scale=grad, microbatches=layout.accumulate_grad_batches,
                       ranks_per_node=ranks_per_node)

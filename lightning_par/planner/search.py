@@ -159,11 +159,9 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
             ``trainer_kwargs()``; the fewest that fit: ``accumulated_variants``), as Megatron's and DeepSpeed's
             published runs did. ``auto_parallel`` passes ``False``: the Trainer's own setting stands.
     """
-    if isinstance(module, ModelProfile):
-        profile = module
-        check_profile_precision(profile, precision)
-    else:
-        profile = profile_model(module, example_batch, block_list=block_list, dtype=trace_dtype(precision))
+    profile = module if isinstance(module, ModelProfile) else profile_model(
+        module, example_batch, block_list=block_list, dtype=trace_dtype(precision))
+    check_profile_precision(profile, precision)
     batch, seq_len = profile.batch, profile.seq_len
     options = {}
     for name, given in (("sequence_parallel", sequence_parallel), ("reshard_after_forward", reshard_after_forward),

@@ -207,7 +207,7 @@ def ranks_per_token(experts: int, ep: int, choices: int, groups: tuple[int, int]
     ranks, the same count over the chosen groups' experts and ranks."""
     if groups is not None:
         n_group, chosen = groups
-        if chosen == 1 and experts % n_group == 0 and experts % ep == 0:
+        if chosen == 1 and experts % n_group == 0 and experts % ep == 0 and choices <= experts // n_group:
             return _ranks_within_one_group(experts, ep, choices, n_group)
         if n_group % ep == 0 and chosen <= choices:
             return ranks_per_token(n_group, ep, chosen)
@@ -233,7 +233,7 @@ def _ranks_within_one_group(experts: int, ep: int, choices: int, n_group: int) -
             held = min(start + size, (rank + 1) * local) - max(start, rank * local)
             missed = 1.0
             for i in range(choices):
-                missed *= max(0.0, (size - held - i) / (size - i)) if size > i else 0.0
+                missed *= max(0.0, (size - held - i) / (size - i))
             hit += 1.0 - missed
     return hit / n_group
 
