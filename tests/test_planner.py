@@ -590,6 +590,13 @@ def test_bf16_true_prices_every_byte_in_bf16_whatever_dtype_the_module_was_built
     # mixed precision over weights built in bf16 keeps them so: priced as bf16-true, not halved again
     half = predict(layout, bf16_profile, hardware, 1, 256, precision="bf16-mixed")
     assert (half.params, half.optimizer, half.activations) == (true.params, true.optimizer, true.activations)
+    tp = Layout(tp=8)  # without FSDP: autocast casts nothing either, its weights being bf16 already
+    assert predict(tp, bf16_profile, hardware, 1, 256, precision="bf16-mixed").activations == predict(
+        tp, bf16_profile, hardware, 1, 256, precision="bf16-true").activations
+    # FSDP still reduces in fp32 under mixed precision: twice bf16-true's reduce-scatter bytes
+    scattered = {p: sum(t.nbytes * t.count for t in account(layout, bf16_profile, 1, 256, p).transfers
+                        if t.kind == "fsdp_reduce_scatter") for p in ("bf16-mixed", "bf16-true")}
+    assert scattered["bf16-mixed"] == pytest.approx(2 * scattered["bf16-true"])
     assert _matmul_shapes(bf16_profile) == _matmul_shapes(profile_model(module, (ids, ids)))  # the probe's widths
 
 
@@ -622,6 +629,10 @@ def test_a_bf16_trace_casts_float_inputs_and_what_forward_creates_and_ignores_in
         sum(fp32.sections[b].saved.total for b in fp32.blocks) / 2)
     assert (fp32.optimizer_bytes_per_element, bf16.optimizer_bytes_per_element) == (8.0, 4.0)
     check_profile_precision(bf16, "bf16-true")  # not refused for its int8 table
+    # the probe's matmul width is the residual stream's, whatever dtype carries it (fp32 inputs into bf16 weights)
+    mixed_dtypes = profile_model(_FloatInputs().to(torch.bfloat16), (x, x), step=step)
+    shapes = [(64, 64, 256), (64, 256, 64)]
+    assert _matmul_shapes(fp32) == _matmul_shapes(bf16) == _matmul_shapes(mixed_dtypes) == shapes
 
 
 # ---- predictions against measurements (world 4) -----------------------------------------------------------------

@@ -71,6 +71,8 @@ class PublishedCase:
     published_tflops: float | None = None  # model TFLOP/s per GPU, where the source prints that instead
     arch: str = "llama"
     precision: str = "bf16-mixed"  # "bf16-true": the weights, gradients and optimizer state in bf16 too
+    #: the dtype the run built its weights in (None: fp32, as Lightning's mixed precisions keep them)
+    weights_dtype: torch.dtype | None = None
     checkpointing: tuple[bool | str, ...] = CHECKPOINTING  # the options the run's software had
     #: the run's software's other options (``plan_layouts``' keywords of the same names): a run ranks among the
     #: layouts its authors could have run (Megatron's distributed optimizer shards only optimizer state and
@@ -234,10 +236,11 @@ _NEMO_AUTOMODEL = "NeMo AutoModel, docs 'Performance Summary', pre-training tabl
 #: for gpt-oss-20b without its row being measured again)
 _NEMO_CONFIGS = "configs: NVIDIA-NeMo/Automodel examples/benchmark/configs/"
 #: how NeMo AutoModel stores the weights: the model classes the configs name build them in bf16
-#: (``initialize_weights(dtype=torch.bfloat16)`` then ``self.to(dtype)``), FSDP2 keeps the shards in bf16 and
-#: torch.optim.Adam its state alike (8 bytes a parameter, not mixed precision's 16): lightning_par's "bf16-true".
-#: NeMo reduces gradients in fp32, which the plan sends in bf16
-_NEMO_STORAGE = "parameters, gradients and Adam state in bf16 (NeMo's model classes initialize in bf16)"
+#: (``initialize_weights(dtype=torch.bfloat16)`` then ``self.to(dtype)``), and torch.optim.Adam keeps its state alike
+#: (8 bytes a parameter, not mixed precision's 16); FSDP2's policy (param bf16, reduce fp32) reduces the gradients in
+#: fp32: lightning_par's "bf16-mixed" over a module built in bf16 (``weights_dtype``), as the planner prices it
+_NEMO_STORAGE = ("parameters, gradients and Adam state in bf16 (NeMo's model classes initialize in bf16), gradients "
+                 "reduced in fp32")
 #: NeMo's dispatch (read in NeMo AutoModel's source, 2026-11): DeepEP sends a token once per destination rank, and
 #: across nodes once per destination node, forwarding it over NVLink inside the node, as lightning_par's dispatch of
 #: transformers' experts does; NeMo calls it synchronously (``moe_deepep_async_dispatch`` is off in these configs,
@@ -249,12 +252,13 @@ _DEEPEP = ("NeMo dispatches with DeepEP, synchronously: like lightning_par it se
 def nemo_case(name: str, row: str, config_file: str, config: str, model: dict[str, Any], arch: str,
               commit: str = "79d0ccfdb", **kwargs: Any) -> PublishedCase:
     """One row of NeMo AutoModel's table: an H100 cluster of 8-GPU nodes over 400 Gb/s InfiniBand, the weights
-    stored in bf16 as NeMo stores them, the tokens routed as its benchmark gate routes them (``nemo_routing``), among
-    the layouts its software could run (``_NEMO_SOFTWARE``). One step of its gradient accumulation is planned: a
-    local batch, which NeMo runs as one micro-batch (its throughput is that of the variant run so)."""
+    built in bf16 as NeMo builds them (its FSDP reducing in fp32), the tokens routed as its benchmark gate routes
+    them (``nemo_routing``), among the layouts its software could run (``_NEMO_SOFTWARE``). One step of its gradient
+    accumulation is planned: a local batch, which NeMo runs as one micro-batch (its throughput is that of the
+    variant run so)."""
     return PublishedCase(name, f"{_NEMO_AUTOMODEL}, row {row}; {_NEMO_CONFIGS}{config_file} at {commit}",
                          f"{config}; {_NEMO_STORAGE}; {_NEMO_GATE}; {_NEMO_SOFTWARE}", {**model, **nemo_routing(model)},
-                         seq_len=4096, inter_link="ib-ndr400", arch=arch, precision="bf16-true",
+                         seq_len=4096, inter_link="ib-ndr400", arch=arch, weights_dtype=torch.bfloat16,
                          restrict={"tp": [1], "cp": [1]}, checkpointing=(False, True), excluded=nemo_cannot_run,
                          accumulate_grad_batches=1, **kwargs)
 
@@ -323,7 +327,7 @@ CASES += [
             "throughput": _GPT_OSS_ATTENTION + ": its throughput is predicted at 10,063 tokens/s (1.32 of the "
                           "published figure), as gpt-oss-20b's without recomputation was (1.29); the model's attention "
                           "sinks, clamped SwiGLU and expert biases are work the planner does not weigh. Its mesh ranks "
-                          "2nd (best variant: 2 micro-batches, 9,694), behind ep 32 (10,399)"}),
+                          "1st (best variant: 2 micro-batches, 9,694)"}),
     nemo_case(
         "NeMo AutoModel DeepSeek-V3 671B, 256 H100, PP 4 x EP 64 x FSDP 64", "'DeepSeek V3 671B' of 256 GPUs",
         "deepseek_v3_te_deepep.yaml",
@@ -335,8 +339,8 @@ CASES += [
         known_gaps={"rank": (
             f"{_DEEPEP}. The published layout, predicted at 948 tokens/s (0.95 of the published figure), pays a "
             f"pipeline's bubble and sends (0.54 s a step) and ep 64's all-to-alls across 8 nodes (1.07 s); the "
-            f"planner ranks first FSDP 256 without a pipeline and with ep over 2 or 4 nodes (ep 16: 1,102 tokens/s; "
-            f"ep 32: 1,084), also with full recomputation: 18th. NeMo published this mesh only")}),
+            f"planner ranks first FSDP 256 without a pipeline (ep 32: 1,084 tokens/s; ep 64: 1,054), then a "
+            f"2-stage pipeline (1,029), all with full recomputation: 14th. NeMo published this mesh only")}),
     nemo_case(
         "NeMo AutoModel DeepSeek-V3 671B, 1024 H100, PP 4 x EP 64 x FSDP 256", "'DeepSeek V3 671B' of 1024 GPUs",
         "deepseek_v3_te_deepep_1024.yaml",
@@ -347,8 +351,8 @@ CASES += [
         layout={"dp_shard": 256, "ep": 64, "pp": 4}, activation_checkpointing=True,
         known_gaps={"rank": (
             f"{_DEEPEP}. The published layout, predicted at 948 tokens/s (1.10 of the published figure), ranks "
-            f"29th, behind layouts without a pipeline and with ep over 4 nodes, as on 256 GPUs (FSDP 1,024 with ep "
-            f"32: 1,084)")}),
+            f"23rd, behind FSDP 1,024 without a pipeline (ep 64: 1,054) and 2-stage pipelines (1,029), as on 256 "
+            f"GPUs")}),
     nemo_case(
         "NeMo AutoModel Kimi K2 1T, 256 H100, PP 8 x EP 32 x FSDP 32", "'Kimi K2'", "kimi_k2_te_deepep.yaml",
         "Kimi K2 (1.04T parameters, 32B active), seq 4096, GBS 512 = 32 data-parallel ranks x LBS 8 x GA 2 "
@@ -360,7 +364,7 @@ CASES += [
         known_gaps={"rank": (
             f"{_DEEPEP}. The published layout, predicted at 977 tokens/s (1.06 of the published figure), loses 0.83 "
             f"s a step to its pipeline's bubble and sends; the planner ranks FSDP 256 without a pipeline first (ep "
-            f"128 or 64: 1,219 and 1,226), then shallower pipelines (pp 2 and 4): 7th")}),
+            f"128: 1,219), then 2- and 4-stage pipelines (1,200 at ep 64): 7th")}),
 ]
 
 
@@ -372,6 +376,8 @@ def build(case: PublishedCase) -> tuple[torch.nn.Module, tuple[torch.Tensor, tor
             module.configure_model()
         else:
             module = HFCausalLM(case.arch, **case.model)
+    if case.weights_dtype is not None:
+        module = module.to(case.weights_dtype)
     ids = torch.zeros(case.global_batch, case.seq_len, dtype=torch.long, device="meta")
     return module, (ids, ids)
 

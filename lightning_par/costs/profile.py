@@ -212,6 +212,7 @@ class ModelProfile:
     expert_groups: tuple[int, int] | None = None
     #: the dtype the floating-point weights were traced in (``profile_model``'s ``dtype``, else most of theirs)
     dtype: torch.dtype = torch.float32
+    hidden_itemsize: int = 4  # the bytes of one element of the residual stream (the blocks' input)
 
     @property
     def tokens(self) -> int:
@@ -551,17 +552,18 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
     trace = _Trace()
     trace.params = {_cdata(p) for p in model.parameters()}
     hidden_bytes = 0
+    hidden_itemsize = 4
 
     hooks = []
     for i, name in enumerate(blocks):
         def enter(_m: nn.Module, args: tuple, kwargs: dict, _name: str = name) -> None:
-            nonlocal hidden_bytes
+            nonlocal hidden_bytes, hidden_itemsize
             trace.enter_block(_name)
             sec = trace.sections.setdefault(_name, Section())
             first = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
             if isinstance(first, torch.Tensor):
                 sec.input_bytes = first.untyped_storage().nbytes()
-                hidden_bytes = first.numel() * first.element_size()
+                hidden_bytes, hidden_itemsize = first.numel() * first.element_size(), first.element_size()
 
         def leave(_m: nn.Module, _args: tuple, _out: Any, _last: bool = i == len(blocks) - 1) -> None:
             if _last:
@@ -632,7 +634,8 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
         hidden_bytes=hidden_bytes // max(1, int(sample.shape[0]) * (int(sample.shape[1]) if sample.ndim > 1 else 1)),
         optimizer_bytes_per_element=_optimizer_bytes(model, weights_dtype), tp_plan=resolved, meta_module=model,
         tp_source_plan=source_plan, num_experts=min((num_experts_of(m, n) for n, m in experts), default=0),
-        expert_groups=_expert_groups(model) if experts else None, dtype=weights_dtype)
+        expert_groups=_expert_groups(model) if experts else None, dtype=weights_dtype,
+        hidden_itemsize=hidden_itemsize)
 
 
 def _floating_dtype(model: nn.Module) -> torch.dtype:

@@ -92,6 +92,9 @@ class CostSheet:
     #: devices per node (consecutive ranks), where known: expert parallelism across nodes dispatches in two steps
     ranks_per_node: int | None = None
     grad_scale: float = 1.0  # gradients kept in fp32 against activations (bf16: 2)
+    #: FSDP's gradient reductions against the parameters' bytes: mixed precision reduces in fp32 (over 16-bit
+    #: weights: 2)
+    reduce_scale: float = 1.0
 
     @property
     def microbatch_tokens(self) -> float:

@@ -60,8 +60,9 @@ MATH_PATH_BACKWARD_EXTRA = 0.5
 RESERVE = 0.1
 _PRECISION = {  # activation bytes, FSDP all-gather bytes per parameter byte, gradient bytes per activation byte
     "32-true": (1.0, 1.0, 1.0), "bf16-mixed": (0.5, 0.5, 2.0), "16-mixed": (0.5, 0.5, 2.0),
-    "bf16-true": (1.0, 1.0, 1.0),  # traced in bf16 (trace_dtype): every byte is already the run's
+    "bf16-true": (1.0, 1.0, 2.0),  # traced in bf16 (trace_dtype); context parallelism's dK/dV travel in fp32
 }
+_MIXED_HALF = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 #: the precisions that store the weights in another dtype than the module's: the trace runs on a copy cast to it
 _TRACE_DTYPES = {"bf16-true": torch.bfloat16}
 
@@ -235,14 +236,15 @@ def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, pre
     """Every technique of the engine's recipe writes its share into one sheet, in the engine's order
     (``ranks_per_node``: the devices of a node, where the hardware says)."""
     mixed = precision in ("bf16-mixed", "16-mixed")
-    # mixed precision over weights already in 16 bits (a module built so) computes, gathers and keeps everything in
-    # them, as the trace did: nothing to scale, and autocast changes nothing
-    half_weights = mixed and profile.dtype.itemsize == 2
-    act, gather, grad = (1.0, 1.0, 1.0) if half_weights else _PRECISION.get(precision, (1.0, 1.0, 1.0))
+    # mixed precision over weights already in its half dtype (a module built so) computes, gathers and keeps them
+    # as the trace did, and autocast changes nothing; FSDP still reduces in fp32, cp's dK/dV travel in fp32
+    half_weights = mixed and profile.dtype == _MIXED_HALF[precision]
+    act, gather, grad = (1.0, 1.0, 2.0) if half_weights else _PRECISION.get(precision, (1.0, 1.0, 1.0))
     dims = _planning_dims(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.pp, layout.ep)
     autocast_only = mixed and not half_weights and not fsdp_casts_parameters(dims, layout.cpu_offload)
     sheet = CostSheet(dims, profile, batch, seq_len, activation_scale=act, autocast_only=autocast_only,
-                      gather_scale=gather, grad_scale=grad, microbatches=layout.accumulate_grad_batches,
+                      gather_scale=gather, grad_scale=grad, reduce_scale=2.0 if half_weights else 1.0,
+                      microbatches=layout.accumulate_grad_batches,
                       ranks_per_node=ranks_per_node)
     recipe = _planning_recipe(layout.pp_schedule, layout.pp_microbatches, layout.pp_stages_per_rank,
                               layout.sequence_parallel, layout.loss_parallel, layout.activation_checkpointing,

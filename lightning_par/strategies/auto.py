@@ -213,7 +213,7 @@ def _recipe_options(layout: Layout) -> dict[str, Any]:
 
 def _matmul_shapes(profile: Any) -> list[tuple[int, int, int]]:
     """The model's own matmul sizes for the throughput probe: its residual width by 4x that, at the traced tokens."""
-    width = max(1, profile.hidden_bytes // profile.dtype.itemsize)
+    width = max(1, profile.hidden_bytes // profile.hidden_itemsize)
     tokens = max(1, min(profile.tokens, 4096))
     return [(tokens, width, 4 * width), (tokens, 4 * width, width)]
 

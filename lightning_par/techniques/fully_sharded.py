@@ -135,12 +135,12 @@ class FullySharded(Technique):
                     wire = nbytes * sheet.gather_scale
                     sheet.transfers.append(Transfer("fsdp_all_gather", group, "all_gather", wire, gathers * k,
                                                     True))
-                    sheet.transfers.append(Transfer("fsdp_reduce_scatter", group, "reduce_scatter", nbytes,
-                                                    scatters * k, True))
+                    sheet.transfers.append(Transfer("fsdp_reduce_scatter", group, "reduce_scatter",
+                                                    nbytes * sheet.reduce_scale, scatters * k, True))
             if dims.dp_replicate > 1:
                 for nbytes, k in equal_units:
                     sheet.transfers.append(Transfer("fsdp_reduce_scatter", "dp_replicate", "all_reduce",
-                                                    nbytes / size, scatters * k, True))
+                                                    nbytes * sheet.reduce_scale / size, scatters * k, True))
         gathered, largest = whole_bytes * sheet.gather_scale, largest * sheet.gather_scale  # bf16-mixed: bf16 copies
         if accumulating:  # kept gathered, and the gradients unsharded, from micro-batch to micro-batch
             # the unsharded gradients beyond the shards the state counts already
