@@ -17,7 +17,6 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from workers import GLOBAL_BATCH, SEED, TINY_GPT, token_dataset
 
 from example_projects.gpt.lit import GPTModule
 from lightning_par import FSDP2Strategy, NDParallelStrategy, full_state_dict
+from lightning_par.costs.profile import default_dtype
 
 STEPS = 10
 STRATEGIES = {"FSDP2Strategy": FSDP2Strategy, "NDParallelStrategy": NDParallelStrategy}
@@ -89,23 +89,13 @@ def strategy_fit(strategy: Any, precision: str = "32-true", device: str = "cuda"
             "devices": sorted({str(p.device) for p in model.parameters()}), "logits_dtypes": record.logits_dtypes}
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
 def precision_context(precision: str, device: str) -> contextlib.AbstractContextManager:
     """What Lightning's plugin wraps ``training_step`` in: autocast for bf16-mixed, bf16 as the default dtype for
     bf16-true (Lightning's HalfPrecision), nothing for 32-true."""
     if precision == "bf16-mixed":
         return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
     if precision == "bf16-true":
-        return _default_dtype(torch.bfloat16)
+        return default_dtype(torch.bfloat16)
     if precision == "32-true":
         return contextlib.nullcontext()
     raise ValueError(f"precision={precision!r}: the hand-written loop knows 32-true, bf16-mixed and bf16-true.")

@@ -602,7 +602,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
             stack.enter_context(_AttentionMarker(trace))
             stack.enter_context(_AutocastMarker(trace))  # entered last, it sees attention first
             if dtype is not None:  # tensors the forward creates, as under the precision's forward context
-                stack.enter_context(_default_dtype(dtype))
+                stack.enter_context(default_dtype(dtype))
             try:
                 loss = _run_step(model, meta_batch, step)
             except Exception as e:  # noqa: BLE001 - any failure of the user's code on meta tensors
@@ -648,7 +648,8 @@ def _floating_dtype(model: nn.Module) -> torch.dtype:
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``torch``'s default dtype set to ``dtype`` inside, restored after (as Lightning's true precisions do)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

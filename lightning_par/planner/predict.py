@@ -32,7 +32,7 @@ from lightning_par.costs.sheet import CostSheet, Transfer, per_cut
 from lightning_par.dims import MESH_DIM_NAMES, ParallelDims
 from lightning_par.techniques import build_recipe
 from lightning_par.techniques.expert_parallel import dispatch_ranks_per_node, dispatched_bytes
-from lightning_par.techniques.fully_sharded import fsdp_casts_parameters
+from lightning_par.techniques.fully_sharded import MIXED_HALF_DTYPES, fsdp_casts_parameters
 
 if TYPE_CHECKING:
     from lightning_par.devices import GroupedMatmulCurve, Hardware
@@ -62,7 +62,6 @@ _PRECISION = {  # activation bytes, FSDP all-gather bytes per parameter byte, gr
     "32-true": (1.0, 1.0, 1.0), "bf16-mixed": (0.5, 0.5, 2.0), "16-mixed": (0.5, 0.5, 2.0),
     "bf16-true": (1.0, 1.0, 2.0),  # traced in bf16 (trace_dtype); context parallelism's dK/dV travel in fp32
 }
-_MIXED_HALF = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 #: the precisions that store the weights in another dtype than the module's: the trace runs on a copy cast to it
 _TRACE_DTYPES = {"bf16-true": torch.bfloat16}
 
@@ -235,10 +234,10 @@ def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, pre
             ranks_per_node: int | None = None) -> CostSheet:
     """Every technique of the engine's recipe writes its share into one sheet, in the engine's order
     (``ranks_per_node``: the devices of a node, where the hardware says)."""
-    mixed = precision in ("bf16-mixed", "16-mixed")
+    mixed = precision in MIXED_HALF_DTYPES
     # mixed precision over weights already in its half dtype (a module built so) computes, gathers and keeps them
     # as the trace did, and autocast changes nothing; FSDP still reduces in fp32, cp's dK/dV travel in fp32
-    half_weights = mixed and profile.dtype == _MIXED_HALF[precision]
+    half_weights = mixed and profile.dtype == MIXED_HALF_DTYPES[precision]
     act, gather, grad = (1.0, 1.0, 2.0) if half_weights else _PRECISION.get(precision, (1.0, 1.0, 1.0))
     dims = _planning_dims(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.pp, layout.ep)
     autocast_only = mixed and not half_weights and not fsdp_casts_parameters(dims, layout.cpu_offload)

@@ -19,6 +19,9 @@ from lightning_par.techniques.technique import Target, Technique
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
+#: the mixed precisions and the half dtype FSDP gathers and computes in (it reduces in fp32)
+MIXED_HALF_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
 def fsdp_casts_parameters(dims: ParallelDims, cpu_offload: bool) -> bool:
     """Whether FSDP2 wraps the model in this layout, and so, under mixed precision, gathers its parameters in half
     precision (the whole forward then runs in it); otherwise the precision plugin's autocast alone lowers the
@@ -52,7 +55,7 @@ class FullySharded(Technique):
                 target.units(self.shard_units)  # resolved even when off: a bad pattern fails in every layout
             return
         units = self._units(target)
-        half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(target.precision)
+        half = MIXED_HALF_DTYPES.get(target.precision)
         if target.experts:  # first: children before the blocks that hold them
             shard_experts(target, dims, reshard_after_forward=self.reshard_after_forward, param_dtype=half,
                           cpu_offload=self.cpu_offload)
