@@ -5,14 +5,9 @@ from lightning_par.collectives import full_state_dict
 from lightning_par.dims import ParallelDims
 from lightning_par.expert_balance import ExpertBiasBalancer
 from lightning_par.lightning_checkpoints import to_lightning_checkpoint
-from lightning_par.parallel.context_routing import context_positions, local_sequence, whole_sequence
-from lightning_par.parallel.experts import (
-    attach_auxiliary_loss,
-    auxiliary_loss_scale,
-    count_dropped_choices,
-    local_experts,
-)
+from lightning_par.moved_modules import install as _install_moved_modules  # noqa: F401 - old paths of moved modules
 from lightning_par.parallel.fault_tolerance import FaultTolerance
+from lightning_par.parallel.sequence_scope import context_positions, local_sequence, whole_sequence
 from lightning_par.planner.search import plan_layouts
 from lightning_par.pretrained import load_hf_weights, save_hf_pretrained
 from lightning_par.strategies.auto import AutoParallelStrategy
@@ -25,6 +20,12 @@ from lightning_par.strategies.presets import (
     PipelineParallelStrategy,
     TensorParallelStrategy,
     register_strategies,
+)
+from lightning_par.techniques.experts.experts import (
+    attach_auxiliary_loss,
+    auxiliary_loss_scale,
+    count_dropped_choices,
+    local_experts,
 )
 
 register_strategies()

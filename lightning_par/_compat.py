@@ -137,7 +137,7 @@ def pipeline_stage_class() -> type:
             # (its REDUCE_GRAD action); the engine shards the units inside it, each its own root, so with
             # ``accumulate_unsharded`` the last micro-batch's weight backward (counted against ``chunks``) is the one
             # that reduces theirs
-            from lightning_par.parallel.fsdp import sync_gradients
+            from lightning_par.techniques.sharding.fsdp import sync_gradients
 
             if backward_type != "input":
                 self._weight_backwards += 1

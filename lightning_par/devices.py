@@ -359,7 +359,7 @@ class Hardware:
     #: their rows (the CPU, where the planner's figures are measured with the model's own matmuls)
     grouped_mm: GroupedMatmulCurve | None = None
     #: the FLOP rate of the engine's context-parallel attention blocks against ``matmul_flops``: on a GPU they run
-    #: as fp32 matmuls over scores they materialize (``parallel/context.py``'s math path), not as fused half
+    #: as fp32 matmuls over scores they materialize (``techniques/context/context.py``'s math path), not as fused half
     #: precision kernels (:func:`cp_attention_rate`), whole blocks with a backward of five matmuls. None: priced as
     #: fused kernels, at their rate on the causal part: a run whose context parallelism has them (the published
     #: runs' software), and the CPU, where the engine runs the math path too but the fused pricing is what the

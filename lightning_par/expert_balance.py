@@ -22,8 +22,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_par.parallel.experts import TokenCounter, find_experts
 from lightning_par.parallel.modules import clean_name
+from lightning_par.techniques.experts.experts import TokenCounter, find_experts
 
 BIAS_NAMES = ("expert_bias", "e_score_correction_bias")
 

@@ -35,8 +35,8 @@ _CHOICES = {"both": (True, False), "on": (True,), "off": (False,)}
 
 
 def _parser() -> argparse.ArgumentParser:
-    from lightning_par.parallel.pipeline import SCHEDULES
     from lightning_par.planner.search import PIPELINE_SCHEDULES
+    from lightning_par.techniques.pipeline.pipeline import SCHEDULES
 
     p = argparse.ArgumentParser(prog="python -m lightning_par.plan", description=__doc__.split("\n\n")[0])
     model = p.add_argument_group("the model")

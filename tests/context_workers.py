@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_par.parallel import context
-from lightning_par.parallel.context import (
+from lightning_par.techniques.context import context
+from lightning_par.techniques.context.context import (
     CommCounter,
     context_parallel_attention,
     context_parallel_sdpa,

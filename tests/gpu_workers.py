@@ -419,8 +419,9 @@ def emulated_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dou
     """Context-parallel attention of ``cp`` ranks emulated in one process, block by block exactly as
     ``parallel/context.py`` computes it (its ``_block_forward``, ``_merge``, ``_block_backward`` and block plan),
     with the K/V exchange replaced by indexing. Returns the full (out, dq, dk, dv), joined from the shards."""
-    from lightning_par.parallel import context as ctx
     from lightning_par.parallel.context_sharding import block_plan, join_shards, shard_sequence
+
+    from lightning_par.parallel import context as ctx
 
     scale = 1.0 / math.sqrt(q.size(-1))
     shard = [[shard_sequence(t, 2, r, cp, load_balance) for r in range(cp)] for t in (q, k, v, dout)]

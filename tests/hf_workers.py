@@ -15,9 +15,9 @@ from workers import SEED, error_of, fit, token_dataset
 
 from lightning_par import ModelParallelStrategy, NDParallelStrategy
 from lightning_par.callbacks import PipelineTimelineMonitor
-from lightning_par.parallel.context_hf import _attention
-from lightning_par.parallel.context_routing import ContextParallelScope
-from lightning_par.parallel.tensor import resolve_tp_plan
+from lightning_par.techniques.context.context_hf import _attention
+from lightning_par.techniques.context.context_routing import ContextParallelScope
+from lightning_par.techniques.tensor.tensor import resolve_tp_plan
 
 STEPS = 4
 ARCHS = ("llama", "qwen2", "mistral", "phi3", "gemma", "mixtral")

@@ -11,9 +11,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 from example_projects.gpt.model import GPT, GPTConfig
-from lightning_par.parallel.pipeline import init_weights
-from lightning_par.parallel.pipeline_live import LivePipeline, materialize_local
-from lightning_par.parallel.schedule_recorder import gather_timelines, idle_fraction
+from lightning_par.techniques.pipeline.pipeline import init_weights
+from lightning_par.techniques.pipeline.pipeline_live import LivePipeline, materialize_local
+from lightning_par.techniques.pipeline.schedule_recorder import gather_timelines, idle_fraction
 
 SEED = 7
 #: every layout uses micro-batches of MB rows (global batch MB * n_microbatches)

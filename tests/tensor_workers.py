@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel
 
 from example_projects.gpt.model import GPT, GPT_TP_PLAN, GPTConfig
-from lightning_par.parallel.sequence_regather import gathered_again, regathered_sequence
-from lightning_par.parallel.tensor import apply_tp, prefix_plan, resolve_tp_plan
+from lightning_par.techniques.tensor.sequence_regather import gathered_again, regathered_sequence
+from lightning_par.techniques.tensor.tensor import apply_tp, prefix_plan, resolve_tp_plan
 
 BATCH, SEQ = 4, 16
 

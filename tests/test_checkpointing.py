@@ -14,8 +14,8 @@ from example_projects.gpt.lit import GPTModule
 from lightning_par import NDParallelStrategy
 from lightning_par.costs.profile import profile_model
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.recompute import MATMUL_OPS
 from lightning_par.techniques import ActivationCheckpointing, Target
+from lightning_par.techniques.recompute.recompute import MATMUL_OPS
 
 
 class CountMatmuls(TorchDispatchMode):

@@ -201,7 +201,7 @@ def test_selective_checkpointing_passes_profiler_ranges_through():
     recomputes under selective checkpointing once the ranges are in torch's ignored ops."""
     from torch.utils.checkpoint import checkpoint
 
-    from lightning_par.parallel.recompute import selective_checkpoint_contexts
+    from lightning_par.techniques.recompute.recompute import selective_checkpoint_contexts
 
     def region(x: torch.Tensor) -> torch.Tensor:
         if _compat.in_backward():
@@ -255,7 +255,7 @@ def test_transformers_experts_implementation_and_gate():
         transformers_experts_gate,
         transformers_experts_implementation,
     )
-    from lightning_par.parallel.experts import is_hf_experts
+    from lightning_par.techniques.experts.experts import is_hf_experts
 
     experts = next(m for m in HFCausalLM("qwen3_moe").model.modules() if is_hf_experts(m))
     assert is_transformers_experts(experts) and not is_transformers_experts(torch.nn.Linear(2, 2))

@@ -15,15 +15,15 @@ import torch.nn.functional as F
 from context_workers import Case, cases_for, parity_worker, sink_attention
 from launch import launch
 
-from lightning_par.parallel import context
-from lightning_par.parallel.context import (
+from lightning_par.techniques.context import context
+from lightning_par.techniques.context.context import (
     context_parallel_attention,
     context_parallel_sdpa,
     join_shards,
     sequence_positions,
     shard_sequence,
 )
-from lightning_par.parallel.context_sharding import block_plan
+from lightning_par.techniques.context.context_sharding import block_plan
 
 TOL = 1e-5
 

@@ -23,7 +23,7 @@ from workers import TINY_GPT, assert_parity, error_of, fit, fit_reference, max_w
 from lightning_par import AutoParallelStrategy, ExpertBiasBalancer, NDParallelStrategy, count_dropped_choices
 from lightning_par.callbacks import ExpertLoadMonitor
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.experts import (
+from lightning_par.techniques.experts.experts import (
     TokenCounter,
     _group_by_expert,
     _TokenDispatch,
@@ -596,7 +596,7 @@ def test_expert_parallel_across_nodes_dispatches_in_two_steps_in_parity(world4, 
 
 def test_the_ranks_of_an_ep_group_per_host():
     """From every rank's host name: consecutive ranks of each ep group on one host, as many on each, else 1."""
-    from lightning_par.techniques.expert_parallel import _ranks_per_host
+    from lightning_par.techniques.experts.expert_parallel import _ranks_per_host
 
     two_nodes = ["a"] * 4 + ["b"] * 4
     assert _ranks_per_host([[0, 1, 2, 3, 4, 5, 6, 7]], two_nodes) == 4

@@ -54,9 +54,9 @@ def test_cp_emulation_with_the_math_path_is_exact_attention(dtype):
 
 
 def test_cp_emulation_catches_a_wrong_merge(monkeypatch):
-    """The emulation really goes through parallel/context.py's merge: keep only each row's first block and every
+    """The emulation really goes through context/context.py's merge: keep only each row's first block and every
     case with more than one rank is far off (cp = 1 has one block: still exact)."""
-    from lightning_par.parallel import context as ctx
+    from lightning_par.techniques.context import context as ctx
 
     real_merge = ctx._merge
 

@@ -13,14 +13,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from example_projects.gpt.model import GPT
-from lightning_par.parallel.pipeline import (
+from lightning_par.techniques.pipeline.pipeline import (
     build_schedule,
     plan_split,
     stage_ids,
     validate_pipeline,
 )
-from lightning_par.parallel.pipeline_live import LivePipeline, plan_stages
-from lightning_par.parallel.schedule_recorder import COMPUTE, draw_timeline, figure_to_array, theory_idle
+from lightning_par.techniques.pipeline.pipeline_live import LivePipeline, plan_stages
+from lightning_par.techniques.pipeline.schedule_recorder import COMPUTE, draw_timeline, figure_to_array, theory_idle
 from tests.launch import launch
 from tests.pipeline_workers import MB, gpt_config, reference, train_layouts
 

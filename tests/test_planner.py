@@ -438,7 +438,7 @@ def test_uneven_stages_price_the_bubble_by_the_largest_stage(blocks, v, like):
     """The warm-up and cool-down run (pp - 1) turns of the largest stage: 60 blocks in 16 stages of 4 and 3 (15 on
     every rank) bubble as 3.75 equal stages per rank would, not 4; 61 in 32 stages of 2 and 1 (16 blocks on the
     busiest rank) as 8."""
-    from lightning_par.techniques.pipeline_parallel import bubble_fraction, pipeline_shape
+    from lightning_par.techniques.pipeline.pipeline_parallel import bubble_fraction, pipeline_shape
 
     names = tuple(f"model.blocks.{i}" for i in range(blocks))
     sections, _, bubble, _ = pipeline_shape("interleaved_1f1b", names, 4, v, 8)

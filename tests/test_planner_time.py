@@ -19,11 +19,11 @@ from example_projects.gpt.lit import GPTModule
 from lightning_par.costs.profile import ModelProfile, Section, profile_model
 from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.devices import GroupedMatmulCurve, Hardware, known_hardware
-from lightning_par.parallel import context
-from lightning_par.parallel.context_sharding import block_plan, sequence_positions
 from lightning_par.planner.predict import OVERLAP, Layout, account, predict
-from lightning_par.techniques.expert_parallel import ranks_per_token
-from lightning_par.techniques.fully_sharded import unit_bytes
+from lightning_par.techniques.context import context
+from lightning_par.techniques.context.context_sharding import block_plan, sequence_positions
+from lightning_par.techniques.experts.expert_parallel import ranks_per_token
+from lightning_par.techniques.sharding.fully_sharded import unit_bytes
 
 SEQ = 16
 CPU = Hardware("cpu (x86_64, 1 threads)", 2e10, None, 4, 2e9, 2e-5, 2e9, 2e-5, "as planner.probe names a CPU")

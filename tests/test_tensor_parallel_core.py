@@ -1,4 +1,4 @@
-"""Tensor parallelism without Lightning: ``lightning_par.parallel.tensor`` on plain torch.distributed (gloo, CPU).
+"""Tensor parallelism without Lightning: ``techniques.tensor.tensor`` on plain torch.distributed (gloo, CPU).
 
 Parity: the tiny GPT (and a tiny Hugging Face Llama from its own plan) trained a few steps under tp = 2 and 4, with
 and without sequence parallelism and loss parallelism, SGD and AdamW, must match the same model trained by one
@@ -21,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from example_projects.gpt.model import GPT_TP_PLAN
-from lightning_par.parallel.tensor import (
+from lightning_par.techniques.tensor.tensor import (
     build_style,
     check_tp_size,
     prefix_plan,
@@ -303,7 +303,7 @@ def test_stacked_parameters_of_a_partial_sum_module_validate():
     Inkling's plan (stacked shared experts; its normalizing embedding's entry left out, the embedding kept whole)."""
     from hf_models import HFCausalLM
 
-    from lightning_par.parallel.tensor_plan import partial_sum_params
+    from lightning_par.techniques.tensor.tensor_plan import partial_sum_params
 
     holder = Holder(StackedMLP())
     assert validate_tp_plan(holder, STACKED_PLAN, 2) == {"model": "partial_sum"}
@@ -321,7 +321,7 @@ def test_stacked_parameters_of_a_partial_sum_module_validate():
 def test_bare_per_head_parameters_and_latent_attention_validate():
     """'colwise' on a bare per-head vector splits it by head (applied by apply_tp, not a module entry; the owner's
     HF 'local_params' is a no-op); 'mla_kv_a_proj' reads the rope size from its attention (per-layer configs)."""
-    from lightning_par.parallel.tensor_plan import head_params
+    from lightning_par.techniques.tensor.tensor_plan import head_params
 
     holder = Holder(Sinks())
     holder.model.qk_rope_head_dim = 4

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from example_projects.gpt.lit import GPTModule
 from lightning_par import full_state_dict
-from lightning_par.parallel.sequence_regather import gathered_again
+from lightning_par.techniques.tensor.sequence_regather import gathered_again
 
 SEED = 1234
 GLOBAL_BATCH = 8

@@ -13,7 +13,7 @@ from torchmetrics.text import Perplexity
 from example_projects.gpt.model import GPT, GPT_TP_PLAN, GPTConfig
 from example_projects.gpt.moe import check_capacity
 from lightning_par import auxiliary_loss_scale
-from lightning_par.parallel.tensor_plan import prefix_plan
+from lightning_par.techniques.tensor.tensor_plan import prefix_plan
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:

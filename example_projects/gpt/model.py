@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from example_projects.gpt.moe import MoE
-from lightning_par.parallel.context_routing import context_positions
+from lightning_par.techniques.context.context_routing import context_positions
 
 
 @dataclass

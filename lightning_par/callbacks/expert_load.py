@@ -27,7 +27,7 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from lightning_par.callbacks._base import check_positive_int, monitor_overhead
 from lightning_par.callbacks.cross_rank import writes_logs
-from lightning_par.parallel.experts import TokenCounter, find_experts
+from lightning_par.techniques.experts.experts import TokenCounter, find_experts
 
 
 class ExpertLoadMonitor(Callback):
@@ -104,7 +104,7 @@ class ExpertLoadMonitor(Callback):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        from lightning_par.parallel.schedule_recorder import figure_to_array
+        from lightning_par.techniques.pipeline.schedule_recorder import figure_to_array
 
         shares = self.last_shares.numpy()
         fig, ax = plt.subplots(figsize=(max(4, 0.3 * shares.shape[1] + 2), max(2.5, 0.3 * shares.shape[0] + 1.5)))

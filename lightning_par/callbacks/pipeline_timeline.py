@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from lightning_par.callbacks.cross_rank import writes_logs
-from lightning_par.parallel.schedule_recorder import (
+from lightning_par.techniques.pipeline.schedule_recorder import (
     draw_timeline,
     figure_to_array,
     gather_timelines,

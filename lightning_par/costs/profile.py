@@ -9,8 +9,8 @@ example batch this records:
   formulas), attention apart from the rest (it grows with the square of the sequence), with what each attention
   call masks: torch's formulas count the whole score matrix, a causal or sliding-window kernel does only its part;
 * what selective activation checkpointing keeps of each block (the outputs of the ops its policy names,
-  ``parallel.checkpointing.SelectivePolicy``, asked op by op as the engine's policy asks) and the matmul FLOPs it
-  recomputes;
+  ``techniques.recompute.recompute.SelectivePolicy``, asked op by op as the engine's policy asks) and the matmul
+  FLOPs it recomputes;
 * the tensors autograd saves for backward (``saved_tensors_hooks``), per block and outside the blocks, each sorted
   by how tensor parallelism lays it out: produced downstream of a column-parallel layer and before the row-parallel
   one that reduces it (``sharded``: split over tp), the input a column-parallel layer saves, token ids and targets,
@@ -38,13 +38,18 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_par._compat import torch_dispatch_mode, tree_leaves, tree_map
 from lightning_par.flop_formulas import ATTENTION_OPS, FORMULAS
-from lightning_par.parallel.context_sharding import blockwise_share
-from lightning_par.parallel.experts import find_experts, num_experts_of
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.modules import clean_name, find_block_list
-from lightning_par.parallel.recompute import SelectivePolicy
-from lightning_par.parallel.sequence_regather import first_tensor_argument
-from lightning_par.parallel.tensor_plan import gathers_its_input, resolve_tp_plan, sharded_dims, validate_tp_plan
+from lightning_par.techniques.context.context_sharding import blockwise_share
+from lightning_par.techniques.experts.experts import find_experts, num_experts_of
+from lightning_par.techniques.recompute.recompute import SelectivePolicy
+from lightning_par.techniques.tensor.sequence_regather import first_tensor_argument
+from lightning_par.techniques.tensor.tensor_plan import (
+    gathers_its_input,
+    resolve_tp_plan,
+    sharded_dims,
+    validate_tp_plan,
+)
 
 #: the sections a profile has besides its blocks: what runs before them (embeddings) and after them (final norm,
 #: head, loss)
@@ -530,7 +535,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
     ``dtype``: the copy's floating-point weights cast to it first, as a precision that stores them so (Lightning's
     ``"bf16-true"`` converts the module before training) will have them: weights, gradients, optimizer state and
     activations are then traced at that size (``planner.predict.trace_dtype``)."""
-    from lightning_par.parallel.pipeline import meta_clone
+    from lightning_par.techniques.pipeline.pipeline import meta_clone
 
     model = meta_clone(module, share=share)
     if dtype is not None:

@@ -94,6 +94,11 @@ def match_modules(model: nn.Module, patterns: Sequence[str], parameter: str) -> 
 #: wrappers that put themselves into module names: activation checkpointing and ``torch.compile``
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
 
+#: the module attribute listing the (hook, handle) of input hooks that shrink the input (tensor parallelism's
+#: sequence split): activation checkpointing moves them onto its wrapper, so that it saves the block's chunk, not
+#: the whole input
+SHRINKING_INPUT_HOOKS = "_lightning_par_shrinking_input_hooks"
+
 
 def clean_name(name: str) -> str:
     """A module's or parameter's name as the model had it (and as state dicts name it): the segments of the

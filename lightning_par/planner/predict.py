@@ -31,8 +31,8 @@ from lightning_par.costs.profile import END_SECTIONS, ModelProfile, Section
 from lightning_par.costs.sheet import CostSheet, Transfer, per_cut
 from lightning_par.dims import MESH_DIM_NAMES, ParallelDims
 from lightning_par.techniques import build_recipe
-from lightning_par.techniques.expert_parallel import dispatch_ranks_per_node, dispatched_bytes
-from lightning_par.techniques.fully_sharded import MIXED_HALF_DTYPES, fsdp_casts_parameters
+from lightning_par.techniques.experts.expert_parallel import dispatch_ranks_per_node, dispatched_bytes
+from lightning_par.techniques.sharding.fully_sharded import MIXED_HALF_DTYPES, fsdp_casts_parameters
 
 if TYPE_CHECKING:
     from lightning_par.devices import GroupedMatmulCurve, Hardware

@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from lightning_par.costs.profile import ModelProfile, profile_model
-from lightning_par.parallel.pipeline import SCHEDULES, validate_pipeline
-from lightning_par.parallel.tensor_plan import validate_tp_plan
 from lightning_par.planner.predict import (
     RESERVE,
     Layout,
@@ -27,6 +25,8 @@ from lightning_par.planner.predict import (
     shares_cores,
     trace_dtype,
 )
+from lightning_par.techniques.pipeline.pipeline import SCHEDULES, validate_pipeline
+from lightning_par.techniques.tensor.tensor_plan import validate_tp_plan
 
 if TYPE_CHECKING:
     from lightning_par.devices import Hardware

@@ -23,7 +23,7 @@ from lightning_par.planner.predict import Layout
 from lightning_par.planner.search import CHECKPOINTING, RESTRICTABLE, Plan, plan_layouts
 from lightning_par.strategies.nd import NDParallelStrategy
 from lightning_par.techniques import build_recipe
-from lightning_par.techniques.tensor_parallel import (
+from lightning_par.techniques.tensor.tensor_parallel import (
     check_async_tp_device,
     check_async_tp_with_compile,
     check_regather_with_compile,

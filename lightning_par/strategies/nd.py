@@ -3,7 +3,7 @@
 The recipe, in the order it is applied (each step wraps what the earlier ones produced, as in torchtitan):
 
 1. pipeline split (pp): cut the block list into stages; this rank keeps only its stages' modules and tensors, and
-   its LightningModule's ``forward``/loss method are routed through the schedule (``techniques/pipeline_adapter``).
+   its LightningModule's ``forward``/loss method are routed through the schedule (``pipeline/pipeline_adapter``).
    First, because every later step wraps only the modules this rank keeps
 2. tensor parallelism: ``parallelize_module`` with the plan (FQN globs -> styles) over the tp mesh, after the
    weights are broadcast within the tp group so every rank starts from the same values
@@ -39,15 +39,15 @@ from torch.distributed.tensor import DTensor
 from lightning_par.checks import check_optional_str
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.fault_tolerance import FaultTolerance
-from lightning_par.parallel.fsdp import hold_reductions, sync_gradients
-from lightning_par.parallel.pipeline_live import LivePipeline
-from lightning_par.parallel.tensor_check import check_whole_parameters_agree
 from lightning_par.strategies.base import BaseParallelStrategy
 from lightning_par.strategies.fault_tolerant import CHECKPOINT_KEY, FaultTolerantTraining
 from lightning_par.strategies.startup_summary import describe_hand_parallelization
 from lightning_par.techniques import Target, Technique, build_recipe
-from lightning_par.techniques.fully_sharded import register_step_methods
-from lightning_par.techniques.tensor_parallel import (
+from lightning_par.techniques.pipeline.pipeline_live import LivePipeline
+from lightning_par.techniques.sharding.fsdp import hold_reductions, sync_gradients
+from lightning_par.techniques.sharding.fully_sharded import register_step_methods
+from lightning_par.techniques.tensor.tensor_check import check_whole_parameters_agree
+from lightning_par.techniques.tensor.tensor_parallel import (
     check_async_tp_device,
     check_async_tp_with_compile,
     check_regather_with_compile,
@@ -281,7 +281,7 @@ class NDParallelStrategy(BaseParallelStrategy):
             return super().training_step(*args, **kwargs)
 
     def _takes_back_unused_gradients(self) -> bool:
-        """FSDP zero-fills gradients a rank's forward left out (``parallel/fsdp.py``); with dp x cp > 1 the ones no
+        """FSDP zero-fills gradients a rank's forward left out (``sharding/fsdp.py``); with dp x cp > 1 the ones no
         rank had are taken back after backward. Not under a pipeline: torch's schedules compute weight gradients
         after input gradients, so every parameter is zero-filled first and "filled" no longer means "unused"."""
         return (self.dims.dp_replicate * self.dims.dp_shard * self.dims.cp > 1 and self.dims.pp == 1

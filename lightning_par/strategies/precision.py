@@ -17,7 +17,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_par.parallel.grad_norm import clip_grad_norm_
+from lightning_par.techniques.sharding.grad_norm import clip_grad_norm_
 
 SUPPORTED_PRECISION = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
 
@@ -90,11 +90,11 @@ class ParallelPrecision(_ShardedClipping, Precision):
 
 class ParallelMixedPrecision(_ShardedClipping, MixedPrecision):
     """``bf16-mixed`` and ``16-mixed``: autocast to bf16 / fp16 over fp32 master weights (FSDP2's all-gather and
-    reduce dtypes are chosen by ``techniques/fully_sharded.py``).
+    reduce dtypes are chosen by ``techniques/sharding/fully_sharded.py``).
 
     ``16-mixed`` scales the loss with a :class:`ParallelGradScaler`; Lightning's loop unscales the gradients before
     clipping, and skips the optimizer step on every rank alike when any rank's gradients hold an inf or NaN. Under
-    pipeline parallelism the schedule's per-micro-batch loss is scaled (``techniques/pipeline_adapter.py``). The
+    pipeline parallelism the schedule's per-micro-batch loss is scaled (``pipeline/pipeline_adapter.py``). The
     scaler's state (scale, growth tracker) is saved in checkpoints as Lightning's own plugin saves it.
     """
 

@@ -133,7 +133,7 @@ def blockwise_share(cp_size: int, chunk: float, window: int | None = None) -> fl
     """The share of a causal (seq x seq) score matrix that :func:`block_plan`'s blocks cover over all ranks of a
     load-balanced cp group, each block whole (the math path masks inside a block, it does not skip): ``(cp + 1) /
     2cp`` without a window. With a sliding window of ``window`` tokens, a block the window hides entirely is skipped
-    (as ``parallel.context._plan`` skips it). ``chunk``: the tokens of one of the ``2 cp`` chunks (seq / 2cp)."""
+    (as ``context._plan`` skips it). ``chunk``: the tokens of one of the ``2 cp`` chunks (seq / 2cp)."""
     covered = 0
     for rank in range(cp_size):
         rows_of = local_chunk_ids(rank, cp_size, True)

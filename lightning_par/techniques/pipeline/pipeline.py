@@ -11,7 +11,7 @@
    original parameter FQNs (``blocks.3.attn.q.weight`` stays that), which :func:`stage_fqns` checks.
 4. :func:`build_schedule` picks the torch schedule by name.
 
-:class:`lightning_par.parallel.pipeline_live.LivePipeline` puts these together over the model's own modules.
+:class:`lightning_par.techniques.pipeline.pipeline_live.LivePipeline` puts these together over the model's own modules.
 Limits of the tracer: ``forward`` must be capturable by ``torch.export`` (no data-dependent control flow), and
 parameters shared between stages (tied embeddings across stages) are refused.
 """

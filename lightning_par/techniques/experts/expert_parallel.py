@@ -14,7 +14,8 @@ from lightning_par.checks import check_positive_int, check_str_list
 from lightning_par.costs.profile import Section
 from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.experts import (
+from lightning_par.parallel.modules import fqn_matches, match_modules
+from lightning_par.techniques.experts.experts import (
     NodeGroups,
     apply_expert_parallel,
     hf_ep_plan,
@@ -22,7 +23,6 @@ from lightning_par.parallel.experts import (
     node_groups,
     num_experts_of,
 )
-from lightning_par.parallel.modules import fqn_matches, match_modules
 from lightning_par.techniques.technique import Target, Technique
 
 #: an int64 count (the dispatch's split sizes)
@@ -149,7 +149,7 @@ class ExpertParallel(Technique):
         # tensor parallelism leaves the experts whole: every tp rank routes the micro-batch's tokens (its cp chunk)
         nbytes = sum(routed) / layers * sheet.token_scale / dims.cp * 2 / messages
         # in forward and in backward; the recomputed forward sends its messages again under full checkpointing
-        # (selective keeps the all-to-alls' outputs: lightning_par.parallel.recompute.KEPT_OPS)
+        # (selective keeps the all-to-alls' outputs: lightning_par.techniques.recompute.recompute.KEPT_OPS)
         m = sheet.microbatches * layers
         per_node = self._ranks_per_node(sheet) if per_rank else dims.ep
         if 1 < per_node < dims.ep:  # two steps: the bytes between nodes are those of ep / per_node places

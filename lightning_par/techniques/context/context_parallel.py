@@ -1,7 +1,7 @@
 """Context parallelism as a technique of the engine: while a step runs, every batch's sequence is split over the cp
 group and the model's attention is answered by ring / all-gather attention. Plain models need nothing changed
 (their ``F.scaled_dot_product_attention`` calls are routed); Hugging Face models get their attention and mask
-functions through transformers' own interfaces, and their positions filled in (``parallel/context_hf``)."""
+functions through transformers' own interfaces, and their positions filled in (``context_hf``)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,19 @@ from collections import Counter
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
+
 from lightning_par.checks import check_bool, check_choice
 from lightning_par.costs.sheet import CostSheet, Transfer, busiest_sections, per_cut
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel import context as cp_attention
-from lightning_par.parallel.context import ALGORITHMS
-from lightning_par.parallel.context_hf import route_attention
-from lightning_par.parallel.context_routing import ContextParallelScope, shard_batch
 from lightning_par.parallel.hf import outermost_hf_models
+from lightning_par.techniques.context import context as cp_attention
+from lightning_par.techniques.context.context import ALGORITHMS
+from lightning_par.techniques.context.context_hf import route_attention
+from lightning_par.techniques.context.context_routing import ContextParallelScope
 from lightning_par.techniques.technique import Target, Technique
 
-#: the score-sized fp32 tensors a block's backward holds at once (``parallel.context._tile_backward``; its fp32
+#: the score-sized fp32 tensors a block's backward holds at once (``context._tile_backward``; its fp32
 #: dK/dV accumulators, keys x head size each, are left out: a score tensor is keys x query rows)
 SCORE_TENSORS = 3
 FP32_BYTES = 4
@@ -57,7 +59,7 @@ class ContextParallel(Technique):
         all-gathered and their gradients reduce-scattered, exposed (the engine waits for them). Each block's
         attention sends its own messages (their count sets the latency paid).
 
-        Each block's scores are materialized in fp32 (the math path; ``parallel/context.py``), the rank's own block
+        Each block's scores are materialized in fp32 (the math path; ``context.py``), the rank's own block
         of ``(seq / cp)^2`` the largest, cut into row tiles of ``SCORE_TILE_BYTES``: backward holds three such
         tensors at once (the probabilities, their gradient, the scores' gradient), a transient the buffers add."""
         cp = sheet.dims.cp
@@ -93,10 +95,35 @@ class ContextParallel(Technique):
 
 
 def _score_tile_bytes(sheet: CostSheet) -> float:
-    """The fp32 scores of one row tile of the largest block (``parallel.context.rows_per_tile``): the rank's own,
+    """The fp32 scores of one row tile of the largest block (``context.rows_per_tile``): the rank's own,
     its micro-batch's queries and keys of one sequence chunk (heads split over tp)."""
     scores = max((sheet.profile.sections[name].attention_scores for name in busiest_sections(sheet)), default=0)
     cp = sheet.dims.cp
     block = scores * sheet.token_scale * sheet.sequence_scale / cp**2 / sheet.tp * FP32_BYTES
     rows = sheet.seq_len / cp  # the block's query rows, one sequence chunk
     return min(rows, cp_attention.rows_per_tile(block / rows)) * block / rows
+
+
+def shard_batch(batch: Any, scope: ContextParallelScope, seq_dim: int = 1) -> Any:
+    """This rank's part of every tensor of ``batch`` with a sequence dimension (``ndim > seq_dim``); others as is.
+
+    Every sharded tensor must have the same sequence length; a length that cannot be split raises a ValueError
+    naming it (on every rank alike, before any communication: all ranks of a cp group read the same batch).
+    """
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    lengths = set()
+
+    def _shard(t: torch.Tensor) -> torch.Tensor:
+        if t.ndim <= seq_dim:
+            return t
+        lengths.add(t.size(seq_dim))
+        return scope.shard(t, seq_dim)
+
+    out = apply_to_collection(batch, torch.Tensor, _shard)
+    if len(lengths) > 1:
+        raise ValueError(
+            f"context parallelism shards dim {seq_dim} of every batch tensor, but they have different lengths "
+            f"{sorted(lengths)}. Give inputs and targets the same sequence length."
+        )
+    return out

@@ -49,11 +49,10 @@ from lightning_par._compat import (
     all_to_all_single_autograd,
     in_backward,
     in_pipeline_metadata_inference,
-    is_transformers_experts,
     transformers_experts_gate,
     transformers_experts_implementation,
 )
-from lightning_par.parallel.hf import outermost_hf_models
+from lightning_par.parallel.hf import experts_core, hf_ep_plan, is_hf_experts
 from lightning_par.parallel.lora import active_expert_adapters, expert_lora_factors, unwrap_param_wrappers
 from lightning_par.parallel.modules import clean_name, fqn_matches, local_parameters
 from lightning_par.parallel.unused_parameters import not_a_routing_decision
@@ -69,28 +68,6 @@ def num_experts_of(module: nn.Module, fqn: str) -> int:
             f"parameters of an experts module on dim 0 (one row per expert), and its parameters' dim 0 are {sizes}. "
             f"Name the module that holds the stacked expert weights (e.g. `model.blocks.*.mlp.experts`).")
     return next(iter(sizes.values()))
-
-
-def hf_ep_plan(root: nn.Module) -> list[str]:
-    """The experts modules of the Hugging Face models in ``root``: their config's ``base_model_ep_plan`` entries of
-    style ``ep_dispatch_experts`` (the others name the parameters inside them), relative to ``root``; for a config
-    without such entries (transformers 5.17's plans name the experts ``moe_tp_experts``), the model's transformers
-    experts modules themselves (the outermost, where LoRA wraps them)."""
-    plan: list[str] = []
-    for fqn, sub in outermost_hf_models(root):
-        base = sub.base_model_prefix if isinstance(getattr(sub, sub.base_model_prefix, None), nn.Module) else ""
-        ep_plan = getattr(sub.config, "base_model_ep_plan", None) or {}
-        keys = [key for key, style in ep_plan.items() if style == "ep_dispatch_experts"]
-        plan += [".".join(p for p in (fqn, base, key) if p) for key in keys]
-        if keys:
-            continue
-        found: list[str] = []
-        for name, module in sub.named_modules():  # parents first: a LoRA wrapper before what it wraps
-            path = clean_name(".".join(p for p in (fqn, name) if p))
-            if name and is_hf_experts(module) and not any(path.startswith(done + ".") for done in found):
-                found.append(path)
-        plan += found
-    return plan
 
 
 def find_experts(root: nn.Module, plan: list[str] | None = None) -> list[tuple[str, nn.Module]]:
@@ -190,11 +167,6 @@ def count_dropped_choices(experts: nn.Module, choices: torch.Tensor) -> None:
         counter.count_dropped(layer, choices)
 
 
-def experts_core(module: nn.Module) -> nn.Module:
-    """The experts module itself, inside PEFT's ``ParamWrapper``s when LoRA adapts its parameters."""
-    return unwrap_param_wrappers(module)[1]
-
-
 def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh, nodes: NodeGroups | None = None) -> str:
     """Split ``module``'s experts over ``ep_mesh`` (1-D) and route its tokens to them (see the module docstring;
     ``nodes``: the ep group across nodes, for transformers' experts). Returns the path from ``module`` to the module
@@ -216,12 +188,6 @@ def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh, nodes: NodeGro
         module.register_forward_pre_hook(dispatch.send, with_kwargs=True)
         module.register_forward_hook(dispatch.receive)
     return ".".join(["base_layer"] * len(wrappers))
-
-
-def is_hf_experts(module: nn.Module) -> bool:
-    """A transformers experts module (decorated with ``@use_experts_implementation``), also inside PEFT's LoRA
-    wrappers."""
-    return is_transformers_experts(experts_core(module))
 
 
 def _route_hf_experts(module: nn.Module, dispatch: _TokenDispatch) -> None:

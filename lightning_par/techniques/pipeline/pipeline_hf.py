@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_par.parallel.context_routing import context_positions
 from lightning_par.parallel.hf import outermost_hf_models
+from lightning_par.parallel.sequence_scope import context_positions
 
 
 @dataclass(frozen=True)

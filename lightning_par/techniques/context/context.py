@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from lightning_par.parallel.context_sharding import (
+from lightning_par.techniques.context.context_sharding import (
     Block,
     block_plan,
     join_shards,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_par.parallel.pipeline_live import LivePipeline
+from lightning_par.techniques.pipeline.pipeline_live import LivePipeline
 
 _CONTRACT = ("under pipeline parallelism, training_step must pass what `self(...)` returns straight to "
              "`self.{loss}(outputs, targets)`: the outputs only exist on the last stage, inside the schedule. "

@@ -12,8 +12,8 @@ from torch import nn
 from lightning_par.checks import check_bool, check_str_list
 from lightning_par.costs.sheet import CostSheet, Transfer, busiest_sections, per_cut
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.fsdp import apply_fsdp, mark_accumulate_unsharded
 from lightning_par.parallel.unused_parameters import UnusedParameterGuard
+from lightning_par.techniques.sharding.fsdp import apply_fsdp, mark_accumulate_unsharded
 from lightning_par.techniques.technique import Target, Technique
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_par.parallel.context import context_parallel_attention
-from lightning_par.parallel.context_routing import active_scope, context_positions
 from lightning_par.parallel.hf import is_hf_model
+from lightning_par.techniques.context.context import context_parallel_attention
+from lightning_par.techniques.context.context_routing import active_scope, context_positions
 
 ATTENTION = "lightning_par_context_parallel"
 _ORIGINAL: dict[int, str] = {}  # id(config) -> the attention implementation the model had

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightning_par._compat import checkpoint_wrapper, ignore_profiler_ranges_in_selective_checkpointing
-from lightning_par.parallel.tensor import SHRINKING_INPUT_HOOKS
+from lightning_par.parallel.modules import SHRINKING_INPUT_HOOKS
 
 ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
 

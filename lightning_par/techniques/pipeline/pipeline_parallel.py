@@ -1,6 +1,6 @@
 """Pipeline parallelism as a technique of the engine: first in the recipe, it keeps only this rank's stages and
 narrows what every later technique acts on; while training, a step's forward and backward run inside the schedule
-(``techniques/pipeline_adapter``)."""
+(``techniques/pipeline/pipeline_adapter``)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from torch import nn
 from lightning_par.checks import check_identifier, check_positive_int, check_str_list
 from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.pipeline import SCHEDULES, even_cut, stage_ids
-from lightning_par.parallel.pipeline_live import LivePipeline, materialize_local
-from lightning_par.techniques.pipeline_adapter import PipelineAdapter
+from lightning_par.techniques.pipeline.pipeline import SCHEDULES, even_cut, stage_ids
+from lightning_par.techniques.pipeline.pipeline_adapter import PipelineAdapter
+from lightning_par.techniques.pipeline.pipeline_live import LivePipeline, materialize_local
 from lightning_par.techniques.technique import Target, Technique
 
 ZERO_BUBBLE = ("interleaved_zb", "zbv")

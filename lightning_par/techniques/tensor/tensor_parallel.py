@@ -15,10 +15,10 @@ from lightning_par.checks import check_bool
 from lightning_par.costs.profile import END_SECTIONS, ModelProfile
 from lightning_par.costs.sheet import CostSheet, Transfer, busiest_sections, params_by_planned_module, per_cut
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.sequence_regather import regathered_sequence
-from lightning_par.parallel.tensor import apply_tp, broadcast_replicated_parameters
-from lightning_par.parallel.tensor_plan import resolve_tp_plan, validate_tp_plan
 from lightning_par.techniques.technique import Target, Technique
+from lightning_par.techniques.tensor.sequence_regather import regathered_sequence
+from lightning_par.techniques.tensor.tensor import apply_tp, broadcast_replicated_parameters
+from lightning_par.techniques.tensor.tensor_plan import resolve_tp_plan, validate_tp_plan
 
 
 def check_regather_with_compile(regather_sequence: bool, compile: bool) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from lightning_par.checks import check_bool, check_checkpointing
 from lightning_par.costs.sheet import CostSheet
 from lightning_par.dims import ParallelDims
-from lightning_par.parallel.context_routing import recompute_in_active_scope
 from lightning_par.parallel.hf import outermost_hf_models
-from lightning_par.parallel.recompute import (
+from lightning_par.parallel.sequence_scope import recompute_in_active_scope
+from lightning_par.techniques.recompute.recompute import (
     ContextFn,
     apply_activation_checkpointing,
     combine_contexts,

@@ -31,9 +31,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lightning_par.parallel.modules import local_parameters
-from lightning_par.parallel.sequence_regather import first_tensor_argument, save_chunks_of_gathered_input
-from lightning_par.parallel.tensor_plan import (
+from lightning_par.parallel.modules import SHRINKING_INPUT_HOOKS, local_parameters
+from lightning_par.techniques.tensor.sequence_regather import first_tensor_argument, save_chunks_of_gathered_input
+from lightning_par.techniques.tensor.tensor_plan import (
     HF_ALIASES,
     STYLES,
     Plan,
@@ -78,7 +78,7 @@ def apply_tp(
     ``loss_parallel``: the 'vocab_parallel_head' output stays a vocab-sharded DTensor, so cross-entropy inside
     ``loss_parallel()`` never materializes the full logits; otherwise the logits are gathered to a plain tensor.
     ``regather_sequence``: with ``sequence_parallel``, the layers that gather their input save its sequence chunk
-    and gather it again in backward while :func:`~lightning_par.parallel.sequence_regather.regathered_sequence`
+    and gather it again in backward while :func:`~lightning_par.techniques.tensor.sequence_regather.regathered_sequence`
     is active (the step's context).
     """
     if tp_mesh.ndim != 1:
@@ -213,11 +213,6 @@ def _gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, [Shard(SEQ_DIM)], run_check=False)
     return x.redistribute(mesh, [Replicate()])
-
-
-#: the module attribute listing the (hook, handle) of input hooks that shrink the input (the sequence split):
-#: activation checkpointing moves them onto its wrapper, so that it saves the block's chunk, not the whole input
-SHRINKING_INPUT_HOOKS = "_lightning_par_shrinking_input_hooks"
 
 
 class _FirstInput(ParallelStyle):

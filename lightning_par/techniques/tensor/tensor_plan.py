@@ -15,8 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from lightning_par.parallel.experts import hf_ep_plan, is_hf_experts
-from lightning_par.parallel.hf import is_hf_model, outermost_hf_models
+from lightning_par.parallel.hf import hf_ep_plan, is_hf_experts, is_hf_model, outermost_hf_models
 from lightning_par.parallel.lora import is_lora_layer, lora_tp_entries
 from lightning_par.parallel.modules import fqn_matches
 

@@ -1,6 +1,6 @@
 """Pipeline stages that run the model's *own* modules: what the strategy trains under ``pp > 1``.
 
-:mod:`lightning_par.parallel.pipeline` builds stages that own traced copies of the weights. A trainer needs more:
+:mod:`~.pipeline` builds stages that own traced copies of the weights. A trainer needs more:
 the optimizer, the LR scheduler, checkpoints and the other techniques (FSDP units, activation checkpointing,
 ``torch.compile``) all work on the user's modules. So here the trace supplies only the *glue* of each stage (the
 ops of ``forward`` between modules, e.g. ``tok_emb(idx) + pos_emb(arange(T))``), and each traced module that
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par._compat import move_graph_to_device, pipeline_stage_class, without_function_modes
 from lightning_par.parallel.init import materialize
-from lightning_par.parallel.pipeline import (
+from lightning_par.techniques.pipeline.pipeline import (
     SCHEDULES,
     block_fqns,
     build_schedule,
@@ -46,14 +46,14 @@ from lightning_par.parallel.pipeline import (
     trace_pipeline,
     validate_pipeline,
 )
-from lightning_par.parallel.pipeline_hf import (
+from lightning_par.techniques.pipeline.pipeline_hf import (
     HFPipelineModel,
     HFStage,
     check_forward_contract,
     find_hf_pipeline_model,
     shared_buffer_modules,
 )
-from lightning_par.parallel.schedule_recorder import ScheduleRecorder
+from lightning_par.techniques.pipeline.schedule_recorder import ScheduleRecorder
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ class LivePipeline:
         self.template = meta_clone(model, share=share)
         keep_local(model, self.plan, self.stage_ids)
         self.loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
-        self.record_next = False  # set to time the next training step (see parallel/schedule_recorder.py)
+        self.record_next = False  # set to time the next training step (see techniques/pipeline/schedule_recorder.py)
         self.last_recording: ScheduleRecorder | None = None
         self._cache: dict[tuple, _Compiled] = {}
         self._calls: dict[tuple, dict[str, tuple[int, bool]]] = {}

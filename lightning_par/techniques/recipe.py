@@ -1,0 +1,33 @@
+"""The engine's recipe: every technique with its options, in the order they are applied (and accounted)."""
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_par.techniques.context.context_parallel import ContextParallel
+from lightning_par.techniques.experts.expert_parallel import ExpertParallel
+from lightning_par.techniques.pipeline.pipeline_parallel import PipelineParallel
+from lightning_par.techniques.recompute.activation_checkpointing import ActivationCheckpointing, Compile
+from lightning_par.techniques.sharding.fully_sharded import FullySharded
+from lightning_par.techniques.technique import Technique
+from lightning_par.techniques.tensor.tensor_parallel import TensorParallel
+
+
+def build_recipe(*, pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
+                 pp_stages_per_rank: int | None = None, pp_split_points: list[str] | None = None,
+                 pp_loss_method: str = "loss", tp_plan: Mapping[str, Any] | None = None,
+                 sequence_parallel: bool = False, loss_parallel: bool = False, cp_algorithm: str = "ring",
+                 cp_load_balance: bool = True, cp_seq_dim: int = 1, activation_checkpointing: bool | str = False,
+                 compile: bool = False, shard_units: list[str] | None = None, reshard_after_forward: bool = True,
+                 cpu_offload: bool = False, ep_plan: list[str] | None = None,
+                 ep_ranks_per_node: int | None = None, accumulate_unsharded: bool = False,
+                 regather_sequence: bool = False, async_tp: bool = False) -> tuple[Technique, ...]:
+    """The engine's recipe: every technique with its options, in the order they are applied (and accounted)."""
+    return (
+        PipelineParallel(pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points, pp_loss_method),
+        TensorParallel(tp_plan, sequence_parallel, loss_parallel, regather_sequence, async_tp),
+        ContextParallel(cp_algorithm, cp_load_balance, cp_seq_dim),
+        ExpertParallel(ep_plan, ep_ranks_per_node),
+        ActivationCheckpointing(activation_checkpointing),
+        Compile(compile),
+        FullySharded(shard_units, reshard_after_forward, cpu_offload, accumulate_unsharded),
+    )
