@@ -268,8 +268,9 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from lightning_par.planner.probe import probe_dtype as _dtype  # as AutoParallelStrategy takes them
     from lightning_par.planner.probe import probe_hardware, tp_degrees
-    from lightning_par.strategies.auto import _dtype, _matmul_shapes  # as AutoParallelStrategy takes them
+    from lightning_par.planner.probe import probe_shapes as _matmul_shapes
 
     cuda = cfg["device"] == "cuda"
     if cuda:
@@ -447,7 +448,7 @@ def gemm_curve(precision: str, device: str = "cuda") -> dict[str, Any]:
 
     from lightning_par.devices import lookup_peak_flops, precision_kind
     from lightning_par.planner.probe import _device_name, probe_matmul, split_for_tp
-    from lightning_par.strategies.auto import _dtype
+    from lightning_par.planner.probe import probe_dtype as _dtype
 
     name = _device_name(torch.device(device))
     peak = lookup_peak_flops(name, precision_kind(precision) or "bf16")

@@ -26,8 +26,9 @@ from lightning_par.costs.sheet import CostSheet
 from lightning_par.devices import Hardware, known_hardware
 from lightning_par.planner import search
 from lightning_par.planner.predict import Layout, Prediction, account, check_profile_precision, predict
+from lightning_par.planner.probe import probe_shapes
 from lightning_par.planner.search import SPEED_RESOLUTION, _dimensions, zero2_twins
-from lightning_par.strategies.auto import _matmul_shapes, _recipe_options
+from lightning_par.strategies.auto import _recipe_options
 from lightning_par.techniques import build_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -597,7 +598,7 @@ def test_bf16_true_prices_every_byte_in_bf16_whatever_dtype_the_module_was_built
     scattered = {p: sum(t.nbytes * t.count for t in account(layout, bf16_profile, 1, 256, p).transfers
                         if t.kind == "fsdp_reduce_scatter") for p in ("bf16-mixed", "bf16-true")}
     assert scattered["bf16-mixed"] == pytest.approx(2 * scattered["bf16-true"])
-    assert _matmul_shapes(bf16_profile) == _matmul_shapes(profile_model(module, (ids, ids)))  # the probe's widths
+    assert probe_shapes(bf16_profile) == probe_shapes(profile_model(module, (ids, ids)))  # the probe's widths
 
 
 class _FloatInputs(nn.Module):
@@ -632,7 +633,7 @@ def test_a_bf16_trace_casts_float_inputs_and_what_forward_creates_and_ignores_in
     # the probe's matmul width is the residual stream's, whatever dtype carries it (fp32 inputs into bf16 weights)
     mixed_dtypes = profile_model(_FloatInputs().to(torch.bfloat16), (x, x), step=step)
     shapes = [(64, 64, 256), (64, 256, 64)]
-    assert _matmul_shapes(fp32) == _matmul_shapes(bf16) == _matmul_shapes(mixed_dtypes) == shapes
+    assert probe_shapes(fp32) == probe_shapes(bf16) == probe_shapes(mixed_dtypes) == shapes
 
 
 # ---- predictions against measurements (world 4) -----------------------------------------------------------------
@@ -744,7 +745,7 @@ def test_cli_plans_a_hugging_face_config_on_a_big_cluster(tmp_path):
 def test_cli_builds_a_hugging_face_config_in_fp32_whatever_its_dtype(tmp_path):
     """Hub configs say ``torch_dtype: bfloat16``, which transformers 5 builds in: the command line builds fp32 weights
     (a Lightning run's under the mixed precisions) and leaves bf16 to ``--precision bf16-true``'s trace."""
-    from lightning_par.plan import _hf_model, _parser
+    from lightning_par.planner.cli import _hf_model, _parser
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", "vocab_size": 128, "hidden_size": 64,

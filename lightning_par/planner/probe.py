@@ -17,6 +17,7 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,23 @@ from lightning_par.devices import (
 )
 
 Shape = tuple[int, int, int]
+
+
+def probe_shapes(profile: Any) -> list[Shape]:
+    """The model's own matmul sizes for the throughput probe: its residual width by 4x that, at the traced tokens."""
+    width = max(1, profile.hidden_bytes // profile.hidden_itemsize)
+    tokens = max(1, min(profile.tokens, 4096))
+    return [(tokens, width, 4 * width), (tokens, 4 * width, width)]
+
+
+def precision_family(precision: str) -> str:
+    """"bf16", "fp16" or "fp32": the matmuls a Trainer precision flag runs."""
+    return "bf16" if precision.startswith("bf16") else "fp16" if precision.startswith("16") else "fp32"
+
+
+def probe_dtype(precision: str) -> torch.dtype:
+    """The dtype the throughput probe runs its matmuls in for a Trainer precision flag."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_family(precision), torch.float32)
 
 #: all-reduce message sizes in bytes (small: latency, the two larger: bandwidth), per device type. Accelerator links
 #: need large messages before bandwidth dominates (NVLink: 256 MiB take about 1 ms against tens of us of latency).

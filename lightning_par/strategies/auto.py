@@ -13,7 +13,6 @@ from dataclasses import asdict
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -133,6 +132,7 @@ class AutoParallelStrategy(NDParallelStrategy):
 
     def _plan(self, trainer: pl.Trainer) -> Plan:
         from lightning_par.devices import known_hardware
+        from lightning_par.planner.probe import precision_family, probe_dtype, probe_hardware, probe_shapes, tp_degrees
 
         module = self.lightning_module
         assert module is not None
@@ -140,16 +140,15 @@ class AutoParallelStrategy(NDParallelStrategy):
         per_node = self.gpus_per_node or self.num_processes
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         if self.plan_device is not None:
-            hardware = known_hardware(self.plan_device, precision=_kind(precision), gpus_per_node=per_node)
+            hardware = known_hardware(self.plan_device, precision=precision_family(precision), gpus_per_node=per_node)
         else:
             from lightning_par.costs.profile import profile_model
             from lightning_par.planner.predict import trace_dtype
-            from lightning_par.planner.probe import probe_hardware, tp_degrees
 
             profile = profile_model(module, batch, block_list=self.block_list, share=(trainer,),
                                     dtype=trace_dtype(precision))
-            shapes = _matmul_shapes(profile)
-            hardware = probe_hardware(self.root_device, _dtype(precision), shapes, per_node,
+            shapes = probe_shapes(profile)
+            hardware = probe_hardware(self.root_device, probe_dtype(precision), shapes, per_node,
                                       tp_sizes=tp_degrees(shapes, per_node))
         checkpointing = CHECKPOINTING if self.force_checkpointing is None else (self.force_checkpointing,)
         sequence_parallel = (True, False) if self.force_sequence_parallel is None else (self.force_sequence_parallel,)
@@ -209,21 +208,6 @@ def _recipe_options(layout: Layout) -> dict[str, Any]:
     """The layout's technique options: what ``NDParallelStrategy(**layout.strategy_kwargs())`` gets, less the sizes
     (one translation of a layout into options, for users and for this strategy alike)."""
     return {k: v for k, v in layout.strategy_kwargs().items() if k not in RESTRICTABLE}
-
-
-def _matmul_shapes(profile: Any) -> list[tuple[int, int, int]]:
-    """The model's own matmul sizes for the throughput probe: its residual width by 4x that, at the traced tokens."""
-    width = max(1, profile.hidden_bytes // profile.hidden_itemsize)
-    tokens = max(1, min(profile.tokens, 4096))
-    return [(tokens, width, 4 * width), (tokens, 4 * width, width)]
-
-
-def _kind(precision: str) -> str:
-    return "bf16" if precision.startswith("bf16") else "fp16" if precision.startswith("16") else "fp32"
-
-
-def _dtype(precision: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(_kind(precision), torch.float32)
 
 
 def _parse_bytes(value: float | str | None) -> float | None:

@@ -147,12 +147,11 @@ def _hardware(args: argparse.Namespace, profile: Any) -> Any:
         return known_hardware(args.device, precision=precision_kind(args.precision) or "bf16",
                               gpus_per_node=args.gpus_per_node, inter_link=args.inter_link,
                               intra_link=args.intra_link)
-    from lightning_par.planner.probe import probe_hardware, tp_degrees
-    from lightning_par.strategies.auto import _dtype, _matmul_shapes
+    from lightning_par.planner.probe import probe_dtype, probe_hardware, probe_shapes, tp_degrees
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    shapes = _matmul_shapes(profile)
-    measured = probe_hardware(device, _dtype(args.precision), shapes,
+    shapes = probe_shapes(profile)
+    measured = probe_hardware(device, probe_dtype(args.precision), shapes,
                               tp_sizes=tp_degrees(shapes, args.gpus_per_node))
     intra, inter = lookup_link(args.intra_link or "pcie4"), lookup_link(args.inter_link)
     return replace(measured, gpus_per_node=args.gpus_per_node, intra_bandwidth=intra.bandwidth,
