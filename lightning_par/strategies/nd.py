@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from lightning_par.checks import check_optional_str
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.fault_tolerance import FaultTolerance
+from lightning_par.strategies.accumulation import AccumulationWindow
 from lightning_par.strategies.base import BaseParallelStrategy
 from lightning_par.strategies.fault_tolerant import CHECKPOINT_KEY, FaultTolerantTraining
 from lightning_par.strategies.startup_summary import describe_hand_parallelization
@@ -191,8 +192,8 @@ class NDParallelStrategy(BaseParallelStrategy):
          self.activation_checkpointing, self.compile, self.fully_sharded) = self.techniques
         self.block_list = check_optional_str("block_list", block_list, "model.blocks")
         self._tp_gradients_checked = False
-        self._accumulating = False  # inside block_backward_sync: a micro-batch of accumulation before the last
-        self._window_open = False  # a window of micro-batches whose unused gradients are taken back together
+        #: where the step stands in gradient accumulation (Lightning's hook order: see ``strategies/accumulation``)
+        self._accumulation = AccumulationWindow()
         for technique in self.techniques:
             technique.check(dims)
         check_regather_with_compile(self.tensor_parallel.regather_sequence, self.compile.enabled)
@@ -264,19 +265,15 @@ class NDParallelStrategy(BaseParallelStrategy):
             with hold_reductions():
                 yield
             return
-        self._accumulating = True
-        try:
-            with sync_gradients(self.lightning_module, False):
-                yield
-        finally:
-            self._accumulating = False
+        with self._accumulation.holding_back(), sync_gradients(self.lightning_module, False):
+            yield
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._takes_back_unused_gradients():
             # one window of micro-batches whose gradients FSDP reduces together: with accumulate_unsharded, the
             # micro-batches of an accumulation; else each micro-batch alone
-            self.fully_sharded.unused_parameters.before_backward(self.lightning_module, first=not self._window_open)
-            self._window_open = self.fully_sharded.accumulate_unsharded
+            first = self._accumulation.start_micro_batch(spans_accumulation=self.fully_sharded.accumulate_unsharded)
+            self.fully_sharded.unused_parameters.before_backward(self.lightning_module, first=first)
         with self.pipeline_parallel.training_step_context(self.lightning_module):
             return super().training_step(*args, **kwargs)
 
@@ -298,11 +295,10 @@ class NDParallelStrategy(BaseParallelStrategy):
             closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
             self.post_backward(closure_loss)
         if self._takes_back_unused_gradients():
-            last = not self._accumulating
+            last = self._accumulation.end_backward()
             self.fully_sharded.unused_parameters.after_backward(self.lightning_module,
                                                                 self.dims.mesh("dp_cp").get_group(), self.root_device,
                                                                 last=last)
-            self._window_open = self._window_open and not last
         if self.dims.tp > 1 and not self._tp_gradients_checked:
             self._tp_gradients_checked = True
             check_whole_parameters_agree(self.lightning_module, self.dims.mesh("tp"))

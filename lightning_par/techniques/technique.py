@@ -2,9 +2,10 @@
 needs while a step runs.
 
 :class:`~lightning_par.strategies.nd.NDParallelStrategy` is an ordered list of these. Each technique wraps what the
-earlier ones produced, so the order is part of the recipe (pipeline split, tensor parallel, context parallel,
-activation checkpointing, compile, FSDP: torchtitan's order, for the same reasons). A technique that is off for a
-layout (its size is 1, its flag False) does nothing in every hook.
+earlier ones produced, so the order is part of the recipe (``techniques/recipe.py``): pipeline split, tensor
+parallel, context parallel, expert parallel, activation checkpointing, compile, FSDP (torchtitan's order, for the same
+reasons, with expert parallelism after the attention's techniques and before the wrappers). A technique that is off
+for a layout (its size is 1, its flag False) does nothing in every hook.
 """
 
 from __future__ import annotations

@@ -295,10 +295,10 @@ class _SentTokens(NamedTuple):
     weights: torch.Tensor  # each row's routing weight
     received_row: torch.Tensor  # each row's received token (its row in what arrived)
     received: int  # tokens that arrived
-    exchanges: list[_Exchange]  # the all-to-alls that brought them: one, or across nodes two (between, inside)
+    exchanges: list[_TokenExchange]  # the all-to-alls that brought them: one, or across nodes two (between, inside)
 
 
-class _Exchange(NamedTuple):
+class _TokenExchange(NamedTuple):
     """One all-to-all of :func:`_exchange`: what arrived, and what :func:`_exchange_back` needs to send sums back."""
 
     rows: torch.Tensor  # one row per (token, this rank) pair sent here
@@ -436,7 +436,7 @@ class _TokenDispatch:
 
 
 def _exchange(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-              local_experts: int, group: dist.ProcessGroup, size: int) -> _Exchange:
+              local_experts: int, group: dist.ProcessGroup, size: int) -> _TokenExchange:
     """Send each token once to each rank of ``group`` (``size`` ranks, ``local_experts`` experts each) that holds
     at least one of its chosen experts (DeepEP's deduplication, with torch's all-to-all: a token whose k choices fall
     on d ranks travels d times, not k), with its choices on that rank (expert there, weight; -1 and 0 for the
@@ -462,11 +462,11 @@ def _exchange(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
                          torch.where(on_rank, top_k_index[token_of_pair] % local_experts, -1).float()], dim=1)
     rows = all_to_all_single_autograd(hidden_states[token_of_pair].contiguous(), output_splits, input_splits, group)
     choices = all_to_all_single_autograd(choices, output_splits, input_splits, group)
-    return _Exchange(rows, choices, sum(c for _, c in both[size:]), input_splits, output_splits, token_of_pair,
+    return _TokenExchange(rows, choices, sum(c for _, c in both[size:]), input_splits, output_splits, token_of_pair,
                      tokens, group)
 
 
-def _exchange_back(sums: torch.Tensor, exchange: _Exchange) -> torch.Tensor:
+def _exchange_back(sums: torch.Tensor, exchange: _TokenExchange) -> torch.Tensor:
     """One sum per row that ``exchange`` brought, sent back to where it came from and added up per token there."""
     back = all_to_all_single_autograd(sums.contiguous(), exchange.input_splits, exchange.output_splits,
                                       exchange.group)
