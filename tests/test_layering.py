@@ -173,3 +173,21 @@ def test_every_folder_is_a_package_that_an_install_ships():
     imports the others anyway, so only a wheel would miss them."""
     folders = [p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py"))]
     assert [str(p.relative_to(PACKAGE)) for p in folders if not (p / "__init__.py").is_file()] == []
+
+
+def test_the_old_paths_of_moved_modules_import_the_moved_modules():
+    """``lightning_par.parallel.pipeline_live`` and the other paths users import from still work: each is the moved
+    module itself (``moved_modules.py``), and no file stands at an old path."""
+    import importlib
+
+    from lightning_par.moved_modules import MOVED
+
+    for old, new in MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+        assert importlib.import_module(new).__spec__.name == new, old
+        assert not (PACKAGE.parent / (old.replace(".", "/") + ".py")).exists(), old
+    from lightning_par.parallel.pipeline_live import LivePipeline
+
+    from lightning_par.techniques.pipeline.pipeline_live import LivePipeline as moved
+
+    assert LivePipeline is moved

@@ -193,6 +193,52 @@ def test_styles_follow_sequence_and_loss_parallel():
     assert isinstance(head_norm, SequenceParallel) and head_norm.sequence_sharding == (Shard(0),)
 
 
+def test_every_tensor_parallel_style_is_one_complete_row():
+    """A style is one row of ``tensor_styles``: name, description, Hugging Face aliases, the modules it applies to,
+    what it splits, its behaviour under sequence parallelism, its builder and its price, none of them defaulted;
+    every builder builds in every setting, and the tables the rest of the package reads are made from the rows."""
+    from dataclasses import MISSING, fields
+    from itertools import product
+
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from lightning_par.techniques.tensor.tensor_plan import HF_UNSUPPORTED
+    from lightning_par.techniques.tensor.tensor_styles import (
+        HF_ALIASES,
+        HF_NOOPS,
+        STYLES,
+        TP_STYLES,
+        BuildArgs,
+        TPPrice,
+        TPStyle,
+    )
+
+    assert all(f.default is MISSING and f.default_factory is MISSING for f in fields(TPStyle))
+    assert list(STYLES) == list(TP_STYLES) and len(TP_STYLES) == 16
+    sizes = {"linear": ("out_features", "in_features"), "embedding": ("num_embeddings", "embedding_dim")}
+    for name, row in TP_STYLES.items():
+        assert row.name == name and row.description, name
+        assert row.applies_to in ("module", "linear", "embedding", "parameters"), name
+        assert row.sp_gather in (None, "gathers", "gathers_outside"), name
+        assert (row.build is None) == (row.applies_to == "parameters"), name
+        assert isinstance(row.price, TPPrice) and row.price.output in (None, "sharded", "vocab", "whole", "reduced")
+        assert row.price.pair in (None, "column", "row"), name
+        if row.sharded_size is not None:
+            attr, what = row.sharded_size
+            assert attr in sizes.get(row.applies_to, ()) and what, name
+        for alias in row.hf_aliases:
+            assert HF_ALIASES[alias] == name and alias not in TP_STYLES and alias not in HF_UNSUPPORTED, alias
+        for sp, lp, gathered in product((False, True), repeat=3):
+            built = row.build(BuildArgs(sp, lp, gathered, rope_dim=2)) if row.build else None
+            assert built is None or isinstance(built, ParallelStyle), name
+            if row.build is not None:
+                assert type(build_style(name, sequence_parallel=sp, loss_parallel=lp, input_gathered=gathered,
+                                        rope_dim=2)) is type(built), name
+    aliased = {alias for row in TP_STYLES.values() for alias in row.hf_aliases}
+    assert set(HF_ALIASES) == aliased | set(HF_NOOPS) and not aliased & set(HF_NOOPS)
+    assert all(HF_ALIASES[noop] is None for noop in HF_NOOPS)
+
+
 def test_head_norm_is_for_norms():
     with pytest.raises(TypeError, match=r"'head_norm' is for norms \(and other modules on split activations\), "
                                         r"but 'model' is a Linear"):

@@ -50,21 +50,13 @@ from lightning_par.techniques.tensor.tensor_plan import (
     sharded_dims,
     validate_tp_plan,
 )
+from lightning_par.techniques.tensor.tensor_styles import style_price
 
 #: the sections a profile has besides its blocks: what runs before them (embeddings) and after them (final norm,
 #: head, loss)
 END_SECTIONS = ("first", "last")
 
 _aten = torch.ops.aten
-#: styles whose module's output is split over tp (the math downstream is sharded until a row-parallel layer)
-SHARDING_STYLES = ("colwise", "local_colwise")
-#: styles whose module's output is whole again (reduced or gathered)
-REDUCING_STYLES = ("rowwise", "rowwise_rep", "colwise_rep", "local_rowwise", "vocab_parallel_embedding",
-                   "embedding_rowwise", "embedding_colwise")
-#: styles whose module's output sequence parallelism reduce-scatters
-REDUCE_SCATTERING_STYLES = ("rowwise", "rowwise_rep")
-#: styles whose module saves its (whole) input for the weight gradient
-GATHERING_STYLES = ("colwise", "colwise_rep", "vocab_parallel_head", "local_colwise")
 
 
 @dataclass
@@ -578,22 +570,20 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
         hooks.append(model.get_submodule(name).register_forward_hook(leave))
     gathering = [name for name, style in resolved.items() if style == "gather_sequence"]
     for name, style in resolved.items():
-        style_name = style if isinstance(style, str) else type(style).__name__
+        price = style_price(style)  # what the style's row says of its layouts (``tensor_styles.TPPrice``)
         sub = model.get_submodule(name)
-        if style_name in GATHERING_STYLES:
+        if price.saves_whole_input:
             hooks.append(sub.register_forward_pre_hook(lambda _m, args: _mark(trace.gathered_inputs, args)))
         if gathers_its_input(style, any(name.startswith(g + ".") for g in gathering)):
             # the input the engine gathers from the sequence chunks (``regather_sequence`` saves the chunk)
             hooks.append(sub.register_forward_pre_hook(
                 lambda _m, args, kwargs: _mark(trace.regatherable_inputs, (first_tensor_argument(args, kwargs),)),
                 with_kwargs=True))
-        layout = ("sharded" if style_name in SHARDING_STYLES
-                  else "vocab" if style_name == "vocab_parallel_head"
-                  else "whole" if style_name == "colwise_rep" else None)  # gathered whole, sequence included
-        if layout is not None or style_name in REDUCING_STYLES:
+        layout = None if price.output == "reduced" else price.output  # reduced: whole again, as any input is
+        if price.output is not None:
             hooks.append(sub.register_forward_hook(
                 lambda _m, _a, out, _layout=layout: _set_layout(trace, out, _layout)))
-        if style_name in REDUCE_SCATTERING_STYLES:
+        if price.reduce_scatters:
             hooks.append(sub.register_forward_hook(lambda _m, _a, out: trace.reduce_scattered(out)))
     experts = find_experts(model)
     for _, sub in experts:

@@ -19,6 +19,7 @@ from lightning_par.techniques.technique import Target, Technique
 from lightning_par.techniques.tensor.sequence_regather import regathered_sequence
 from lightning_par.techniques.tensor.tensor import apply_tp, broadcast_replicated_parameters
 from lightning_par.techniques.tensor.tensor_plan import resolve_tp_plan, validate_tp_plan
+from lightning_par.techniques.tensor.tensor_styles import style_price
 
 
 def check_regather_with_compile(regather_sequence: bool, compile: bool) -> None:
@@ -231,10 +232,6 @@ def _pipelined_block_transfers(sheet: CostSheet, nbytes: float) -> list[Transfer
     return out
 
 
-_COLUMN_STYLES = ("colwise", "local_colwise")  # the styles whose input sequence parallelism all-gathers
-_ROW_STYLES = ("rowwise", "local_rowwise")  # and whose output it reduce-scatters
-
-
 def _column_row_groups(profile: ModelProfile, section: str) -> list[tuple[int, int, int]]:
     """(column-parallel weight elements, row-parallel weight elements, column-parallel layers) of each row-parallel
     layer of the block ``section`` with the column-parallel layers under the same parent module (the block's
@@ -250,9 +247,10 @@ def _column_row_groups(profile: ModelProfile, section: str) -> list[tuple[int, i
         if not weights or not isinstance(style, str):
             continue
         parent = module.rpartition(".")[0]
-        if style in _COLUMN_STYLES:
+        pair = style_price(style).pair  # the column- and row-parallel halves of a pair (``tensor_styles``)
+        if pair == "column":
             column.setdefault(parent, []).append(sum(p.numel for p in weights))
-        elif style in _ROW_STYLES:
+        elif pair == "row":
             row[parent] = row.get(parent, 0) + sum(p.numel for p in weights)
     cache[section] = [(sum(column.get(parent, [])), elements, len(column.get(parent, [])))
                       for parent, elements in row.items()]

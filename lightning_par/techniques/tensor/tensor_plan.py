@@ -1,8 +1,9 @@
 """Tensor-parallel plans as data: the style names, where a plan comes from, and its validation.
 
 A plan maps FQN globs (relative to the module it is applied to; ``*`` is one dotted segment, ``**`` crosses
-segments) to a style name of :data:`STYLES` or a torch ``ParallelStyle``. Nothing here communicates: validation
-runs on every rank before the first collective, so a bad plan fails the same way everywhere instead of hanging.
+segments) to a style name (one row of ``tensor_styles.py`` each) or a torch ``ParallelStyle``. Nothing here
+communicates: validation runs on every rank before the first collective, so a bad plan fails the same way
+everywhere instead of hanging.
 """
 
 from __future__ import annotations
@@ -18,55 +19,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from lightning_par.parallel.hf import hf_ep_plan, is_hf_experts, is_hf_model, outermost_hf_models
 from lightning_par.parallel.lora import is_lora_layer, lora_tp_entries
 from lightning_par.parallel.modules import fqn_matches
+from lightning_par.techniques.tensor.tensor_styles import HF_ALIASES, STYLES, TP_STYLES
 
-#: Style names and what they do. Activations between modules are plain local tensors of shape (batch, seq, ...):
-#: with ``sequence_parallel=True`` the residual stream holds this rank's sequence chunk, otherwise the full sequence.
-STYLES: dict[str, str] = {
-    "colwise": "nn.Linear sharded on out_features; output stays sharded (feeds a 'rowwise'). SP: input is a "
-    "sequence shard, all-gathered first",
-    "rowwise": "nn.Linear sharded on in_features; output all-reduced. SP: reduce-scattered to sequence shards",
-    "colwise_rep": "nn.Linear sharded on out_features; output all-gathered (replicated)",
-    "rowwise_rep": "nn.Linear sharded on in_features with a replicated input (each rank slices it); output "
-    "all-reduced. SP: reduce-scattered to sequence shards",
-    "vocab_parallel_embedding": "nn.Embedding sharded on the vocabulary; output all-reduced. SP: reduce-scattered "
-    "to sequence shards (the sequence is split right after the embedding)",
-    "embedding_rowwise": "Hugging Face's vocab-parallel embedding: like 'vocab_parallel_embedding' but the output "
-    "always stays replicated (HF models derive positions from its length; 'split_sequence' splits later)",
-    "embedding_colwise": "nn.Embedding sharded on embedding_dim; output all-gathered",
-    "vocab_parallel_head": "output nn.Linear sharded on the vocabulary; with loss_parallel its output stays a "
-    "vocab-sharded DTensor for torch's loss_parallel(), else it is all-gathered",
-    "sequence_parallel": "norm/dropout on the residual stream: runs on sequence shards (SP only; else untouched)",
-    "replicate": "replicated module added to the residual stream (e.g. a position embedding): SP slices its "
-    "output's sequence dim (dim -2) to this rank's chunk; else untouched",
-    "head_norm": "a module computing on this rank's share of split activations (Qwen3's per-head q/k norms, a "
-    "learnable activation between 'colwise' and 'rowwise'): its weights stay whole on every rank, their gradients "
-    "are summed over tp",
-    "head_params": "for a bare parameter indexed by attention head (sinks, a per-head gate bias; 'colwise' on a "
-    "parameter means the same): split on dim 0 like the heads of its module's 'colwise' projections; the module's "
-    "forward runs with this rank's shards (Hugging Face's 'colwise' parameter with a 'local_params' owner)",
-    "partial_sum": "a module whose output sums over a dimension its own bare parameters are split on (Hugging "
-    "Face's 'all_reduce' owner: Inkling's stacked shared experts, gate/up 'colwise' on dim -2, down 'rowwise' on dim "
-    "-1): its forward runs on this rank's shards, its output is all-reduced over tp and so are its floating-point "
-    "inputs' gradients (Megatron's column- then row-parallel MLP as one module). Not under sequence parallelism",
-    "mla_kv_a_proj": "multi-head latent attention's kv_a_proj_with_mqa (nn.Linear): whole on every rank; the rope "
-    "part of its output (config.qk_rope_head_dim, shared by every head) gets its gradient summed over tp, since each "
-    "rank's heads give only their share (the latent part reaches the 'colwise' kv_b_proj, which sums it already)",
-    "split_sequence": "SP only: the first tensor input (or `hidden_states=`) is full; keep this rank's sequence chunk",
-    "gather_sequence": "SP only: all-gather the first tensor input (or `hidden_states=`) once for the module's "
-    "colwise children (one all-gather instead of one per child)",
-}
-#: Hugging Face style names with the same meaning as one of ours (None: nothing to do, our 'rowwise' already reduces).
-HF_ALIASES: dict[str, str | None] = {
-    "colwise_gather_output": "colwise_rep",
-    "rowwise_split_input": "rowwise_rep",
-    "local_colwise": "colwise",
-    "local_rowwise": "rowwise",
-    "replicated_with_grad_allreduce": "head_norm",
-    "gather": None,
-    "local": None,
-    "local_params": None,  # the owner of 'colwise' bare parameters: 'head_params' runs it on local shards
-    "all_reduce": "partial_sum",
-}
 #: Hugging Face styles that need HF's own forward hooks or packed weights.
 HF_UNSUPPORTED = (
     "packed_colwise", "packed_rowwise", "local_packed_rowwise", "moe_tp_experts",
@@ -75,25 +29,13 @@ HF_UNSUPPORTED = (
 )
 _HF_NOOP_IN_HF_PLANS = ("replicate", "local", "gather")  # HF "replicate" = keep the full parameter: the default
 
-_ON_LINEAR = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "vocab_parallel_head", "mla_kv_a_proj")
-_ON_EMBEDDING = ("vocab_parallel_embedding", "embedding_rowwise", "embedding_colwise")
-# style -> (attribute that must divide by tp, what it is)
-_SHARDED_SIZE = {
-    "colwise": ("out_features", "output features"),
-    "colwise_rep": ("out_features", "output features"),
-    "vocab_parallel_head": ("out_features", "vocabulary size"),
-    "rowwise": ("in_features", "input features"),
-    "rowwise_rep": ("in_features", "input features"),
-    "vocab_parallel_embedding": ("num_embeddings", "vocabulary size"),
-    "embedding_rowwise": ("num_embeddings", "vocabulary size"),
-    "embedding_colwise": ("embedding_dim", "embedding width"),
-}
-
-Plan = Mapping[str, "str | ParallelStyle"]
+#: a tensor-parallel plan: FQN glob -> style name or torch ``ParallelStyle`` (``planner.search.Plan`` is another
+#: thing: the planner's ranked layouts)
+TPPlan = Mapping[str, "str | ParallelStyle"]
 
 
-#: which dimension of a parameter each attribute of ``_SHARDED_SIZE`` splits (Linear weight is (out, in), Embedding
-#: weight is (num, dim); a bias is split with the output features)
+#: which dimension of a parameter each ``TPStyle.sharded_size`` attribute splits (Linear weight is (out, in),
+#: Embedding weight is (num, dim); a bias is split with the output features)
 _DIM_OF = {"out_features": {"weight": 0, "bias": 0}, "in_features": {"weight": 1},
            "num_embeddings": {"weight": 0}, "embedding_dim": {"weight": 1}}
 
@@ -105,13 +47,13 @@ def sharded_dims(resolved: Mapping[str, str | ParallelStyle]) -> dict[str, int]:
     for fqn, style in resolved.items():
         if isinstance(style, ParallelStyle):
             style = {ColwiseParallel: "colwise", RowwiseParallel: "rowwise"}.get(type(style), "")
-        attr = _SHARDED_SIZE.get(style, (None,))[0]
+        attr = _sharded_size(style)[0]
         for name, dim in _DIM_OF.get(attr, {}).items():
             out[f"{fqn}.{name}"] = dim
     return out
 
 
-def prefix_plan(plan: Plan, prefix: str) -> dict[str, str | ParallelStyle]:
+def prefix_plan(plan: TPPlan, prefix: str) -> dict[str, str | ParallelStyle]:
     """Re-root a plan: ``prefix_plan(GPT_TP_PLAN, "model")`` for a LightningModule holding the GPT as ``self.model``."""
     prefix = prefix.strip(".")
     return {f"{prefix}.{key}" if prefix else key: style for key, style in plan.items()}
@@ -130,7 +72,7 @@ def check_tp_size(tp: int, world_size: int) -> None:
 
 
 # ---- where a plan comes from ----------------------------------------------------------------------------------
-def resolve_tp_plan(module: nn.Module, plan: Plan | None, *,
+def resolve_tp_plan(module: nn.Module, plan: TPPlan | None, *,
                     loss_parallel: bool = False) -> dict[str, str | ParallelStyle]:
     """The plan to apply to ``module``: ``plan`` if given; else ``module.tp_plan`` (a LightningModule's attribute,
     relative to the LightningModule: ``"model.blocks.*.attn.q"``); else the Hugging Face plans of the HF models
@@ -312,7 +254,7 @@ def canonical_style(style: str | ParallelStyle, key: str) -> str | ParallelStyle
 
 
 def validate_tp_plan(
-    module: nn.Module, plan: Plan, tp_size: int, *, sequence_parallel: bool = False, loss_parallel: bool = False,
+    module: nn.Module, plan: TPPlan, tp_size: int, *, sequence_parallel: bool = False, loss_parallel: bool = False,
     whole_model: bool = True,
 ) -> dict[str, str | ParallelStyle]:
     """Match every plan entry to modules and check that each can be split ``tp_size`` ways.
@@ -382,9 +324,6 @@ def validate_tp_plan(
     return resolved
 
 
-_GATHERS_UNDER_SP = ("colwise", "colwise_rep", "vocab_parallel_head", "gather_sequence")
-
-
 def _check_hf_sublayers_gather(root: nn.Module, resolved: Mapping[str, str | ParallelStyle]) -> None:
     """Under sequence parallelism each sublayer of a Hugging Face decoder layer that is not a norm sees a sequence
     chunk, so some module of it must gather the sequence (a column-parallel projection). A model whose plan leaves
@@ -400,7 +339,7 @@ def _check_hf_sublayers_gather(root: nn.Module, resolved: Mapping[str, str | Par
                 continue
             sub = f"{layers_fqn}.{index}.{name}"
             if not any((key == sub or key.startswith(sub + ".")) and (isinstance(style, ParallelStyle)
-                                                                        or style in _GATHERS_UNDER_SP)
+                                                                        or _sp_gather(style) is not None)
                        for key, style in resolved.items()):
                 raise ValueError(
                     f"sequence_parallel=True: {sub!r} ({type(child).__name__}) would see only this rank's sequence "
@@ -434,7 +373,7 @@ def _follow_adapters(root: nn.Module, resolved: dict[str, str | ParallelStyle],
     return out
 
 
-def head_params(root: nn.Module, plan: Plan, tp: int, all_entries: Plan | None = None) -> dict[str, list[str]]:
+def head_params(root: nn.Module, plan: TPPlan, tp: int, all_entries: TPPlan | None = None) -> dict[str, list[str]]:
     """``{owner module FQN: its parameter names}`` split by head: the plan's entries that name bare parameters (no
     module) with 'colwise' or 'head_params' (Hugging Face's attention sinks, per-head gate biases, whose owners HF
     marks 'local_params'). An owner runs on this rank's shards of all its own parameters or of none, so the entries
@@ -487,13 +426,13 @@ def head_params(root: nn.Module, plan: Plan, tp: int, all_entries: Plan | None =
     return out
 
 
-def _partial_sum_owners(root: nn.Module, entries: Plan) -> set[str]:
+def _partial_sum_owners(root: nn.Module, entries: TPPlan) -> set[str]:
     names = [name for name, _ in root.named_modules() if name]
     return {name for key, style in entries.items() if not isinstance(style, ParallelStyle)
             and HF_ALIASES.get(style, style) == "partial_sum" for name in names if fqn_matches(name, key)}
 
 
-def partial_sum_params(root: nn.Module, plan: Plan, tp: int, all_entries: Plan | None = None
+def partial_sum_params(root: nn.Module, plan: TPPlan, tp: int, all_entries: TPPlan | None = None
                        ) -> dict[str, dict[str, int]]:
     """``{owner FQN: {parameter name: dim}}`` for the modules ``plan`` marks 'partial_sum' (HF's 'all_reduce'):
     each of the owner's own parameters is split on the dim its bare entry in the plan (``all_entries``) says:
@@ -571,11 +510,12 @@ def _check_module(name: str, mod: nn.Module, style: str | ParallelStyle, tp: int
         kind = {ColwiseParallel: "colwise", RowwiseParallel: "rowwise"}.get(type(style), "")
         if kind and not isinstance(mod, nn.Linear):
             return
-    if kind in _ON_LINEAR and not isinstance(mod, nn.Linear):
+    applies_to = TP_STYLES[kind].applies_to if kind in TP_STYLES else None
+    if applies_to == "linear" and not isinstance(mod, nn.Linear):
         raise TypeError(f"tp_plan: '{kind}' shards an nn.Linear, but {name!r} is a {type(mod).__name__}.")
-    if kind in _ON_EMBEDDING and not isinstance(mod, nn.Embedding):
+    if applies_to == "embedding" and not isinstance(mod, nn.Embedding):
         raise TypeError(f"tp_plan: '{kind}' shards an nn.Embedding, but {name!r} is a {type(mod).__name__}.")
-    if kind in _ON_LINEAR + _ON_EMBEDDING and _computes_more(mod):
+    if applies_to in ("linear", "embedding") and _computes_more(mod):
         raise TypeError(
             f"tp_plan: '{kind}' splits one {type(mod).__mro__[1].__name__}'s weight, but {name!r} "
             f"({type(mod).__name__}) also runs child modules with parameters ({_computes_more(mod)[:2]}) on the "
@@ -583,8 +523,8 @@ def _check_module(name: str, mod: nn.Module, style: str | ParallelStyle, tp: int
     if kind in ("sequence_parallel", "head_norm") and isinstance(mod, (nn.Linear, nn.Embedding)):
         what = "norms and dropout" if kind == "sequence_parallel" else "norms (and other modules on split activations)"
         raise TypeError(f"tp_plan: '{kind}' is for {what}, but {name!r} is a {type(mod).__name__}.")
-    if kind in _SHARDED_SIZE:
-        attr, what = _SHARDED_SIZE[kind]
+    if _sharded_size(kind)[0] is not None:
+        attr, what = _sharded_size(kind)
         size = getattr(mod, attr)
         if size % tp:
             raise ValueError(
@@ -611,9 +551,8 @@ def _check_tied(root: nn.Module, resolved: Mapping[str, str | ParallelStyle], se
             if p is not None:
                 owners.setdefault(id(p), []).append(f"{name}.{p_name}" if name else p_name)
     for name, style in resolved.items():
-        replaces = isinstance(style, ParallelStyle) or style in _SHARDED_SIZE or style == "partial_sum" or (
-            style == "sequence_parallel" and sequence_parallel
-        )
+        replaces = (isinstance(style, ParallelStyle) or _sharded_size(style)[0] is not None
+                    or style == "partial_sum" or (style == "sequence_parallel" and sequence_parallel))
         for p in root.get_submodule(name)._parameters.values() if replaces else ():
             if p is not None and len(owners[id(p)]) > 1:
                 raise ValueError(
@@ -665,6 +604,18 @@ def gathers_its_input(style: str | ParallelStyle, input_gathered: bool) -> bool:
     column-parallel layer not inside a 'gather_sequence' module, a vocabulary-parallel head, a 'gather_sequence'
     module)? ``input_gathered``: it sits inside a 'gather_sequence' module. What ``regather_sequence`` saves as
     chunks, and what the planner prices so."""
-    style = HF_ALIASES.get(style, style) if isinstance(style, str) else style
-    return (style in ("colwise", "colwise_rep") and not input_gathered) or style in (
-        "vocab_parallel_head", "gather_sequence")
+    gather = _sp_gather(HF_ALIASES.get(style, style) if isinstance(style, str) else style)
+    return gather == "gathers" or (gather == "gathers_outside" and not input_gathered)
+
+
+def _sharded_size(style: str | ParallelStyle | None) -> tuple[str | None, str | None]:
+    """(the module attribute tp must divide, what it is) of a style that splits its module's weight: the row's
+    ``sharded_size`` (our names only: a validated plan's); else ``(None, None)``."""
+    row = TP_STYLES.get(style) if isinstance(style, str) else None
+    return row.sharded_size if row is not None and row.sharded_size else (None, None)
+
+
+def _sp_gather(style: str | ParallelStyle | None) -> str | None:
+    """The row's ``sp_gather`` (our names only); None for anything else."""
+    row = TP_STYLES.get(style) if isinstance(style, str) else None
+    return row.sp_gather if row is not None else None
