@@ -147,3 +147,25 @@ def test_readme_keeps_the_quickstart_commands():
         "&& python example_projects/gpt/train.py fit --config example_projects/gpt/configs/fsdp2.yaml",
     ):
         assert command in readme
+
+
+def test_the_option_table_names_every_technique_option_and_the_strategy_takes_each_with_its_default():
+    """Each technique's options are one dataclass (``techniques/recipe.OPTIONS``): the Options table of
+    ``docs/strategies.md`` names every field, and ``NDParallelStrategy`` takes each as a flat keyword argument
+    (LightningCLI reads its signature) with the dataclass's default."""
+    import inspect
+    from dataclasses import fields
+
+    from lightning_par import NDParallelStrategy
+    from lightning_par.techniques.recipe import OPTIONS
+
+    text = (DOCS / "strategies.md").read_text()
+    table = text[text.index("## Options"):]
+    table = table[:table.index("\n\n", table.index("| option |"))]
+    named = set(re.findall(r"`(\w+)`", "\n".join(row.split("|")[1] for row in table.splitlines() if "|" in row)))
+    signature = inspect.signature(NDParallelStrategy.__init__).parameters
+    for options in OPTIONS:
+        for field in fields(options):
+            assert field.name in named, f"{options.__name__}.{field.name} is missing from the option table"
+            assert field.name in signature, field.name
+            assert signature[field.name].default == field.default, field.name

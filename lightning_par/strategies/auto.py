@@ -118,9 +118,7 @@ class AutoParallelStrategy(NDParallelStrategy):
         self.plan = self._plan(trainer)
         layout = self._agree(self.plan.require_fit().layout)
         self.dims = layout.dims().resolve(self.num_nodes * self.num_processes)
-        self.techniques = build_recipe(**{**self._options, **_recipe_options(layout)})
-        (self.pipeline_parallel, self.tensor_parallel, self.context_parallel, self.expert_parallel,
-         self.activation_checkpointing, self.compile, self.fully_sharded) = self.techniques
+        self._use_recipe(build_recipe(**{**self._options, **_recipe_options(layout)}))
         self.expert_parallel.check(self.dims)  # the ep chosen against the given ep_ranks_per_node, on every rank
         self.build_mesh()
         rank_zero_info(self._summary())

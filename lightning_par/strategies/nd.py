@@ -45,6 +45,7 @@ from lightning_par.strategies.fault_tolerant import CHECKPOINT_KEY, FaultToleran
 from lightning_par.strategies.startup_summary import describe_hand_parallelization
 from lightning_par.techniques import Target, Technique, build_recipe
 from lightning_par.techniques.pipeline.pipeline_live import LivePipeline
+from lightning_par.techniques.recipe import Recipe
 from lightning_par.techniques.sharding.fsdp import hold_reductions, sync_gradients
 from lightning_par.techniques.sharding.fully_sharded import register_step_methods
 from lightning_par.techniques.tensor.tensor_check import check_whole_parameters_agree
@@ -179,7 +180,7 @@ class NDParallelStrategy(BaseParallelStrategy):
             dp_replicate = 1  # inside a group; the groups are torchft's
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep)
         # the recipe, in the order it is applied (see the module docstring)
-        self.techniques: tuple[Technique, ...] = build_recipe(
+        self._use_recipe(build_recipe(
             pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_stages_per_rank=pp_stages_per_rank,
             pp_split_points=pp_split_points, pp_loss_method=pp_loss_method, tp_plan=tp_plan,
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, cp_algorithm=cp_algorithm,
@@ -187,9 +188,7 @@ class NDParallelStrategy(BaseParallelStrategy):
             compile=compile, shard_units=shard_units, reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload, ep_plan=ep_plan, ep_ranks_per_node=ep_ranks_per_node,
             accumulate_unsharded=accumulate_unsharded,
-            regather_sequence=regather_sequence, async_tp=async_tp)
-        (self.pipeline_parallel, self.tensor_parallel, self.context_parallel, self.expert_parallel,
-         self.activation_checkpointing, self.compile, self.fully_sharded) = self.techniques
+            regather_sequence=regather_sequence, async_tp=async_tp))
         self.block_list = check_optional_str("block_list", block_list, "model.blocks")
         self._tp_gradients_checked = False
         #: where the step stands in gradient accumulation (Lightning's hook order: see ``strategies/accumulation``)
@@ -200,6 +199,15 @@ class NDParallelStrategy(BaseParallelStrategy):
         check_async_tp_with_compile(self.tensor_parallel.async_tp, self.compile.enabled)
         super().__init__(dims, process_group_backend=process_group_backend, timeout=timeout, pretrained=pretrained,
                          save_trainable_only=save_trainable_only, **lightning_kwargs)
+
+    def _use_recipe(self, recipe: Recipe) -> None:
+        """The layout's techniques: in the order they are applied (``techniques``) and each by its name."""
+        self.recipe = recipe
+        self.techniques: tuple[Technique, ...] = tuple(recipe)
+        self.pipeline_parallel, self.tensor_parallel = recipe.pipeline_parallel, recipe.tensor_parallel
+        self.context_parallel, self.expert_parallel = recipe.context_parallel, recipe.expert_parallel
+        self.activation_checkpointing, self.compile = recipe.activation_checkpointing, recipe.compile
+        self.fully_sharded = recipe.fully_sharded
 
     @property
     def pipeline(self) -> LivePipeline | None:

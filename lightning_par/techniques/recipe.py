@@ -1,33 +1,79 @@
-"""The engine's recipe: every technique with its options, in the order they are applied (and accounted)."""
+"""The engine's recipe: every technique with its options, in the order they are applied (and accounted).
 
-from collections.abc import Mapping
+Each technique's options are one dataclass in its folder (``TensorParallelOptions``, ...), under the names
+``NDParallelStrategy`` takes them; :data:`OPTIONS` lists them in the order of application and :func:`build_recipe`
+builds the techniques from those names into a :class:`Recipe`, whose fields name each technique.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
-from lightning_par.techniques.context.context_parallel import ContextParallel
-from lightning_par.techniques.experts.expert_parallel import ExpertParallel
-from lightning_par.techniques.pipeline.pipeline_parallel import PipelineParallel
-from lightning_par.techniques.recompute.activation_checkpointing import ActivationCheckpointing, Compile
-from lightning_par.techniques.sharding.fully_sharded import FullySharded
+from lightning_par.techniques.context.context_parallel import ContextParallel, ContextParallelOptions
+from lightning_par.techniques.experts.expert_parallel import ExpertParallel, ExpertParallelOptions
+from lightning_par.techniques.pipeline.pipeline_parallel import PipelineOptions, PipelineParallel
+from lightning_par.techniques.recompute.activation_checkpointing import (
+    ActivationCheckpointing,
+    ActivationCheckpointingOptions,
+    Compile,
+    CompileOptions,
+)
+from lightning_par.techniques.sharding.fully_sharded import FullySharded, FullyShardedOptions
 from lightning_par.techniques.technique import Technique
-from lightning_par.techniques.tensor.tensor_parallel import TensorParallel
+from lightning_par.techniques.tensor.tensor_parallel import TensorParallel, TensorParallelOptions
+
+#: every technique's options dataclass, in the order of application
+OPTIONS = (PipelineOptions, TensorParallelOptions, ContextParallelOptions, ExpertParallelOptions,
+           ActivationCheckpointingOptions, CompileOptions, FullyShardedOptions)
 
 
-def build_recipe(*, pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
-                 pp_stages_per_rank: int | None = None, pp_split_points: list[str] | None = None,
-                 pp_loss_method: str = "loss", tp_plan: Mapping[str, Any] | None = None,
-                 sequence_parallel: bool = False, loss_parallel: bool = False, cp_algorithm: str = "ring",
-                 cp_load_balance: bool = True, cp_seq_dim: int = 1, activation_checkpointing: bool | str = False,
-                 compile: bool = False, shard_units: list[str] | None = None, reshard_after_forward: bool = True,
-                 cpu_offload: bool = False, ep_plan: list[str] | None = None,
-                 ep_ranks_per_node: int | None = None, accumulate_unsharded: bool = False,
-                 regather_sequence: bool = False, async_tp: bool = False) -> tuple[Technique, ...]:
-    """The engine's recipe: every technique with its options, in the order they are applied (and accounted)."""
-    return (
-        PipelineParallel(pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points, pp_loss_method),
-        TensorParallel(tp_plan, sequence_parallel, loss_parallel, regather_sequence, async_tp),
-        ContextParallel(cp_algorithm, cp_load_balance, cp_seq_dim),
-        ExpertParallel(ep_plan, ep_ranks_per_node),
-        ActivationCheckpointing(activation_checkpointing),
-        Compile(compile),
-        FullySharded(shard_units, reshard_after_forward, cpu_offload, accumulate_unsharded),
+def option_names() -> list[str]:
+    """Every technique option's name, as ``NDParallelStrategy`` and :func:`build_recipe` take it."""
+    return [f.name for options in OPTIONS for f in fields(options)]
+
+
+@dataclass
+class Recipe:
+    """The techniques of one layout, named; iterating gives them in the order they are applied (pipeline split,
+    tensor parallel, context parallel, expert parallel, activation checkpointing, compile, FSDP)."""
+
+    pipeline_parallel: PipelineParallel
+    tensor_parallel: TensorParallel
+    context_parallel: ContextParallel
+    expert_parallel: ExpertParallel
+    activation_checkpointing: ActivationCheckpointing
+    compile: Compile
+    fully_sharded: FullySharded
+
+    def __iter__(self) -> Iterator[Technique]:
+        return iter(tuple(getattr(self, f.name) for f in fields(self)))
+
+    def __len__(self) -> int:
+        return len(fields(self))
+
+    def __getitem__(self, index: int) -> Technique:
+        return tuple(self)[index]
+
+
+def build_recipe(**options: Any) -> Recipe:
+    """The engine's recipe from technique options by name (those of :data:`OPTIONS`; the others keep their
+    defaults)."""
+    unknown = sorted(set(options) - set(option_names()))
+    if unknown:
+        raise TypeError(f"build_recipe() got unexpected keyword arguments {unknown}; technique options: "
+                        f"{option_names()}")
+
+    def chosen(cls: type) -> Any:
+        return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
+
+    return Recipe(
+        pipeline_parallel=chosen(PipelineOptions).build(),
+        tensor_parallel=chosen(TensorParallelOptions).build(),
+        context_parallel=chosen(ContextParallelOptions).build(),
+        expert_parallel=chosen(ExpertParallelOptions).build(),
+        activation_checkpointing=chosen(ActivationCheckpointingOptions).build(),
+        compile=chosen(CompileOptions).build(),
+        fully_sharded=chosen(FullyShardedOptions).build(),
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +26,19 @@ from lightning_par.techniques.technique import Target, Technique
 #: dK/dV accumulators, keys x head size each, are left out: a score tensor is keys x query rows)
 SCORE_TENSORS = 3
 FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ContextParallelOptions:
+    """Context parallelism's options, under the names ``NDParallelStrategy`` takes them (the one source of their
+    defaults; ``docs/strategies.md``'s option table names each)."""
+
+    cp_algorithm: str = "ring"
+    cp_load_balance: bool = True
+    cp_seq_dim: int = 1
+
+    def build(self) -> ContextParallel:
+        return ContextParallel(self.cp_algorithm, self.cp_load_balance, self.cp_seq_dim)
 
 
 class ContextParallel(Technique):

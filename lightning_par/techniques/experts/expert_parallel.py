@@ -5,6 +5,7 @@ over the ranks left (``efsdp``)."""
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch.distributed as dist
@@ -27,6 +28,18 @@ from lightning_par.techniques.technique import Target, Technique
 
 #: an int64 count (the dispatch's split sizes)
 COUNT_BYTES = 8
+
+
+@dataclass(frozen=True)
+class ExpertParallelOptions:
+    """Expert parallelism's options, under the names ``NDParallelStrategy`` takes them (the one source of their
+    defaults; ``docs/strategies.md``'s option table names each)."""
+
+    ep_plan: list[str] | None = None
+    ep_ranks_per_node: int | None = None
+
+    def build(self) -> ExpertParallel:
+        return ExpertParallel(self.ep_plan, self.ep_ranks_per_node)
 
 
 class ExpertParallel(Technique):

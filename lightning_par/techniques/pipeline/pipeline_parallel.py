@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -20,6 +21,22 @@ from lightning_par.techniques.pipeline.pipeline_live import LivePipeline, materi
 from lightning_par.techniques.technique import Target, Technique
 
 ZERO_BUBBLE = ("interleaved_zb", "zbv")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """Pipeline parallelism's options, under the names ``NDParallelStrategy`` takes them (the one source of their
+    defaults; ``docs/strategies.md``'s option table names each)."""
+
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+    pp_stages_per_rank: int | None = None
+    pp_split_points: list[str] | None = None
+    pp_loss_method: str = "loss"
+
+    def build(self) -> PipelineParallel:
+        return PipelineParallel(self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank,
+                                self.pp_split_points, self.pp_loss_method)
 
 
 class PipelineParallel(Technique):

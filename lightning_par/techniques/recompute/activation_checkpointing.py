@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from lightning_par.checks import check_bool, check_checkpointing
 from lightning_par.costs.sheet import CostSheet
 from lightning_par.dims import ParallelDims
@@ -14,6 +16,27 @@ from lightning_par.techniques.recompute.recompute import (
     selective_checkpoint_contexts,
 )
 from lightning_par.techniques.technique import Target, Technique
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingOptions:
+    """Activation checkpointing's option, under the name ``NDParallelStrategy`` takes it (the one source of its
+    default; ``docs/strategies.md``'s option table names it)."""
+
+    activation_checkpointing: bool | str = False
+
+    def build(self) -> ActivationCheckpointing:
+        return ActivationCheckpointing(self.activation_checkpointing)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """``torch.compile``'s option, under the name ``NDParallelStrategy`` takes it."""
+
+    compile: bool = False
+
+    def build(self) -> Compile:
+        return Compile(self.compile)
 
 
 class ActivationCheckpointing(Technique):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,20 @@ def fsdp_casts_parameters(dims: ParallelDims, cpu_offload: bool) -> bool:
     precision (the whole forward then runs in it); otherwise the precision plugin's autocast alone lowers the
     matmul family (the planner prices the two apart: ``CostSheet.autocast_only``)."""
     return dims.fsdp_enabled or cpu_offload
+
+
+@dataclass(frozen=True)
+class FullyShardedOptions:
+    """FSDP2's options, under the names ``NDParallelStrategy`` takes them (the one source of their defaults;
+    ``docs/strategies.md``'s option table names each)."""
+
+    shard_units: list[str] | None = None
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    accumulate_unsharded: bool = False
+
+    def build(self) -> FullySharded:
+        return FullySharded(self.shard_units, self.reshard_after_forward, self.cpu_offload, self.accumulate_unsharded)
 
 
 class FullySharded(Technique):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,22 @@ def check_async_tp_device(async_tp: bool, device_type: str) -> None:
         raise ValueError(f"async_tp=True on accelerator {device_type!r}: the pipelined all-gathers and "
                          f"reduce-scatters run on CUDA symmetric memory (NVLink). Run with accelerator='cuda', or "
                          f"drop async_tp.")
+
+
+@dataclass(frozen=True)
+class TensorParallelOptions:
+    """Tensor parallelism's options, under the names ``NDParallelStrategy`` takes them (the one source of their
+    defaults; ``docs/strategies.md``'s option table names each)."""
+
+    tp_plan: Mapping[str, Any] | None = None
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    regather_sequence: bool = False
+    async_tp: bool = False
+
+    def build(self) -> TensorParallel:
+        return TensorParallel(self.tp_plan, self.sequence_parallel, self.loss_parallel, self.regather_sequence,
+                              self.async_tp)
 
 
 class TensorParallel(Technique):
