@@ -7,6 +7,7 @@ from typing import Any
 from lightning_par.techniques.activation_checkpointing import ActivationCheckpointing, Compile
 from lightning_par.techniques.context_parallel import ContextParallel
 from lightning_par.techniques.expert_parallel import ExpertParallel
+from lightning_par.techniques.float8 import Float8Training
 from lightning_par.techniques.fully_sharded import FullySharded
 from lightning_par.techniques.pipeline_parallel import PipelineParallel
 from lightning_par.techniques.technique import Target, Technique
@@ -21,10 +22,12 @@ def build_recipe(*, pp_schedule: str = "1f1b", pp_microbatches: int | None = Non
                  compile: bool = False, shard_units: list[str] | None = None, reshard_after_forward: bool = True,
                  cpu_offload: bool = False, ep_plan: list[str] | None = None,
                  ep_ranks_per_node: int | None = None, accumulate_unsharded: bool = False,
-                 regather_sequence: bool = False, async_tp: bool = False) -> tuple[Technique, ...]:
+                 regather_sequence: bool = False, async_tp: bool = False,
+                 float8: str | None = None) -> tuple[Technique, ...]:
     """The engine's recipe: every technique with its options, in the order they are applied (and accounted)."""
     return (
         PipelineParallel(pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points, pp_loss_method),
+        Float8Training(float8),
         TensorParallel(tp_plan, sequence_parallel, loss_parallel, regather_sequence, async_tp),
         ContextParallel(cp_algorithm, cp_load_balance, cp_seq_dim),
         ExpertParallel(ep_plan, ep_ranks_per_node),
@@ -39,6 +42,7 @@ __all__ = [
     "Compile",
     "ContextParallel",
     "ExpertParallel",
+    "Float8Training",
     "FullySharded",
     "PipelineParallel",
     "Target",
