@@ -7,16 +7,14 @@ Per row of the matrix (priority order, see ``ROWS``), in one process, one after 
   hand-written step as torchtitan's trainer does it (zero_grad, forward, cross-entropy, backward, clip 1.0, AdamW).
   Two levels, the first that imports is used and recorded as ``torchtitan_level``:
 
-  * ``package``: ``torchtitan.models.llama3.parallelize_llama`` (its ``FullAC``, ``apply_compile`` and
-    ``apply_fsdp_to_decoder``: fully_shard of embeddings, [norm, head], every block, the root, with
-    ``MixedPrecisionPolicy(bf16, fp32)``) and its ``Float8LinearConverter``. Needs a torch newer than 2.11
-    (``torch.distributed.fsdp.DataParallelMeshDims``).
+  * ``package``: ``torchtitan.models.llama3.parallelize_llama`` (its ``FullAC`` and ``apply_compile``; at world 1
+    no ``apply_fsdp_to_decoder``: torchtitan shards only where ``dp_shard > 1 or cp > 1``) and its
+    ``Float8LinearConverter``. Needs a torch newer than 2.11 (``torch.distributed.fsdp.DataParallelMeshDims``).
   * ``recipe``: where the package does not import (torch 2.11: ``torchtitan/distributed/fsdp.py`` imports
     ``DataParallelMeshDims``, which 2.11 lacks, and ``torchtitan.models.llama3/__init__`` imports it through
     ``parallelize.py``): the model file ``torchtitan/models/llama3/model.py`` is loaded directly, the config built as
-    its ``llama3_configs`` builds it, torchtitan's own ``FullAC`` and ``apply_compile`` are applied, and
-    ``apply_fsdp_to_decoder``'s dense path is written out here (the same fully_shard calls, without the
-    ``dp_mesh_dims`` argument 2.11's fully_shard lacks). Float8: torchtitan's converter if it imports, else by hand.
+    its ``llama3_configs`` builds it, and torchtitan's own ``FullAC`` and ``apply_compile`` are applied. Float8:
+    torchtitan's converter if it imports, else by hand.
 
 - ``ours``: the same model (same class, config, seed, initial weights) in a LightningModule trained by
   ``lightning.Trainer(strategy=lightning_par.FSDP2Strategy(activation_checkpointing=..., compile=...),
@@ -29,8 +27,10 @@ weight decay 0.1, fused on CUDA; torchtitan's defaults, no LR schedule), grad-no
 Attention: torchtitan's ``ScaledDotProductAttention`` inner attention (causal; cuDNN/flash kernels) instead of its LM
 default FlexAttention with block-causal document masks: random tokens have no document boundaries, so the two compute
 the same thing, and SDPA needs no mask plumbing on our side.
-Mixed precision differs in mechanism as each framework does it: torchtitan's FSDP ``MixedPrecisionPolicy`` (bf16
-params in compute, fp32 reduce, no autocast); ours ``bf16-mixed`` (autocast + the same FSDP policy).
+Mixed precision at world 1 is autocast on both sides, as each framework does it there: torchtitan's trainer enters
+``torch.autocast(bf16)`` when FSDP is off (``maybe_enable_amp``), ours ``precision="bf16-mixed"``; neither wraps the
+model in FSDP at one rank. (The first GPU run, 2026-11-27, had the torchtitan side wrap the model in fully_shard at
+world 1 with FSDP's bf16 policy, which torchtitan's trainer does not do at one rank: its file says so.)
 
 Reported per side: tokens/s (from the median step), step ms (median of the steps after ``--warmup``), MFU with FLOPs
 counted the same way for both: 6·N·T + 12·L·d·s·T per step (N = matmul parameters outside the embedding: every
@@ -391,14 +391,12 @@ def adamw(params: Any, cuda: bool) -> Any:
 
 
 def titan_parallelize(api: dict[str, Any], model: Any, row: dict[str, Any], cuda: bool, dump: str) -> None:
-    """torchtitan's parallelize at world 1: its ``parallelize_llama`` (package level), or its recipe (AC, compile,
-    then fully_shard as ``apply_fsdp_to_decoder``'s dense path does) where the package does not import."""
-    import torch
-
-    param_dtype = torch.bfloat16
+    """torchtitan's parallelize at world 1: its ``parallelize_llama`` (package level), or its recipe (AC, then
+    compile) where the package does not import. At world 1 torchtitan applies no FSDP (``fsdp_enabled`` is
+    ``dp_shard > 1 or cp > 1``) and its trainer runs the step under autocast (``maybe_enable_amp``): so does
+    ``run_torchtitan``."""
     if api["level"] == "handwritten":
         handwritten_ac_compile(model, row)
-        handwritten_fsdp(model, cuda, param_dtype)
         return
     pd = api["ParallelDims"](dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
     compile_cfg = api["CompileConfig"](enable=row["compile"], components=["model"])
@@ -418,7 +416,6 @@ def titan_parallelize(api: dict[str, Any], model: Any, row: dict[str, Any], cuda
         ac_cfg.build(dump_folder=dump).apply(model)
     if row["compile"]:
         api["apply_compile"](model, compile_config=compile_cfg, parallel_dims=pd)
-    handwritten_fsdp(model, cuda, param_dtype)
 
 
 def handwritten_ac_compile(model: Any, row: dict[str, Any]) -> None:
@@ -437,25 +434,6 @@ def handwritten_ac_compile(model: Any, row: dict[str, Any]) -> None:
             block.compile(backend="inductor", fullgraph=True)
 
 
-def handwritten_fsdp(model: Any, cuda: bool, param_dtype: Any) -> None:
-    """torchtitan's ``apply_fsdp_to_decoder`` for a dense model, ``reshard_after_forward_policy="default"``."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh("cuda" if cuda else "cpu", (1,), mesh_dim_names=("fsdp",))
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    kw = dict(mesh=mesh, mp_policy=mp)
-    fully_shard(model.tok_embeddings, **kw, reshard_after_forward=True)
-    fully_shard([model.norm, model.lm_head], **kw, reshard_after_forward=False)  # policy "default", not "always"
-    for block in model.layers.values():
-        fully_shard(block, **kw, reshard_after_forward=True)
-    fully_shard(model, **kw)
-    for m in model.modules():  # disable_fsdp_gradient_division (a no-op at world 1)
-        if hasattr(m, "set_gradient_divide_factor"):
-            m.set_gradient_divide_factor(1.0)
-
-
 def run_torchtitan(api: dict[str, Any], row: dict[str, Any], n_layers: int, device: Any, batches: list,
                    warmup: int) -> dict[str, Any]:
     import torch
@@ -472,8 +450,9 @@ def run_torchtitan(api: dict[str, Any], row: dict[str, Any], n_layers: int, devi
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         start = synced_now(cuda)
         optimizer.zero_grad()
-        pred = model(x)
-        loss = F.cross_entropy(pred.flatten(0, 1).float(), y.flatten())
+        with torch.autocast(device.type, dtype=torch.bfloat16):  # torchtitan's maybe_enable_amp without FSDP
+            pred = model(x)
+            loss = F.cross_entropy(pred.flatten(0, 1).float(), y.flatten())
         del pred
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=True)
@@ -706,8 +685,8 @@ def main() -> None:
             "torchtitan's FullAC turns dynamo's LRU cache off process-wide and its apply_compile sets dynamo flags; "
             "the dynamo/inductor configs are restored after each torchtitan side, the LRU cache flag is not.",
             "Attention: torchtitan's ScaledDotProductAttention (causal) on both sides, not its flex default.",
-            "Mixed precision: torchtitan FSDP MixedPrecisionPolicy(bf16, fp32 reduce) without autocast; ours "
-            "precision='bf16-mixed' (autocast + FSDP bf16 params, fp32 reduce).",
+            "Mixed precision: autocast bf16 on both sides and no FSDP at world 1 (torchtitan's trainer: "
+            "maybe_enable_amp; ours: precision='bf16-mixed').",
             "No LR schedule on either side (constant 8e-4); step time includes zero_grad, forward, loss, backward, "
             "clip, AdamW step; ours also Lightning's loop overhead inside the timed hooks.",
         ],
