@@ -16,6 +16,10 @@ the compiled loop). Writes JSON (``--out``).
 Without CUDA it refuses ("needs CUDA"), unless ``--smoke``: the same code on the CPU (gloo) with a tiny model and
 nothing compiled, to check the harness, not to measure anything.
 
+``--profile-steps N``: N more steps after the timed ones under ``torch.profiler`` (``record_shapes=False``); each
+variant's JSON gets the top host-side ops, the host syncs counted (``*Synchronize``, blocking ``cudaMemcpy``) and the
+device's idle share between its kernels, and its Chrome trace is written beside ``--out``.
+
 Usage: ``python benchmarks/bench_gpu.py [--variants hand,fsdp2,...] [--steps 20] [--warmup 10] [--out ...]``
 """
 
@@ -41,6 +45,9 @@ VARIANTS = {  # name: (kind, compiled, with the three monitors, CUPTI teardown)
     "model_parallel": ("model_parallel", False, False, True),
     "fsdp2_compiled_monitors": ("fsdp2", True, True, True),
     "fsdp2_compiled_monitors_cupti_attached": ("fsdp2", True, True, False),
+    # float8 (tensorwise): the hand loop converts with torchao's call, the strategy with its float8 option
+    "hand_compiled_float8": ("hand", True, False, True),
+    "fsdp2_compiled_float8": ("fsdp2", True, False, True),
 }
 SMOKE = dict(n_layer=2, n_embd=64, n_head=2, vocab=128, seq=64, batch=2, steps=3, warmup=6,
              precision="32-true")
@@ -49,14 +56,18 @@ SMOKE = dict(n_layer=2, n_embd=64, n_head=2, vocab=128, seq=64, batch=2, steps=3
 # ---- what each variant's process runs ------------------------------------------------------------------------------
 def _model_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
-                n_embd=cfg["n_embd"], lr=3e-4, warmup_steps=10, max_steps=cfg["warmup"] + cfg["steps"])
+                n_embd=cfg["n_embd"], lr=3e-4, warmup_steps=10, max_steps=_total_steps(cfg))
+
+
+def _total_steps(cfg: dict[str, Any]) -> int:
+    return cfg["warmup"] + cfg["steps"] + cfg.get("profile_steps", 0)
 
 
 def _loader(cfg: dict[str, Any]) -> Any:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    n = (cfg["warmup"] + cfg["steps"]) * cfg["batch"]
+    n = _total_steps(cfg) * cfg["batch"]
     ids = torch.randint(0, cfg["vocab"], (n, cfg["seq"] + 1), generator=torch.Generator().manual_seed(0))
     return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=cfg["batch"], drop_last=True)
 
@@ -64,9 +75,10 @@ def _loader(cfg: dict[str, Any]) -> Any:
 class _Window:
     """Wall time from a synchronization before batch ``start`` to one after batch ``start + count - 1``."""
 
-    def __init__(self, start: int, count: int, cuda: bool) -> None:
+    def __init__(self, start: int, count: int, cuda: bool, profile_steps: int = 0, trace: str = "") -> None:
         self.start, self.count, self.cuda = start, count, cuda
         self.t0 = self.t1 = 0.0
+        self.profile_steps, self.trace, self.profiler, self.profile = profile_steps, trace, None, {}
 
     def _sync_time(self) -> float:
         if self.cuda:
@@ -78,17 +90,54 @@ class _Window:
     def before(self, i: int) -> None:
         if i == self.start:
             self.t0 = self._sync_time()
+        if self.profile_steps and i == self.start + self.count:  # after the timed steps: they stay unprofiled
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self.profiler = profile(activities=activities, record_shapes=False)
+            self.profiler.__enter__()
 
     def after(self, i: int) -> None:
         if i == self.start + self.count - 1:
             self.t1 = self._sync_time()
+        if self.profiler is not None and i == self.start + self.count + self.profile_steps - 1:
+            self._sync_time()
+            self.profiler.__exit__(None, None, None)
+            self.profile = _profile_summary(self.profiler, self.profile_steps)
+            if self.trace:
+                self.profiler.export_chrome_trace(self.trace)
+                self.profile["trace"] = self.trace
+            self.profiler = None
 
     @property
     def step_s(self) -> float:
         return (self.t1 - self.t0) / self.count
 
 
-def _hand(cfg: dict[str, Any], compiled: bool, window: _Window, device: str) -> dict[str, Any]:
+def _profile_summary(prof: Any, steps: int) -> dict[str, Any]:
+    """Per step: the top host-side ops by self CPU time, the host syncs, and the device's idle share between the
+    first and the last kernel (time no kernel or copy ran)."""
+    averages = prof.key_averages()
+    top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    syncs = {e.key: e.count / steps for e in averages
+             if "Synchronize" in e.key or e.key == "cudaMemcpy"}  # CUDA runtime calls that wait for the device
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA")
+    busy, end = 0.0, None
+    for a, b in spans:  # union of the device intervals
+        if end is None or a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    window = (spans[-1][1] - spans[0][0]) if spans else 0.0
+    return {"top_host_ops_ms_per_step": {e.key: e.self_cpu_time_total / 1e3 / steps for e in top},
+            "host_syncs_per_step": syncs,
+            "device_idle_share": (1 - busy / window) if window else None,
+            "device_idle_ms_per_step": (window - busy) / 1e3 / steps if window else None}
+
+
+def _hand(cfg: dict[str, Any], compiled: bool, window: _Window, device: str,
+          float8: str | None = None) -> dict[str, Any]:
     import contextlib
 
     import torch
@@ -99,6 +148,10 @@ def _hand(cfg: dict[str, Any], compiled: bool, window: _Window, device: str) -> 
     module = GPTModule(**_model_kwargs(cfg))
     module.configure_model()
     module.to(device)
+    if float8:
+        from lightning_par.techniques.float8.float8_layers import convert_to_float8
+
+        convert_to_float8(module, float8, [f"model.blocks.{i}" for i in range(len(module.model.blocks))])
     if compiled:
         for block in module.model.blocks:
             block.compile()
@@ -144,7 +197,7 @@ def _hand_sharded_module(cfg: dict[str, Any], compiled: bool) -> Any:
 
 
 def _lightning(cfg: dict[str, Any], kind: str, compiled: bool, monitors: bool, teardown: bool, window: _Window,
-               device: str) -> dict[str, Any]:
+               device: str, float8: str | None = None) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback
@@ -180,7 +233,7 @@ def _lightning(cfg: dict[str, Any], kind: str, compiled: bool, monitors: bool, t
     if kind == "fsdp2":
         from lightning_par import FSDP2Strategy
 
-        strategy: Any = FSDP2Strategy(compile=compiled)
+        strategy: Any = FSDP2Strategy(compile=compiled, float8=float8)
         module = GPTModule(**_model_kwargs(cfg))
     else:
         from lightning.pytorch.strategies import ModelParallelStrategy
@@ -188,7 +241,7 @@ def _lightning(cfg: dict[str, Any], kind: str, compiled: bool, monitors: bool, t
         strategy = ModelParallelStrategy()
         module = _hand_sharded_module(cfg, compiled)
     trainer = pl.Trainer(accelerator=device, devices=1, strategy=strategy, precision=cfg["precision"],
-                         max_steps=cfg["warmup"] + cfg["steps"], logger=False, callbacks=callbacks,
+                         max_steps=_total_steps(cfg), logger=False, callbacks=callbacks,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=10)
     trainer.fit(module, _loader(cfg))
@@ -234,12 +287,16 @@ def run_variant(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    window = _Window(cfg["warmup"], cfg["steps"], device == "cuda")
+    trace = str(Path(cfg["out"]).with_name(f"{Path(cfg['out']).stem}_{name}_trace.json")) if cfg.get("out") else ""
+    window = _Window(cfg["warmup"], cfg["steps"], device == "cuda", cfg.get("profile_steps", 0), trace)
+    float8 = "tensorwise" if name.endswith("_float8") else None
     if kind == "hand":
-        out.update(_hand(cfg, compiled, window, device))
+        out.update(_hand(cfg, compiled, window, device, float8))
     else:
-        out.update(_lightning(cfg, kind, compiled, monitors, teardown, window, device))
+        out.update(_lightning(cfg, kind, compiled, monitors, teardown, window, device, float8))
     out["step_s"] = window.step_s
+    if window.profile:
+        out["profile"] = window.profile
     if device == "cuda":  # the peak since the reset above, or since the MemoryMonitor's last reset (see _lightning)
         out["peak_allocated_bytes"] = max(out.get("peak_allocated_bytes", 0), torch.cuda.max_memory_allocated())
         out["peak_reserved_bytes"] = max(out.get("peak_reserved_bytes", 0), torch.cuda.max_memory_reserved())
@@ -261,6 +318,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation happens here)")
     p.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "32-true"])
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="steps after the timed ones under torch.profiler: summary in the JSON, trace beside --out")
     p.add_argument("--smoke", action="store_true", help="no GPU: a tiny CPU run of the harness (not a measurement)")
     p.add_argument("--out", default="benchmarks/results/gpu.json")
     args = p.parse_args()
@@ -270,6 +329,8 @@ def _parse() -> argparse.Namespace:
     for name in ("n_layer", "n_embd", "n_head", "vocab", "seq", "batch", "steps", "warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.profile_steps < 0:
+        p.error(f"--profile-steps must be >= 0, got {args.profile_steps}")
     if args.warmup < 6:
         p.error("--warmup must be >= 6: compilation and the monitors' profiling window (batches 1-4) happen there")
     return args
@@ -284,7 +345,8 @@ def main() -> None:
                  "for a tiny CPU run that only checks the harness.")
     names = args.variants.split(",")
     cfg = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab=args.vocab, seq=args.seq,
-               batch=args.batch, steps=args.steps, warmup=args.warmup, precision=args.precision, smoke=args.smoke)
+               batch=args.batch, steps=args.steps, warmup=args.warmup, precision=args.precision, smoke=args.smoke,
+               profile_steps=args.profile_steps, out=args.out)
     if args.smoke:
         cfg.update(SMOKE)
     t0 = time.perf_counter()
@@ -304,6 +366,8 @@ def main() -> None:
     for name in names:
         r = results[name]
         base = "hand_compiled" if VARIANTS[name][1] and "hand_compiled" in results else "hand"
+        if name.endswith("_float8") and "hand_compiled_float8" in results:
+            base = "hand_compiled_float8"
         achieved = flops / r["step_s"]
         row = {"variant": name, "ms_per_step": r["step_s"] * 1e3, "tokens_per_s": tokens / r["step_s"],
                "tflops_per_s": achieved / 1e12, "mfu": achieved / peak if peak else None,

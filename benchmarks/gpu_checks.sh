@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
 # The GPU checks in one run on one CUDA GPU (NCCL at world size 1), sized for a short lease (about 9 minutes on an
-# H100): the planner's GPU half (predicted against measured step time and device memory, the matmul curve of
-# published models' blocks), the mixture-of-experts GPU rows, the experts' grouped-matmul curve, then the GPU tests
-# (the compiled ones last) with the time left. Each step has its own time limit and its own log, so that one failure
-# or hang costs only its share.
+# H100). Each step has its own time limit and its own log, so that one failure or hang costs only its share; steps
+# run in the order given (default: all, most important first):
+#   cp          the context-parallel fused kernels' exactness (tests/test_gpu.py -k cp) and their speed at 32k
+#               tokens against one fused SDPA call (benchmarks/bench_cp_kernels.py)
+#   titan       lightning_par against torchtitan's Llama 3 code on the same model (benchmarks/bench_vs_torchtitan.py;
+#               its wheels travel in .whl/ and are installed by the caller, see docs/benchmarks.md)
+#   fsdp        FSDP2Strategy against a hand-written loop, eager and compiled, and float8 (benchmarks/bench_gpu.py)
+#   tests       the rest of tests/test_gpu.py, the compiled cases last
+#   planner     the planner's GPU half, the MoE GPU rows, the experts' grouped-matmul curve
 #
-# Usage: bash benchmarks/gpu_checks.sh OUT_DIR [SECONDS]   (run from the repository root; SECONDS: default 540)
+# Usage: bash benchmarks/gpu_checks.sh OUT_DIR [SECONDS] [STEP ...]   (from the repository root; SECONDS: 540)
 set -u
-out=${1:?usage: bash benchmarks/gpu_checks.sh OUT_DIR [SECONDS]}
+out=${1:?usage: bash benchmarks/gpu_checks.sh OUT_DIR [SECONDS] [STEP ...]}
 total=${2:-540}
+shift $(( $# > 1 ? 2 : 1 ))
+steps=${*:-cp titan fsdp tests planner}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/tests"
 py=${PYTHON:-python3}
@@ -42,16 +49,41 @@ lightning.__version__, '| transformers', transformers.__version__, '|', torch.cu
 } >"$out/summary.txt" 2>&1
 cat "$out/summary.txt"
 
-step planner_gpu 200 "$py" benchmarks/bench_planner.py --device cuda --world 1 --precision bf16-mixed \
-    --models gpt,llama --n-layer 8 --n-embd 1536 --n-head 12 --llama-intermediate 4096 --seq-len 1024 \
-    --global-batch 8 --vocab-size 32000 --steps 8 --warmup 3 --rounds 1 --no-published --gemm-curve \
-    --out "$out/planner_gpu.json"
-step moe_gpu 120 "$py" benchmarks/bench_moe.py --device cuda --world 1 --precision bf16-mixed \
-    --n-layer 4 --n-embd 1024 --n-head 16 --seq-len 1024 --batch-size 8 --n-experts 16 --top-k 2 \
-    --expert-hidden 1024 --vocab-size 32000 --steps 10 --warmup 3 --rounds 2 --layout-steps 2 --gmm-repeats 5 \
-    --out "$out/moe_gpu.json"
-step grouped_mm 90 "$py" benchmarks/bench_grouped_mm.py --device cuda --out "$out/grouped_mm.json"
-# the compiled cases last: compiling is most of their time
-step test_gpu 300 "$py" -m pytest -m gpu tests/test_gpu.py -k "not compiled" -v -rs -p no:cacheprovider --durations=0
-step test_gpu_compiled 300 "$py" -m pytest -m gpu tests/test_gpu.py -k compiled -v -rs -p no:cacheprovider
+run_cp() {
+    step test_gpu_cp 90 "$py" -m pytest -m gpu tests/test_gpu.py -k "cp_ or context_parallel" -v -rs \
+        -p no:cacheprovider
+    step cp_kernels 60 "$py" benchmarks/bench_cp_kernels.py --repeats 3 --cps 2 8 --math-seq 4096 \
+        --out "$out/cp_kernels.json"
+}
+run_titan() {
+    # 6 of Llama-3.1-8B's layers: what an 80 GB H100 holds with AdamW at seq 2,048 x 2 (the same on an H200)
+    step vs_torchtitan 170 "$py" benchmarks/bench_vs_torchtitan.py --budget-s 130 --layers 6 \
+        --out "$out/vs_torchtitan.json"
+}
+run_fsdp() {
+    step fsdp_gpu 200 "$py" benchmarks/bench_gpu.py --variants hand,fsdp2,hand_compiled,fsdp2_compiled \
+        --steps 10 --warmup 6 --out "$out/fsdp_gpu.json"
+}
+run_tests() {
+    step test_gpu 300 "$py" -m pytest -m gpu tests/test_gpu.py -k "not compiled and not cp_ and not context_parallel" \
+        -v -rs -p no:cacheprovider --durations=0
+    step test_gpu_compiled 300 "$py" -m pytest -m gpu tests/test_gpu.py -k compiled -v -rs -p no:cacheprovider
+}
+run_planner() {
+    step planner_gpu 200 "$py" benchmarks/bench_planner.py --device cuda --world 1 --precision bf16-mixed \
+        --models gpt,llama --n-layer 8 --n-embd 1536 --n-head 12 --llama-intermediate 4096 --seq-len 1024 \
+        --global-batch 8 --vocab-size 32000 --steps 8 --warmup 3 --rounds 1 --no-published --gemm-curve \
+        --out "$out/planner_gpu.json"
+    step moe_gpu 120 "$py" benchmarks/bench_moe.py --device cuda --world 1 --precision bf16-mixed \
+        --n-layer 4 --n-embd 1024 --n-head 16 --seq-len 1024 --batch-size 8 --n-experts 16 --top-k 2 \
+        --expert-hidden 1024 --vocab-size 32000 --steps 10 --warmup 3 --rounds 2 --layout-steps 2 --gmm-repeats 5 \
+        --out "$out/moe_gpu.json"
+    step grouped_mm 90 "$py" benchmarks/bench_grouped_mm.py --device cuda --out "$out/grouped_mm.json"
+}
+for name in $steps; do
+    case $name in
+        cp|titan|fsdp|tests|planner) "run_$name" ;;
+        *) echo "unknown step $name (cp titan fsdp tests planner)" | tee -a "$out/summary.txt" ;;
+    esac
+done
 cat "$out/summary.txt"

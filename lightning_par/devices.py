@@ -358,12 +358,13 @@ class Hardware:
     #: how the experts' grouped matmuls slow down with few rows per expert; None: at ``matmul_flops`` whatever
     #: their rows (the CPU, where the planner's figures are measured with the model's own matmuls)
     grouped_mm: GroupedMatmulCurve | None = None
-    #: the FLOP rate of the engine's context-parallel attention blocks against ``matmul_flops``: on a GPU they run
-    #: as fp32 matmuls over scores they materialize (``techniques/context/context.py``'s math path), not as fused half
-    #: precision kernels (:func:`cp_attention_rate`), whole blocks with a backward of five matmuls. None: priced as
-    #: fused kernels, at their rate on the causal part: a run whose context parallelism has them (the published
-    #: runs' software), and the CPU, where the engine runs the math path too but the fused pricing is what the
-    #: planner's ranking of layouts was measured with (benchmarks/bench_planner.py, world 4)
+    #: the FLOP rate of the engine's context-parallel attention blocks against ``matmul_flops`` where they run as
+    #: fp32 matmuls over scores they materialize (``techniques/context/context.py``'s math path,
+    #: ``CUDA_KERNELS = "math"``), whole blocks with a backward of five matmuls (:func:`cp_attention_rate`). None:
+    #: priced as fused kernels, at their rate on the causal part: what the engine runs on a GPU by default (flash /
+    #: memory-efficient per block, forward and backward), what the published runs' software ran, and the CPU, where
+    #: the engine runs the math path but the fused pricing is what the planner's ranking of layouts was measured
+    #: with (benchmarks/bench_planner.py, world 4)
     cp_attention_rate: float | None = None
 
     def matmul_rate(self, tp: int) -> float:
@@ -454,6 +455,7 @@ def known_hardware(
     intra_link: str | None = None,
     nics_per_node: int | None = None,
     float32_matmul_precision: str | None = None,
+    cp_math_path: bool = False,
 ) -> Hardware:
     """The :class:`Hardware` of a known device from the tables: ``matmul_flops`` is the dense peak for
     ``precision`` times ``efficiency``, the node-internal link is the device's usual one unless ``intra_link`` names
@@ -464,9 +466,10 @@ def known_hardware(
     the fraction the device's matmuls reach alone (``DeviceSpec.matmul_efficiency``): 0.45 on an H100, 0.489 on
     an A100 SXM.
 
-    ``float32_matmul_precision``: the training run's ``torch.set_float32_matmul_precision`` ("highest", "high",
-    "medium"; default: this process's), which sets the rate of the context-parallel blocks' fp32 matmuls
-    (:func:`cp_attention_rate`)."""
+    ``cp_math_path``: the engine's context-parallel blocks run the fp32 math path (its ``CUDA_KERNELS = "math"``)
+    rather than torch's fused kernels (its default on a GPU): priced at :func:`cp_attention_rate`, for which
+    ``float32_matmul_precision`` is the training run's ``torch.set_float32_matmul_precision`` ("highest", "high",
+    "medium"; default: this process's)."""
     spec = lookup_device(device)
     rule = ""
     if efficiency is None:
@@ -500,7 +503,7 @@ def known_hardware(
         source=f"table: {spec.name} {precision} x {efficiency:.3g}{rule}, {intra.name}, {inter.name}{nics}",
         matmul_share=min(1.0, efficiency / spec.matmul_efficiency),
         grouped_mm=H100_GROUPED_MM,
-        cp_attention_rate=cp_attention_rate(spec, precision, float32_matmul_precision),
+        cp_attention_rate=cp_attention_rate(spec, precision, float32_matmul_precision) if cp_math_path else None,
     )
 
 

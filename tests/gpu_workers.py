@@ -413,31 +413,33 @@ def median_ms(times: list[float], lo: int, hi: int) -> float:
     return 1e3 * statistics.median(times[lo:hi])
 
 
-# ---- context parallelism: the fused per-block CUDA kernel against the math path ------------------------------------
+# ---- context parallelism: the fused per-block CUDA kernels against the math path ----------------------------------
 def emulated_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, cp: int,
-                          causal: bool, load_balance: bool) -> tuple[torch.Tensor, ...]:
+                          causal: bool, load_balance: bool, window: int | None = None) -> tuple[torch.Tensor, ...]:
     """Context-parallel attention of ``cp`` ranks emulated in one process, block by block exactly as
-    ``parallel/context.py`` computes it (its ``_block_forward``, ``_merge``, ``_block_backward`` and block plan),
-    with the K/V exchange replaced by indexing. Returns the full (out, dq, dk, dv), joined from the shards."""
-    from lightning_par.parallel.context_sharding import block_plan, join_shards, shard_sequence
-
-    from lightning_par.parallel import context as ctx
+    ``techniques/context/context.py`` computes it (its block plan and sliding-window masks ``_plan``,
+    ``_block_forward``, ``_merge``, ``_block_backward``), with the K/V exchange replaced by indexing. Returns the full
+    (out, dq, dk, dv), joined from the shards."""
+    from lightning_par.techniques.context import context as ctx
+    from lightning_par.techniques.context.context_sharding import join_shards, shard_sequence
 
     scale = 1.0 / math.sqrt(q.size(-1))
     shard = [[shard_sequence(t, 2, r, cp, load_balance) for r in range(cp)] for t in (q, k, v, dout)]
     qs, ks, vs, dos = shard
     n = qs[0].size(2)
+    setups = [ctx._Setup(None, rank, cp, causal, load_balance, scale, "ring", None, window) for rank in range(cp)]
+    plans = {(rank, src): ctx._plan(setups[rank], src, n, q.device) for rank in range(cp) for src in range(cp)}
     outs, lses = [], []
     for rank in range(cp):
         acc = ctx._acc(qs[rank])
         out = qs[rank].new_zeros((*qs[rank].shape[:3], vs[rank].size(-1)), dtype=acc)
         lse = qs[rank].new_full(qs[rank].shape[:3], float("-inf"), dtype=acc)
         for src in range(cp):
-            blk = block_plan(rank, src, cp, n, causal, load_balance)
+            blk, visible = plans[rank, src]
             if blk is None:
                 continue
             o, m = ctx._block_forward(qs[rank][:, :, blk.q], ks[src][:, :, blk.kv], vs[src][:, :, blk.kv], scale,
-                                      blk.causal)
+                                      blk.causal, visible)
             ctx._merge(out, lse, blk.q, o, m)
         outs.append(out.to(q.dtype))  # what the autograd Function saves and returns
         lses.append(lse)
@@ -446,92 +448,154 @@ def emulated_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dou
     dvs = [torch.zeros_like(x, dtype=ctx._acc(x)) for x in vs]
     for rank in range(cp):
         for src in range(cp):
-            blk = block_plan(rank, src, cp, n, causal, load_balance)
+            blk, visible = plans[rank, src]
             if blk is None:
                 continue
             r, c = blk.q, blk.kv
             gq, gk, gv = ctx._block_backward(dos[rank][:, :, r], qs[rank][:, :, r], ks[src][:, :, c], vs[src][:, :, c],
-                                             outs[rank][:, :, r], lses[rank][:, :, r], scale, blk.causal)
+                                             outs[rank][:, :, r], lses[rank][:, :, r], scale, blk.causal, visible)
             dqs[rank][:, :, r] += gq
             dks[src][:, :, c] += gk
             dvs[src][:, :, c] += gv
     return tuple(join_shards(parts, 2, load_balance) for parts in (outs, dqs, dks, dvs))
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                        causal: bool) -> tuple[torch.Tensor, ...]:
-    """Plain attention in fp64 (the math formula, GQA by repeating K/V heads): (out, dq, dk, dv)."""
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, causal: bool,
+                        window: int | None = None, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Plain attention in fp64 (the math formula, GQA by repeating K/V heads; a causal sliding window of ``window``
+    keys; ``sinks``: a logit per head joining each softmax's denominator): (out, dq, dk, dv)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     g = q.size(1) // k.size(1)
     kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     s = (q @ kk.transpose(-2, -1)) / math.sqrt(q.size(-1))
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    out = torch.softmax(s, dim=-1) @ vv
+        rows, cols = s.shape[-2:]
+        distance = torch.arange(rows, device=s.device)[:, None] - torch.arange(cols, device=s.device)[None, :]
+        hidden = (distance < 0) if window is None else (distance < 0) | (distance >= window)
+        s = s.masked_fill(hidden, float("-inf"))
+    if sinks is None:
+        out = torch.softmax(s, dim=-1) @ vv
+    else:
+        sink = sinks.detach().double().view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+        out = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1] @ vv
     out.backward(dout.double())
     return out.detach(), q.grad, k.grad, v.grad
 
 
-CP_CASES = [  # (cp, causal, load_balance, q heads, kv heads, global sequence length)
+CP_CASES = [  # (cp, causal, load_balance, q heads, kv heads, global sequence length[, sliding window])
     (1, True, False, 8, 8, 512),
     (2, True, True, 8, 8, 1024),
     (4, True, True, 8, 2, 1024),
+    (8, True, True, 8, 2, 2048),
     (2, False, False, 8, 8, 512),
     (4, True, False, 4, 4, 512),
+    (2, True, True, 8, 8, 1024, 200),  # windows: blocks partly masked run the math path, the others the kernels
+    (4, True, True, 8, 2, 1024, 100),
 ]
 
 
-def cp_kernel_errors(fused: bool, device: str, dtypes: tuple[torch.dtype, ...],
-                     cases: list[tuple[int, bool, bool, int, int, int]] = CP_CASES) -> dict[str, float]:
-    """Largest error of (out, dq, dk, dv) against fp64 attention, relative to the reference's largest magnitude, for
-    every case (default ``CP_CASES``) and dtype; ``fused`` switches ``USE_FUSED_CUDA_KERNELS``."""
-    from lightning_par.parallel import context as ctx
+def case_name(dtype: torch.dtype, case: tuple) -> str:
+    cp, causal, lb, h, hkv, seq, *window = case
+    return (f"{str(dtype)[6:]}/cp{cp}/{'causal' if causal else 'full'}/{'lb' if lb else 'plain'}/h{h}kv{hkv}/s{seq}"
+            + (f"/w{window[0]}" if window else ""))
 
-    before, ctx.USE_FUSED_CUDA_KERNELS = ctx.USE_FUSED_CUDA_KERNELS, fused
+
+class _OpsRun(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the attention kernels that ran (by op name), to tell the fused path from the math path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if "attention" in name:
+            self.names.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+def cp_kernel_errors(fused: bool, device: str, dtypes: tuple[torch.dtype, ...], cases: list[tuple] = CP_CASES,
+                     kernels_ran: dict[str, list[str]] | None = None) -> dict[str, float]:
+    """Largest error of (out, dq, dk, dv) against fp64 attention, relative to the reference's largest magnitude, for
+    every case (default ``CP_CASES``) and dtype; ``fused`` sets ``CUDA_KERNELS`` to "auto" (else "math").
+    ``kernels_ran``, if given, receives the attention ops each case ran."""
+    from lightning_par.techniques.context import context as ctx
+
+    before, ctx.CUDA_KERNELS = ctx.CUDA_KERNELS, "auto" if fused else "math"
     errors = {}
     try:
         for dtype in dtypes:
-            for cp, causal, lb, h, hkv, seq in cases:
+            for case in cases:
+                cp, causal, lb, h, hkv, seq, *window = case
+                window = window[0] if window else None
                 g = torch.Generator(device=device).manual_seed(0)
                 q = torch.randn(2, h, seq, 64, device=device, generator=g).to(dtype)
                 k, v = (torch.randn(2, hkv, seq, 64, device=device, generator=g).to(dtype) for _ in range(2))
                 dout = torch.randn(2, h, seq, 64, device=device, generator=g).to(dtype)
-                got = emulated_cp_attention(q, k, v, dout, cp, causal, lb)
-                want = reference_attention(q, k, v, dout, causal)
+                with _OpsRun() as ops:
+                    got = emulated_cp_attention(q, k, v, dout, cp, causal, lb, window)
+                want = reference_attention(q, k, v, dout, causal, window)
                 err = max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
-                errors[f"{str(dtype)[6:]}/cp{cp}/{'causal' if causal else 'full'}/{'lb' if lb else 'plain'}/"
-                       f"h{h}kv{hkv}/s{seq}"] = err
+                errors[case_name(dtype, case)] = err
+                if kernels_ran is not None:
+                    kernels_ran[case_name(dtype, case)] = sorted(ops.names)
     finally:
-        ctx.USE_FUSED_CUDA_KERNELS = before
+        ctx.CUDA_KERNELS = before
     return errors
 
 
-def cp_kernel_seconds(fused: bool, dtype: torch.dtype = torch.bfloat16, seq: int = 4096, repeats: int = 10) -> float:
-    """Median seconds of one emulated cp=2 causal forward + backward on the GPU (fused kernel or math path)."""
-    from lightning_par.parallel import context as ctx
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 2):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[2:])
 
-    before, ctx.USE_FUSED_CUDA_KERNELS = ctx.USE_FUSED_CUDA_KERNELS, fused
+
+def cp_kernel_seconds(fused: bool, dtype: torch.dtype = torch.bfloat16, seq: int = 4096, repeats: int = 10,
+                      cp: int = 2, batch: int = 4, heads: int = 16, head_dim: int = 128) -> float:
+    """Median seconds of one emulated causal, load-balanced forward + backward over ``cp`` blocks on the GPU (the
+    fused kernels or the math path), all blocks in one process: the work of all ranks together."""
+    from lightning_par.techniques.context import context as ctx
+
+    before, ctx.CUDA_KERNELS = ctx.CUDA_KERNELS, "auto" if fused else "math"
     try:
         g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, dout = (torch.randn(4, 16, seq, 128, device="cuda", generator=g).to(dtype) for _ in range(4))
-        times = []
-        for _ in range(repeats + 2):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            emulated_cp_attention(q, k, v, dout, 2, True, True)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times[2:])
+        q, k, v, dout = (torch.randn(batch, heads, seq, head_dim, device="cuda", generator=g).to(dtype)
+                         for _ in range(4))
+        return _median_seconds(lambda: emulated_cp_attention(q, k, v, dout, cp, True, True), repeats)
     finally:
-        ctx.USE_FUSED_CUDA_KERNELS = before
+        ctx.CUDA_KERNELS = before
+
+
+def sdpa_seconds(dtype: torch.dtype = torch.bfloat16, seq: int = 4096, repeats: int = 10, batch: int = 4,
+                 heads: int = 16, head_dim: int = 128) -> float:
+    """Median seconds of one causal ``F.scaled_dot_product_attention`` forward + backward over the whole sequence."""
+    import torch.nn.functional as F
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(batch, heads, seq, head_dim, device="cuda", generator=g).to(dtype)
+                     for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    return _median_seconds(step, repeats)
 
 
 def run_cp_kernels() -> dict[str, Any]:
-    from lightning_par.parallel import context as ctx
+    from lightning_par.techniques.context import context as ctx
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    out = {"math": cp_kernel_errors(False, "cuda", dtypes), "fused": cp_kernel_errors(True, "cuda", dtypes),
-           "seconds": {"math": cp_kernel_seconds(False), "fused": cp_kernel_seconds(True)}}
+    ran: dict[str, list[str]] = {}
+    out = {"math": cp_kernel_errors(False, "cuda", dtypes),
+           "fused": cp_kernel_errors(True, "cuda", dtypes, CP_CASES, ran), "kernels_ran": ran,
+           "seconds": {"math": cp_kernel_seconds(False), "fused": cp_kernel_seconds(True), "sdpa": sdpa_seconds()}}
     before, ctx.SCORE_TILE_BYTES = ctx.SCORE_TILE_BYTES, 2**16  # the math path in row tiles of 64 KiB of scores
     try:
         out["tiled"] = cp_kernel_errors(False, "cuda", dtypes)
@@ -546,7 +610,7 @@ def run_dispatch_syncs() -> dict[str, Any]:
     be the counts' one ``tolist()``, and the output against the weighted sum (each expert doubles its rows)."""
     import warnings
 
-    from lightning_par.parallel.experts import _TokenDispatch
+    from lightning_par.techniques.experts.experts import _TokenDispatch
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl")
@@ -574,25 +638,35 @@ def run_dispatch_syncs() -> dict[str, Any]:
 
 
 def run_cp_attention_world1(fused: bool) -> dict[str, float]:
-    """The public ``context_parallel_attention`` (autograd Function, one process = cp 1) against torch's SDPA, bf16."""
+    """The public ``context_parallel_attention`` (autograd Function, one process = cp 1) against torch's SDPA and the
+    fp64 formula, bf16: plain causal (the kernels' forward and backward), a sliding window (masked blocks: the math
+    path) and attention sinks (the kernels' forward, the math backward that takes lse's own gradient)."""
     import torch.nn.functional as F
 
-    from lightning_par.parallel import context as ctx
+    from lightning_par.techniques.context import context as ctx
 
-    before, ctx.USE_FUSED_CUDA_KERNELS = ctx.USE_FUSED_CUDA_KERNELS, fused
+    before, ctx.CUDA_KERNELS = ctx.CUDA_KERNELS, "auto" if fused else "math"
     try:
         g = torch.Generator(device="cuda").manual_seed(0)
         base = [torch.randn(2, 8, 256, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)]
         dout = torch.randn(2, 8, 256, 64, device="cuda", generator=g).to(torch.bfloat16)
-        results = []
-        for attn in (lambda q, k, v: ctx.context_parallel_attention(q, k, v, is_causal=True),
-                     lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)):
+        sinks = torch.randn(8, device="cuda", generator=g)
+        cases = {
+            "ours": (lambda q, k, v: ctx.context_parallel_attention(q, k, v, is_causal=True), {}),
+            "sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), {}),
+            "ours_window": (lambda q, k, v: ctx.context_parallel_attention(q, k, v, is_causal=True, window=50),
+                            {"window": 50}),
+            "ours_sinks": (lambda q, k, v: ctx.context_parallel_attention(q, k, v, is_causal=True, sinks=sinks),
+                           {"sinks": sinks}),
+        }
+        errors = {}
+        for name, (attn, options) in cases.items():
             q, k, v = (t.clone().requires_grad_() for t in base)
             out = attn(q, k, v)
             out.backward(dout)
-            results.append((out.detach(), q.grad, k.grad, v.grad))
-        want = reference_attention(*base, dout, causal=True)
-        return {name: max(float((a.double() - w).abs().max() / w.abs().max()) for a, w in zip(res, want))
-                for name, res in zip(("ours", "sdpa"), results)}
+            want = reference_attention(*base, dout, causal=True, **options)
+            errors[name] = max(float((a.double() - w).abs().max() / w.abs().max())
+                               for a, w in zip((out.detach(), q.grad, k.grad, v.grad), want))
+        return errors
     finally:
-        ctx.USE_FUSED_CUDA_KERNELS = before
+        ctx.CUDA_KERNELS = before

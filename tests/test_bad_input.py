@@ -33,7 +33,6 @@ def _trainer(strategy, **kwargs):
         (lambda: FSDP2Strategy(shard_units="Block"), TypeError, r"shard_units='Block' must be a list"),
         (lambda: FSDP2Strategy(tp=2), ValueError, r"FSDP2Strategy does not take tp=2: it sets only dp_replicate, "
                                                    r"dp_shard\. Use NDParallelStrategy"),
-        (lambda: NDParallelStrategy(cp=2, compile=True), ValueError, r"compile=True with cp=2: .* not supported yet"),
         (lambda: NDParallelStrategy(pp=2, pp_schedule="pipedream"), ValueError,
          r"pp_schedule='pipedream' is not a pipeline schedule; choose one of \['1f1b', 'gpipe'"),
         (lambda: NDParallelStrategy(pp=2, pp_microbatches=0), ValueError, r"pp_microbatches=0 must be a positive"),

@@ -27,6 +27,7 @@ WORLD2 = {
     "cp2_ring_no_load_balance": dict(cp_load_balance=False),
     "cp2_ring_activation_checkpointing": dict(activation_checkpointing=True),
     "cp2_ring_selective_activation_checkpointing": dict(activation_checkpointing="selective"),
+    "cp2_ring_compile": dict(compile=True),
 }
 WORLD4 = {
     "cp4_ring": (dict(), 1),

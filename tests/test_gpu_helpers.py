@@ -16,7 +16,7 @@ from launch import launch
 from test_gpu import CP_TOL, EAGER_CASES
 
 #: ``CP_CASES`` at a quarter of the sequence length: the same block plans, a CPU-sized fp64 reference
-SMALL_CP_CASES = [(cp, causal, lb, h, hkv, seq // 4) for cp, causal, lb, h, hkv, seq in G.CP_CASES]
+SMALL_CP_CASES = [(*case[:5], case[5] // 4, *(window // 4 for window in case[6:])) for case in G.CP_CASES]
 
 
 @pytest.fixture(scope="module")

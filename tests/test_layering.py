@@ -29,6 +29,7 @@ TECHNIQUE_OBJECTS = {
     "experts": {"expert_parallel"},
     "sharding": {"fully_sharded"},
     "recompute": {"activation_checkpointing"},
+    "float8": {"float8_training"},
 }
 #: what each folder must never import (higher floors, and for callbacks every engine floor)
 FORBIDDEN = {

@@ -4,6 +4,7 @@ share their cores. The rules' effect against measurements is benchmarks/bench_pl
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -488,22 +489,26 @@ def test_blockwise_work_is_what_the_context_parallel_math_path_computes(cp, wind
 
 
 def test_context_parallel_attention_on_a_gpu_is_priced_as_the_engine_computes_it(gpt):
-    """With ``Hardware.cp_attention_rate`` (a GPU's fp32 against its bf16 rate) a cp layout's attention is the
-    math path's: its blocks' work at that rate, forward once and backward 2.5 times (five matmuls against two),
-    where the fused kernels' is their causal work at ATTENTION_RATE, 3 times; layouts without cp do not change.
-    The table's H100 in bf16 has 67 / 989; TF32 where torch's float32 matmul precision allows it; fp32 training 1."""
-    assert known_hardware("H100-SXM").cp_attention_rate == pytest.approx(67 / 989)
-    assert known_hardware("H100-SXM", precision="fp32").cp_attention_rate == 1.0
+    """On a GPU the engine's cp blocks run torch's fused kernels: priced as fused (``cp_attention_rate`` None), as a
+    layout without cp prices its attention. Told to run the math path (``cp_math_path``, the engine's
+    ``CUDA_KERNELS = "math"``), a cp layout's attention is the math path's: its blocks' work at the GPU's fp32
+    against its bf16 rate, forward once and backward 2.5 times (five matmuls against two), where the fused kernels'
+    is their causal work at ATTENTION_RATE, 3 times; layouts without cp do not change. The table's H100 in bf16 has
+    67 / 989; TF32 where torch's float32 matmul precision allows it; fp32 training 1."""
+    assert known_hardware("H100-SXM").cp_attention_rate is None
+    math = functools.partial(known_hardware, cp_math_path=True)
+    assert math("H100-SXM").cp_attention_rate == pytest.approx(67 / 989)
+    assert math("H100-SXM", precision="fp32").cp_attention_rate == 1.0
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("high")
-        assert known_hardware("H100-SXM").cp_attention_rate == pytest.approx(494 / 989)
+        assert math("H100-SXM").cp_attention_rate == pytest.approx(494 / 989)
     finally:
         torch.set_float32_matmul_precision(before)
-    assert known_hardware("H100-SXM", float32_matmul_precision="high").cp_attention_rate == pytest.approx(494 / 989)
-    assert known_hardware("H100-SXM", float32_matmul_precision="medium").cp_attention_rate == 1.0
+    assert math("H100-SXM", float32_matmul_precision="high").cp_attention_rate == pytest.approx(494 / 989)
+    assert math("H100-SXM", float32_matmul_precision="medium").cp_attention_rate == 1.0
     with pytest.raises(ValueError, match=r"float32_matmul_precision='low' must be one of"):
-        known_hardware("H100-SXM", float32_matmul_precision="low")
+        math("H100-SXM", float32_matmul_precision="low")
     with pytest.raises(ValueError, match=r"cp_attention_rate=1.5 must be in \(0, 1\]"):
         replace(GPU, cp_attention_rate=1.5)
     rate = 0.1

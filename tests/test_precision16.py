@@ -39,7 +39,7 @@ from precision16_workers import (
     run_world2,
     run_world4,
 )
-from workers import max_loss_diff, max_weight_diff
+from workers import GPTModule, max_loss_diff, max_weight_diff
 
 from lightning_par import checkpoint as ckpt
 from lightning_par.strategies.precision import ParallelGradScaler, ParallelMixedPrecision, to_parallel_precision
@@ -216,3 +216,36 @@ def test_scaler_state_saved_by_lightnings_own_plugin_resumes():
     saved = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=5).state_dict()
     plugin.on_load_checkpoint({"MixedPrecision": saved})
     assert plugin.scaler.get_scale() == 512.0 and plugin.scaler.get_growth_interval() == 5
+
+
+
+class _AdamW(GPTModule):
+    def __init__(self, fused: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fused = fused
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=self.fused)
+
+
+def test_bf16_mixed_clips_the_gradients_of_a_fused_optimizer():
+    """Lightning's MixedPrecision refuses gradient clipping for fused optimizers under bf16 too (they unscale inside
+    their step, which matters only with a loss scaler); ours clips them, as it clips the unfused AdamW's."""
+    from lightning.pytorch import Trainer, seed_everything
+    from torch.utils.data import DataLoader
+    from workers import TINY_GPT, token_dataset
+
+    from lightning_par import FSDP2Strategy
+
+    def run(fused: bool, clip: float | None) -> dict[str, torch.Tensor]:
+        seed_everything(0, verbose=False)
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(), precision="bf16-mixed",
+                          max_steps=3, gradient_clip_val=clip, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+        model = _AdamW(fused=fused, **TINY_GPT)
+        trainer.fit(model, DataLoader(token_dataset(24), batch_size=8))
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    fused = run(True, 0.01)
+    assert max_weight_diff(fused, run(False, 0.01)) <= 1e-5  # clipped alike
+    assert max_weight_diff(fused, run(True, None)) > 1e-4  # and the clip acted

@@ -1,13 +1,19 @@
-"""Model FLOPs per batch for MFU, counted or taken from a Hugging Face model. The peak FLOP/s of known GPUs live in
-:mod:`lightning_par.devices` (re-exported here: ``PEAK_FLOPS``, ``lookup_peak_flops``, ``precision_kind``).
+"""Model FLOPs per batch for MFU, counted. The peak FLOP/s of known GPUs live in :mod:`lightning_par.devices`
+(re-exported here: ``PEAK_FLOPS``, ``lookup_peak_flops``, ``precision_kind``).
 
 What is counted, and why (the definition PaLM's appendix B gives and torchtitan and Megatron-LM use):
 
 - *Model* FLOPs: forward + backward of the model as written, with no activation-checkpointing recomputation (that is
   hardware work the model does not need) and backward = 2 x forward (the gradients of the inputs and of the
   weights each cost one matmul of the forward's size). So a training batch costs ``3 x forward``, which for a
-  transformer is ``6 N T + 12 L d s T`` (N matmul parameters, T tokens, L layers, width d, sequence length s).
+  dense transformer is ``6 N T + 12 L d s T`` (N matmul parameters, T tokens, L layers, width d, sequence length s).
   Only matmuls, convolutions and attention are counted (torch's ``FlopCounterMode`` formulas): the rest is small.
+- What *ran*: a mixture of experts counts each token's ``top_k`` routed experts (and the shared ones), not all ``E``
+  (the experts' ops see only the routed rows, whichever implementation runs them: a loop of ``F.linear`` per expert,
+  ``torch._grouped_mm`` over the routed rows, or ``bmm`` over the gathered weights); attention counts its two
+  matmuls over the full ``s x s`` scores (causal and sliding-window masks are not halved, as in torch's table), for
+  the fused kernels (SDPA, flash, flex) and for eager attention's explicit matmuls alike; latent attention (MLA)
+  counts its low-rank projections and its own head widths; linear-attention layers count the matmuls they run.
 - Per *device*: the FLOPs one rank does for one of its batches. Under tensor, context or pipeline parallelism the
   ranks that share a batch share its work, so the MFU of each is the whole model's FLOPs for that batch divided by
   the number of those ranks (as torchtitan divides by the non-data-parallel size).
@@ -19,14 +25,18 @@ stages (pipeline parallelism). Ops run by the autograd engine (backward and acti
 The ranks that share a batch then average their counts (:func:`mean_over_batch_sharers`): that average is the whole
 model's FLOPs per batch over the number of sharers, with the pipeline's unequal stages evened out.
 
-Hugging Face models come with their own estimate, ``floating_point_ops`` (6 x tokens x non-embedding parameters, no
-attention term): :func:`hf_training_flops` uses it when the LightningModule holds such a model.
+Hugging Face models are counted the same way. Their own estimate (``floating_point_ops``: 6 x tokens x every
+non-embedding parameter) is not used: it counts every expert of a mixture of experts as active (about 9x on
+Qwen3-30B-A3B) and leaves attention out. Against ``FlopCounterMode`` over the same real step (forward + backward,
+tests/test_flops.py; docs/monitoring.md has the ratios) the count is within 3 % for dense, MoE, MLA and
+hybrid-attention models: torch prices a fused attention backward at 2.5 x its forward (the kernel recomputes the
+scores), model FLOPs at 2 x, so the gap grows with attention's share of the work.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,15 +47,10 @@ from torch.utils.module_tracker import ModuleTracker
 
 from lightning_par._compat import torch_dispatch_mode
 from lightning_par.devices import PEAK_FLOPS, lookup_peak_flops, precision_kind  # noqa: F401 - re-exported
-from lightning_par.flop_formulas import FORMULAS
-from lightning_par.parallel.hf import outermost_hf_models
+from lightning_par.flop_formulas import formula_for  # torch's FlopCounterMode table and the kernels it lacks
 
 #: FLOPs of a training batch per forward FLOP: forward + backward (2 x forward).
 TRAINING_PER_FORWARD = 3
-
-#: shapes -> FLOPs, keyed by op: torch's FlopCounterMode table and the kernels it lacks (fused CPU attention, grouped
-#: matmuls of mixture-of-experts experts)
-_FORMULAS = FORMULAS
 
 #: ``is_bw`` is torch's public test for "the autograd engine is running this op" (backward, and the recomputation
 #: of checkpointed activations, which happens inside backward). The tracker is never entered: only asked.
@@ -90,16 +95,17 @@ class ForwardFlopCounter(torch_dispatch_mode()):  # type: ignore[misc]
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor computes on local shards; those ops come back to this mode
         key = getattr(func, "_overloadpacket", func)  # a higher-order op is its own key (flex_attention)
+        formula = formula_for(key)
         plain = all(t is torch.Tensor or t is nn.Parameter for t in types)
-        if plain and key not in _FORMULAS and key is not func:  # a composite op: count what it is made of
+        if plain and formula is None and key is not func:  # a composite op: count what it is made of
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
         out = func(*args, **kwargs)
-        if key in _FORMULAS and self._counts(types, args):
+        if formula is not None and self._counts(types, args):
             try:
-                self.forward_flops += int(_FORMULAS[key](*args, **kwargs, out_val=out))
+                self.forward_flops += int(formula(*args, **kwargs, out_val=out))
             except Exception as err:  # noqa: BLE001 - a counting problem must not break the training step
                 self.error = f"{key}: {err!r}"
         return out
@@ -119,39 +125,6 @@ def count_training_flops(step: Callable[[], Any]) -> int:
     if counter.error is not None:
         raise RuntimeError(f"FLOP counting failed on {counter.error}")
     return TRAINING_PER_FORWARD * counter.forward_flops
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Hugging Face models
-# ---------------------------------------------------------------------------------------------------------------
-def find_hf_model(module: nn.Module) -> nn.Module | None:
-    """The outermost ``transformers.PreTrainedModel`` inside ``module`` (itself included), or None."""
-    found = outermost_hf_models(module)
-    return found[0][1] if found else None
-
-
-def hf_training_flops(model: nn.Module, batch: Any) -> float | None:
-    """Hugging Face's count for this rank's batch: 6 x tokens x non-embedding parameters. transformers 4 has it as
-    ``PreTrainedModel.floating_point_ops``; transformers 5 moved it to ``Trainer.floating_point_ops``, which computes
-    the same from ``model.num_parameters(exclude_embeddings=True)``. None when the batch holds no token ids under the
-    model's ``main_input_name`` (nor an integer tensor first, as in ``(x, y)``)."""
-    key = getattr(model, "main_input_name", "input_ids")
-    ids = batch.get(key) if isinstance(batch, Mapping) else None
-    if ids is None and isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
-        ids = batch[0]
-    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex():
-        return None
-    if callable(getattr(model, "floating_point_ops", None)):  # transformers 4
-        return float(model.floating_point_ops({key: ids}))
-    return float(6 * ids.numel() * model.num_parameters(exclude_embeddings=True))
-
-
-def hf_tp_share(dims: Any) -> int:
-    """How many ranks split each weight's matmuls: HF's count uses ``numel()``, which is the *global* size of a
-    DTensor parameter, so a tensor-parallel rank's share is 1/tp of it (pipeline and context parallelism already
-    shrink the parameters or tokens a rank sees). Known for lightning_par's ``dims`` only: tensor parallelism applied
-    by hand (Lightning's ModelParallelStrategy) needs ``flops_per_batch``."""
-    return int(getattr(dims, "tp", 1) or 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -179,7 +152,7 @@ class FlopsPerBatch:
     flops: float  # per device, for the counted batch
     tokens: float | None
     samples: float | None
-    source: str  # "given", "hf" or "counted"
+    source: str  # "given" or "counted"
 
     def __call__(self, tokens: float | None, samples: float | None) -> float:
         if self.tokens and tokens is not None:
@@ -192,7 +165,6 @@ class FlopsPerBatch:
 #: How the start-up line names each source (``{batch}``: the training batch that was counted).
 SOURCE_TEXT = {
     "given": "given (flops_per_batch)",
-    "hf": "from the Hugging Face model's floating_point_ops (6 x tokens x non-embedding parameters, no attention)",
     "counted": "counted on batch {batch} (torch FlopCounterMode formulas: this rank's forward ops x 3, backward "
     "and recomputation left out)",
 }

@@ -14,10 +14,10 @@ monitor's summaries) is left out of both, whatever the callbacks' order.
 
 The first batch of each epoch and the first after validation have no data wait to measure and are skipped.
 
-FLOPs for ``perf/tflops_per_s`` and ``perf/mfu``: given (``flops_per_batch``), else the Hugging Face model's own
-estimate, else counted during the first training batch (the second under pipeline parallelism, whose first step
-runs an extra shape-inference forward); ``callbacks/flops.py`` says what is counted and why, and the start-up output
-names which way was taken. The counted batch is not timed (the counter slows it).
+FLOPs for ``perf/tflops_per_s`` and ``perf/mfu``: given (``flops_per_batch``), else counted during the first
+training batch (the second under pipeline parallelism, whose first step runs an extra shape-inference forward);
+``callbacks/flops.py`` says what is counted and why, and the start-up output names which way was taken. The
+counted batch is not timed (the counter slows it).
 """
 
 from __future__ import annotations
@@ -38,9 +38,6 @@ from lightning_par.callbacks.flops import (
     TRAINING_PER_FORWARD,
     FlopsPerBatch,
     ForwardFlopCounter,
-    find_hf_model,
-    hf_tp_share,
-    hf_training_flops,
     lookup_peak_flops,
     mean_over_batch_sharers,
     precision_kind,
@@ -119,9 +116,9 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
         tokens_per_batch: tokens per batch (int or ``callable(batch)``); default :func:`default_num_tokens`.
         flops_per_batch: model FLOPs of one training batch on one device (forward + backward), int or callable.
             Default: counted (see ``count_flops``).
-        count_flops: when ``flops_per_batch`` is not given, take the FLOPs from the Hugging Face model's
-            ``floating_point_ops`` if the LightningModule holds one, else count them on the first training batch;
-            later batches scale by their tokens (else samples). ``False``: no FLOP metrics unless given.
+        count_flops: when ``flops_per_batch`` is not given, count the FLOPs on the first training batch (Hugging
+            Face models too: attention and the routed experts only); later batches scale by their tokens (else
+            samples). ``False``: no FLOP metrics unless given.
         peak_flops_per_device: peak FLOP/s of one device for MFU; default: looked up by GPU name and the Trainer's
             precision (dense tensor-core figures, :data:`~lightning_par.callbacks.flops.PEAK_FLOPS`); none on CPU,
             where ``perf/tflops_per_s`` is still logged.
@@ -166,12 +163,11 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
         self.flops_per_batch = flops_per_batch
         self.count_flops = count_flops
         self.peak_flops_per_device = peak_flops_per_device
-        #: where the FLOPs come from ("given", "hf", "counted" or None) and the start-up line that says so
+        #: where the FLOPs come from ("given", "counted" or None) and the start-up line that says so
         self.flops_source: str | None = None
         self.flops_note: str | None = None
         #: the per-device count of the first batch, scaled to later ones (None until that batch has run)
         self.flops_estimate: FlopsPerBatch | None = None
-        self._hf_model: Any = None
         self._counter: ForwardFlopCounter | None = None
         self._counting = self._count_pending = False
         self._count_batch = self._batches_seen = 0
@@ -230,14 +226,13 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
         and the peak to divide by."""
         device = pl_module.device
         self.flops_estimate, self._counter, self.flops_note = None, None, None
-        self._hf_model = find_hf_model(pl_module) if self.flops_per_batch is None and self.count_flops else None
         if self.flops_per_batch is not None:
             self.flops_source = "given"
         elif self.count_flops:
-            self.flops_source = "hf" if self._hf_model is not None else "counted"
+            self.flops_source = "counted"
         else:
             self.flops_source = None
-        self._count_pending = self.flops_source in ("hf", "counted")
+        self._count_pending = self.flops_source == "counted"
         # torch's pipeline schedules (2.13) run one extra forward per stage on their first step to infer the
         # stages' shapes: not model work, so under pipeline parallelism the second batch is counted (and not timed)
         self._count_batch = 1 if getattr(trainer.strategy, "pipeline", None) is not None else 0
@@ -283,11 +278,6 @@ class DeviceUtilizationMonitor(RankSummaryCallback):
 
     def _local_flops(self, trainer: Any, batch: Any) -> tuple[float, str]:
         """This rank's model FLOPs for the first batch, NaN with the reason when there are none."""
-        if self.flops_source == "hf":
-            flops = hf_training_flops(self._hf_model, batch)
-            if flops is None:
-                return math.nan, "the batch holds no token ids for the Hugging Face count"
-            return flops / hf_tp_share(getattr(trainer.strategy, "dims", None)), ""
         counter, self._counter = self._counter, None
         if counter is None:
             return math.nan, "the first batch was not counted"

@@ -30,6 +30,7 @@ from lightning_par.devices import (
     cp_attention_rate,
     find_device,
 )
+from lightning_par.techniques.context import context
 
 Shape = tuple[int, int, int]
 
@@ -345,10 +346,10 @@ def probe_hardware(
     memory = _memory_bytes(device)
     # the probe times dense matmuls: experts' skinny grouped ones on a GPU as measured on an H100 relative to those
     grouped = H100_GROUPED_MM if device.type == "cuda" else None
-    # the context-parallel blocks' fp32 matmuls, at the table's fp32 / dtype peak ratio of this GPU (of an H100
-    # where the table does not list it: the engine runs its math path on any GPU)
+    # the context-parallel blocks on a GPU: fused kernels (priced as such: None), unless the engine is told to run
+    # its fp32 math path, at the table's fp32 / dtype peak ratio of this GPU (of an H100 where the table lacks it)
     cp_rate = None
-    if device.type == "cuda":
+    if device.type == "cuda" and context.CUDA_KERNELS == "math":
         spec = find_device(_device_name(device)) or DEVICES["H100-SXM"]
         cp_rate = cp_attention_rate(spec, _PEAK_KIND.get(dtype, "fp32"))
     what = f"measured on this machine: matmul {_name(dtype)} at {len(shapes)} shape{'s' if len(shapes) > 1 else ''}"

@@ -164,8 +164,6 @@ class AutoParallelStrategy(NDParallelStrategy):
         else:
             async_tp = (False, True) if self._options.get("compile") and self.root_device.type == "cuda" else (False,)
         restrict = dict(self.restrict)
-        if self._options.get("compile"):  # compiled blocks do not run context parallelism yet (Compile.check)
-            restrict["cp"] = [1]
         return plan_layouts(module if self.plan_device is not None else profile, batch,
                             self.num_nodes * self.num_processes, hardware, precision=precision,
                             batch_is_global=False, memory_budget=self.memory_budget, restrict=restrict,
@@ -199,7 +197,7 @@ class AutoParallelStrategy(NDParallelStrategy):
 
 _RECIPE_OPTIONS = ("pp_stages_per_rank", "pp_split_points", "pp_loss_method", "tp_plan", "cp_algorithm",
                    "cp_load_balance", "cp_seq_dim", "compile", "shard_units", "reshard_after_forward",
-                   "accumulate_unsharded", "ep_plan", "ep_ranks_per_node")
+                   "accumulate_unsharded", "ep_plan", "ep_ranks_per_node", "float8")
 
 
 def _recipe_options(layout: Layout) -> dict[str, Any]:

@@ -25,7 +25,6 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -446,8 +445,22 @@ class BaseParallelStrategy(ParallelStrategy):
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
         if isinstance(tensor, DTensor):  # e.g. a loss computed under loss parallelism: replicated, make it plain
             tensor = tensor.full_tensor()
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        group = dist.group.WORLD if group is None else group
+        if dist.get_world_size(group) == 1:  # one rank: the reduction is the value itself
+            return tensor
+        # Lightning's _sync_ddp without its barrier before the all-reduce: on NCCL a barrier blocks the host until
+        # the device has caught up (a host sync in every step that logs with sync_dist=True); the all-reduce agrees
+        divide = False
+        if isinstance(reduce_op, str):
+            reduce_op = "avg" if reduce_op == "mean" else reduce_op
+            divide = reduce_op.lower() == "avg" and dist.get_backend(group) == "gloo"  # gloo has no AVG
+            reduce_op = dist.ReduceOp.SUM if divide else getattr(dist.ReduceOp, reduce_op.upper())
+        dist.all_reduce(tensor, op=reduce_op, group=group)
+        if divide:  # in place, as Lightning's
+            size = dist.get_world_size(group)
+            return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
         return tensor
 
     # ---- failures -----------------------------------------------------------------------------------------

@@ -114,8 +114,12 @@ class NDParallelStrategy(BaseParallelStrategy):
         activation_checkpointing: recompute each block's activations in backward: ``True`` (or ``"full"``) all of
             them; ``"selective"`` all but the outputs of every other matmul and of attention (less memory saved,
             far less recomputed: torchtitan's op-level policy).
-        compile: ``torch.compile`` each block (not with context parallelism yet: its attention routing is a
-            TorchFunctionMode that compiled graphs have not been validated with).
+        compile: ``torch.compile`` each block (with context parallelism, the attention runs eagerly between the
+            block's compiled graphs).
+        float8: ``"tensorwise"`` or ``"rowwise"``: the blocks' linear layers compute in float8 (torchao's
+            ``Float8LinearConfig`` recipes; not the head, the embeddings or the experts); with FSDP on CUDA the
+            tensorwise recipe all-gathers the weights in float8. Fast only with ``compile`` on a GPU of compute
+            capability 8.9+; not with tensor parallelism yet. Default None.
         pp_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zb"`` or ``"zbv"``.
         pp_microbatches: micro-batches per batch (default: the number of stages). ``1`` with ``"gpipe"`` is plain
             layer-split model parallelism.
@@ -155,6 +159,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         regather_sequence: bool = False,
         async_tp: bool = False,
         loss_parallel: bool = False,
+        float8: str | None = None,
         pp_schedule: str = "1f1b",
         pp_microbatches: int | None = None,
         pp_stages_per_rank: int | None = None,
@@ -188,7 +193,7 @@ class NDParallelStrategy(BaseParallelStrategy):
             compile=compile, shard_units=shard_units, reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload, ep_plan=ep_plan, ep_ranks_per_node=ep_ranks_per_node,
             accumulate_unsharded=accumulate_unsharded,
-            regather_sequence=regather_sequence, async_tp=async_tp))
+            regather_sequence=regather_sequence, async_tp=async_tp, float8=float8))
         self.block_list = check_optional_str("block_list", block_list, "model.blocks")
         self._tp_gradients_checked = False
         #: where the step stands in gradient accumulation (Lightning's hook order: see ``strategies/accumulation``)
@@ -207,7 +212,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         self.pipeline_parallel, self.tensor_parallel = recipe.pipeline_parallel, recipe.tensor_parallel
         self.context_parallel, self.expert_parallel = recipe.context_parallel, recipe.expert_parallel
         self.activation_checkpointing, self.compile = recipe.activation_checkpointing, recipe.compile
-        self.fully_sharded = recipe.fully_sharded
+        self.fully_sharded, self.float8 = recipe.fully_sharded, recipe.float8
 
     @property
     def pipeline(self) -> LivePipeline | None:
@@ -240,6 +245,7 @@ class NDParallelStrategy(BaseParallelStrategy):
                         block_list=self.block_list)
         for technique in self.techniques:
             technique.apply(target, self.dims)
+        self.float8.warn_if_slow(self.root_device, self.compile.enabled)
 
     def describe(self) -> str:
         if self._parallelized_by_hand:
@@ -357,7 +363,9 @@ class NDParallelStrategy(BaseParallelStrategy):
         if self.fault_tolerant is not None:
             plain = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
             closure = self.fault_tolerant.wrap_closure(closure, plain)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.float8.after_optimizer_step()
+        return result
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self.fault_tolerant is not None:

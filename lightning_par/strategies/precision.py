@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -107,6 +108,15 @@ class ParallelMixedPrecision(_ShardedClipping, MixedPrecision):
                 f"scaler={type(scaler).__name__}: a plain GradScaler does not agree across ranks on which steps to "
                 f"skip. Pass lightning_par.strategies.precision.ParallelGradScaler(device, init_scale=..., ...).")
         super().__init__(precision, device, scaler)
+
+    def clip_gradients(self, optimizer: Optimizer, clip_val: int | float = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+        """Lightning refuses to clip for an optimizer that unscales inside its step (``fused=True``) whatever the
+        precision; only a loss scaler makes clipping before that step wrong. ``bf16-mixed`` has none: it clips a
+        fused optimizer's gradients as ``32-true`` does (torchtitan's fused AdamW with clipping)."""
+        if self.scaler is None:
+            return Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+        return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint saved by Lightning's own ``MixedPrecision`` (one process, Lightning's strategies) keeps the

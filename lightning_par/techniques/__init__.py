@@ -1,6 +1,7 @@
 """The parallel techniques, one folder each (``tensor/``, ``context/``, ``pipeline/``, ``experts/``, ``sharding/``,
-``recompute/``): its torch-level code (usable without Lightning), its technique object (its options, its checks, how
-it applies itself to the modules of this rank, what it needs while a step runs, and its cost account).
+``recompute/``, ``float8/``): its torch-level code (usable without Lightning), its technique object (its options,
+its checks, how it applies itself to the modules of this rank, what it needs while a step runs, and its cost
+account).
 ``technique.py`` is what they share; ``recipe.py`` puts them in the engine's order (``NDParallelStrategy``).
 
 The names below are imported when first asked for: the cost model (``costs/``) reads the torch-level modules of
@@ -17,6 +18,7 @@ _WHERE = {
     "Compile": "recompute.activation_checkpointing",
     "ContextParallel": "context.context_parallel",
     "ExpertParallel": "experts.expert_parallel",
+    "Float8Training": "float8.float8_training",
     "FullySharded": "sharding.fully_sharded",
     "PipelineParallel": "pipeline.pipeline_parallel",
     "Recipe": "recipe",
@@ -42,6 +44,7 @@ __all__ = [
     "Compile",
     "ContextParallel",
     "ExpertParallel",
+    "Float8Training",
     "FullySharded",
     "PipelineParallel",
     "Recipe",

@@ -13,6 +13,7 @@ from typing import Any
 
 from lightning_par.techniques.context.context_parallel import ContextParallel, ContextParallelOptions
 from lightning_par.techniques.experts.expert_parallel import ExpertParallel, ExpertParallelOptions
+from lightning_par.techniques.float8.float8_training import Float8Options, Float8Training
 from lightning_par.techniques.pipeline.pipeline_parallel import PipelineOptions, PipelineParallel
 from lightning_par.techniques.recompute.activation_checkpointing import (
     ActivationCheckpointing,
@@ -25,7 +26,7 @@ from lightning_par.techniques.technique import Technique
 from lightning_par.techniques.tensor.tensor_parallel import TensorParallel, TensorParallelOptions
 
 #: every technique's options dataclass, in the order of application
-OPTIONS = (PipelineOptions, TensorParallelOptions, ContextParallelOptions, ExpertParallelOptions,
+OPTIONS = (PipelineOptions, Float8Options, TensorParallelOptions, ContextParallelOptions, ExpertParallelOptions,
            ActivationCheckpointingOptions, CompileOptions, FullyShardedOptions)
 
 
@@ -37,9 +38,10 @@ def option_names() -> list[str]:
 @dataclass
 class Recipe:
     """The techniques of one layout, named; iterating gives them in the order they are applied (pipeline split,
-    tensor parallel, context parallel, expert parallel, activation checkpointing, compile, FSDP)."""
+    float8, tensor parallel, context parallel, expert parallel, activation checkpointing, compile, FSDP)."""
 
     pipeline_parallel: PipelineParallel
+    float8: Float8Training
     tensor_parallel: TensorParallel
     context_parallel: ContextParallel
     expert_parallel: ExpertParallel
@@ -70,6 +72,7 @@ def build_recipe(**options: Any) -> Recipe:
 
     return Recipe(
         pipeline_parallel=chosen(PipelineOptions).build(),
+        float8=chosen(Float8Options).build(),
         tensor_parallel=chosen(TensorParallelOptions).build(),
         context_parallel=chosen(ContextParallelOptions).build(),
         expert_parallel=chosen(ExpertParallelOptions).build(),

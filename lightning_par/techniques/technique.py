@@ -89,6 +89,9 @@ class Technique:
         """Entered around every step method and around backward; None when there is nothing to enter."""
         return None
 
+    def after_optimizer_step(self) -> None:
+        """After every optimizer step (float8's scales for the next all-gathers)."""
+
     def shard_batch(self, batch: Any) -> Any:
         """This rank's part of a batch that every rank of the technique's group received whole."""
         return batch

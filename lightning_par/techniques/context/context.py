@@ -11,10 +11,13 @@ the exact attention over the whole sequence. Two ways to move K/V, same block ma
   again and reduce-scatters dK/dV to their owners.
 
 Plain torch.distributed (gloo and NCCL), no Lightning. On CPU each block is plain matmuls in fp32 (fp64 for fp64
-inputs); on CUDA each block's forward can call torch's fused memory-efficient SDPA kernel, which returns the lse we
-need (opt-in, ``USE_FUSED_CUDA_KERNELS``). The backward stays on the plain matmuls: that kernel's backward, given
-a block's share of the merged out and lse, returned wrong dq and dk (NaN for causal blocks) on an H200 with torch
-2.11, while its dv and the fused forward were exact (2026-11-26, tests/test_gpu.py).
+inputs). On CUDA each block's forward and backward run through torch's fused attention kernels, as torch's own ring
+attention does (``torch.distributed.tensor.experimental``'s ``_templated_ring_attention``): flash attention for
+fp16/bf16, the memory-efficient kernel for fp32, each backward given the block's rows of the MERGED out and lse.
+The kernels read lse as a contiguous array (the memory-efficient one padded to its 32-row tiles): a strided slice of
+the merged lse gave wrong dq and dk (NaN for causal blocks) in an earlier version. Blocks the kernels cannot express
+(a sliding window's partial mask, head dims they do not take) and the backward of attention sinks (whose lse has a
+gradient of its own) stay on the math path. ``CUDA_KERNELS`` chooses.
 """
 
 from __future__ import annotations
@@ -52,10 +55,12 @@ __all__ = [
 
 Algorithm = Literal["ring", "allgather"]
 ALGORITHMS = ("ring", "allgather")
-#: Use torch's fused memory-efficient kernel for each block's forward on CUDA (the backward stays on the matmul
-#: path: module docstring). Exact on an H200 (tests/test_gpu.py); off by default until its speed is measured
-#: (``cp_kernels["seconds"]`` there, benchmarks/bench_context.py).
-USE_FUSED_CUDA_KERNELS = False
+#: Which kernels compute a block on CUDA: "auto" (flash attention for fp16/bf16, memory-efficient for fp32, each
+#: where it takes the block's shapes, else the math path) or "math" (fp32 matmuls everywhere, the reference).
+#: CPU tensors always take the math path.
+CUDA_KERNELS: Literal["auto", "math"] = "auto"
+#: the memory-efficient kernel's lse holds its rows in tiles of this many (padded)
+_EFFICIENT_LSE_ROWS = 32
 
 # Collectives were renamed in torch 2.13; keep working on older releases.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -158,8 +163,53 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse.isneginf(), 0.0)
 
 
-def _fused(q: torch.Tensor) -> bool:
-    return q.is_cuda and USE_FUSED_CUDA_KERNELS and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None) -> str | None:
+    """The fused CUDA kernel that computes this block ("flash" or "efficient"), or None for the math path."""
+    if not q.is_cuda or CUDA_KERNELS == "math" or visible is not None:
+        return None
+    d = q.size(-1)
+    if v.size(-1) != d or d % 8 != 0 or d > 256:
+        return None  # head dims the kernels do not take (or not alike for q and v: MLA)
+    if q.dtype in (torch.float16, torch.bfloat16) and torch.cuda.get_device_capability(q.device) >= (8, 0):
+        return "flash"
+    return "efficient" if q.dtype in (torch.float16, torch.bfloat16, torch.float32) else None
+
+
+def _no_rng() -> torch.Tensor:
+    """The (unused) dropout seed and offset the kernels' backwards take: no dropout here."""
+    return torch.empty((), dtype=torch.long)
+
+
+def _fused_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = q.size(2)
+    if kernel == "flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+    return out.float(), lse[..., :rows].float()  # the efficient kernel pads lse's rows to its tiles
+
+
+def _fused_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's own backward of one block, given the block's rows of the merged out and lse: with the final lse,
+    exp(scores - lse) is this block's slice of the whole softmax, and rowsum(dO * out) the whole row's delta."""
+    dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out.to(q.dtype)))
+    rows = q.size(2)
+    if kernel == "flash":
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.float().contiguous(), None, None, rows, k.size(2), 0.0, causal, _no_rng(),
+            _no_rng(), scale=scale)
+    else:
+        padded = -(-rows // _EFFICIENT_LSE_ROWS) * _EFFICIENT_LSE_ROWS
+        lse_tiles = lse.new_zeros((*lse.shape[:2], padded), dtype=torch.float32)
+        lse_tiles[..., :rows] = lse
+        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse_tiles, _no_rng(), _no_rng(), 0.0, [True, True, True, False], causal,
+            scale=scale)
+    return tuple(g.float() for g in grads[:3])  # summed over blocks (and GQA's shared heads) in fp32
 
 
 def _block_forward(
@@ -170,11 +220,9 @@ def _block_forward(
     A row that sees no key of this block (sliding window) gets out 0 and lse -inf, which the merge weighs 0.
     Row tile by row tile where the scores would exceed ``SCORE_TILE_BYTES``."""
     k, v = _expand_kv(k, v, q.size(1))
-    if _fused(q) and visible is None:
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, causal, scale=scale
-        )[:2]
-        return out.float(), lse[..., : q.size(2)].float()  # the kernel may pad lse's rows to a multiple of 32
+    kernel = _fused_kernel(q, k, v, visible)
+    if kernel is not None:
+        return _fused_forward(kernel, q, k, v, scale, causal)
     tiles = _row_tiles(q, k, causal)
     if len(tiles) == 1:
         return _tile_forward(q, k, v, scale, causal, visible, 0)
@@ -217,10 +265,11 @@ def _block_backward(
     """
     kv_heads = k.size(1)
     k, v = _expand_kv(k, v, q.size(1))
-    # plain matmuls also under USE_FUSED_CUDA_KERNELS: torch's efficient-attention backward was wrong here (module
-    # docstring)
+    kernel = None if dlse is not None else _fused_kernel(q, k, v, visible)  # the kernels take no gradient of lse
     tiles = _row_tiles(q, k, causal)
-    if len(tiles) == 1:
+    if kernel is not None:
+        dq, dk, dv = _fused_backward(kernel, dout, q, k, v, out, lse, scale, causal)
+    elif len(tiles) == 1:
         dq, dk, dv = _tile_backward(dout, q, k, v, out, lse, scale, causal, visible, dlse, 0)
     else:
         k, v = k.to(_acc(q)), v.to(_acc(q))  # once, not per tile
@@ -528,6 +577,7 @@ def _resolve_group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup |
     return group, rank, dist.get_world_size(group)
 
 
+@torch.compiler.disable  # collectives and an autograd Function: a compiled block runs it eagerly, between its graphs
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -87,18 +87,11 @@ class ActivationCheckpointing(Technique):
 
 class Compile(Technique):
     """``torch.compile`` each block: every block reuses one compiled graph, and FSDP's hooks (applied later) stay
-    outside it. Not with context parallelism yet: its attention routing is a TorchFunctionMode that compiled graphs
-    have not been validated with."""
+    outside it. Context-parallel attention is left out of the graphs (``torch.compiler.disable``): a block compiles
+    into the graphs before and after it, and the attention with its collectives runs eagerly between them."""
 
     def __init__(self, enabled: bool = False) -> None:
         self.enabled = check_bool("compile", enabled)
-
-    def check(self, dims: ParallelDims) -> None:
-        if self.enabled and dims.cp != 1:
-            raise ValueError(
-                f"compile=True with cp={dims.cp}: compiling blocks together with context-parallel attention is not "
-                f"supported yet. Use compile=False with context parallelism."
-            )
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
         if self.enabled:
