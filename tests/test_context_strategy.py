@@ -46,6 +46,14 @@ class ExplicitMaskGPT(GPTModule):
         return F.scaled_dot_product_attention(h, h, h, attn_mask=mask).sum()
 
 
+class MaskedTargetsGPT(GPTModule):
+    """The tiny GPT whose targets below 12 are not counted (-100, as prompt masking or padding labels): each cp
+    rank's half of a sequence then holds its own number of counted tokens."""
+
+    def loss(self, logits, targets):
+        return super().loss(logits, targets.masked_fill(targets < 12, -100))
+
+
 def _errors(cases: dict) -> dict:
     return {
         name: error_of(lambda kw=kwargs: fit(ContextParallelStrategy(), devices=2, dp_size=1, max_steps=2, **kw))
@@ -55,6 +63,7 @@ def _errors(cases: dict) -> dict:
 
 def _world2() -> dict:
     out = {name: fit(ContextParallelStrategy(**kw), devices=2, dp_size=1) for name, kw in WORLD2.items()}
+    out["cp2_masked_targets"] = fit(ContextParallelStrategy(), devices=2, dp_size=1, module_cls=MaskedTargetsGPT)
     out["errors"] = _errors({
         "seq_not_divisible": dict(seq_len=14),
         "explicit_mask": dict(module_cls=ExplicitMaskGPT),
@@ -115,3 +124,15 @@ def test_bad_inputs_are_refused_on_every_rank(world2, case, error):
 def test_bad_configuration_is_refused(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+@pytest.fixture(scope="module")
+def masked_reference():
+    return fit_reference(module_cls=MaskedTargetsGPT)
+
+
+def test_labels_of_minus_100_give_one_process_loss(world2, masked_reference):
+    """With -100 targets the cp ranks' halves of a sequence count different numbers of tokens: the loss and the
+    gradients are still one process's mean over all counted tokens (each rank's cross-entropy is its sum over the
+    group's count), not the mean of the ranks' means."""
+    assert_parity(world2[0]["cp2_masked_targets"], masked_reference)
