@@ -149,6 +149,25 @@ def test_readme_keeps_the_quickstart_commands():
         assert command in readme
 
 
+def test_the_readme_names_every_registered_strategy_and_the_monitors_page_every_monitor():
+    """Counted from the code: every name lightning_par registers with Lightning is in the README's import comment,
+    and every monitor ``lightning_par.callbacks`` exports has its section on the monitoring page."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_par.callbacks as callbacks
+
+    ours = sorted(name for name, entry in StrategyRegistry.items()
+                  if entry["strategy"].__module__.startswith("lightning_par"))
+    assert len(ours) == 7, ours
+    readme = (ROOT / "README.md").read_text()
+    comment = readme[readme.index("import lightning_par  # registers"):]
+    comment = comment[:comment.index("\n\n")]
+    assert [name for name in ours if f'"{name}"' not in comment] == []
+    monitors = sorted(name for name in callbacks.__all__ if name.endswith("Monitor"))
+    page = (ROOT / "docs" / "monitoring.md").read_text()
+    assert [name for name in monitors if f"`{name}`" not in page] == []
+
+
 def test_the_option_table_names_every_technique_option_and_the_strategy_takes_each_with_its_default():
     """Each technique's options are one dataclass (``techniques/recipe.OPTIONS``): the Options table of
     ``docs/strategies.md`` names every field, and ``NDParallelStrategy`` takes each as a flat keyword argument
