@@ -120,8 +120,8 @@ class AutoParallelStrategy(NDParallelStrategy):
         layout = self._agree(self.plan.require_fit().layout)
         self.dims = layout.dims().resolve(self.num_nodes * self.num_processes)
         self.techniques = build_recipe(**{**self._options, **_recipe_options(layout)})
-        (self.pipeline_parallel, self.float8, self.tensor_parallel, self.context_parallel, self.expert_parallel,
-         self.activation_checkpointing, self.compile, self.fully_sharded) = self.techniques
+        (self.pipeline_parallel, self.quantize_base, self.float8, self.tensor_parallel, self.context_parallel,
+         self.expert_parallel, self.activation_checkpointing, self.compile, self.fully_sharded) = self.techniques
         self.expert_parallel.check(self.dims)  # the ep chosen against the given ep_ranks_per_node, on every rank
         self.build_mesh()
         rank_zero_info(self._summary())
@@ -200,7 +200,8 @@ class AutoParallelStrategy(NDParallelStrategy):
 
 _RECIPE_OPTIONS = ("pp_stages_per_rank", "pp_split_points", "pp_loss_method", "tp_plan", "cp_algorithm",
                    "cp_load_balance", "cp_seq_dim", "compile", "shard_units", "reshard_after_forward",
-                   "accumulate_unsharded", "ep_plan", "ep_ranks_per_node", "float8")
+                   "accumulate_unsharded", "ep_plan", "ep_ranks_per_node", "float8",
+                   "quantize_base")
 
 
 def _recipe_options(layout: Layout) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from lightning_par.techniques.expert_parallel import ExpertParallel
 from lightning_par.techniques.float8 import Float8Training
 from lightning_par.techniques.fully_sharded import FullySharded
 from lightning_par.techniques.pipeline_parallel import PipelineParallel
+from lightning_par.techniques.quantize import QuantizeBase
 from lightning_par.techniques.technique import Target, Technique
 from lightning_par.techniques.tensor_parallel import TensorParallel
 
@@ -23,10 +24,11 @@ def build_recipe(*, pp_schedule: str = "1f1b", pp_microbatches: int | None = Non
                  cpu_offload: bool = False, ep_plan: list[str] | None = None,
                  ep_ranks_per_node: int | None = None, accumulate_unsharded: bool = False,
                  regather_sequence: bool = False, async_tp: bool = False,
-                 float8: str | None = None) -> tuple[Technique, ...]:
+                 float8: str | None = None, quantize_base: str | None = None) -> tuple[Technique, ...]:
     """The engine's recipe: every technique with its options, in the order they are applied (and accounted)."""
     return (
         PipelineParallel(pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points, pp_loss_method),
+        QuantizeBase(quantize_base, float8),
         Float8Training(float8),
         TensorParallel(tp_plan, sequence_parallel, loss_parallel, regather_sequence, async_tp),
         ContextParallel(cp_algorithm, cp_load_balance, cp_seq_dim),
@@ -45,6 +47,7 @@ __all__ = [
     "Float8Training",
     "FullySharded",
     "PipelineParallel",
+    "QuantizeBase",
     "Target",
     "Technique",
     "TensorParallel",
