@@ -284,7 +284,9 @@ def save_hf_pretrained(module: nn.Module, directory: str | os.PathLike) -> None:
         dist.barrier()
         return
     source = peft_prefix if peft_model is not None else prefix
-    weights = {k[len(source):]: v for k, v in state.items() if k.startswith(source)}
+    # NF4 base weights (quantize_base="nf4") dequantized to the dtype they were quantized from, for the merge
+    weights = {k[len(source):]: v.get_original_weight() if hasattr(v, "get_original_weight") else v
+               for k, v in state.items() if k.startswith(source)}
     with torch.device("meta"):
         copy = type(hf_model)(hf_model.config)
     if peft_model is not None:

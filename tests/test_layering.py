@@ -30,6 +30,7 @@ TECHNIQUE_OBJECTS = {
     "sharding": {"fully_sharded"},
     "recompute": {"activation_checkpointing"},
     "float8": {"float8_training"},
+    "quantize": {"quantize_base"},
 }
 #: what each folder must never import (higher floors, and for callbacks every engine floor)
 FORBIDDEN = {

@@ -253,7 +253,7 @@ def test_regather_twins_are_weighed_for_sequence_parallel_layouts_that_do_not_fi
     assert not original.fits
     # what a user builds from the layout, and what auto_parallel trains, re-gathers
     assert NDParallelStrategy(**plan.best.layout.strategy_kwargs()).tensor_parallel.regather_sequence
-    assert build_recipe(**_recipe_options(plan.best.layout))[1].regather_sequence
+    assert build_recipe(**_recipe_options(plan.best.layout)).tensor_parallel.regather_sequence
     roomy = plan_layouts(profile, batch(), 4, CPU, restrict=only_tp)
     assert not any(p.layout.regather_sequence for p in roomy.predictions)
     forced = plan_layouts(profile, batch(), 4, CPU, restrict=only_tp, regather_sequence=(True,))

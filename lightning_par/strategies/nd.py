@@ -120,6 +120,9 @@ class NDParallelStrategy(BaseParallelStrategy):
             ``Float8LinearConfig`` recipes; not the head, the embeddings or the experts); with FSDP on CUDA the
             tensorwise recipe all-gathers the weights in float8. Fast only with ``compile`` on a GPU of compute
             capability 8.9+; not with tensor parallelism yet. Default None.
+        quantize_base: ``"nf4"``: QLoRA's 4-bit base weights: the frozen weights of the blocks' linear layers stored
+            as torchao NF4 (double quantization), dequantized per layer; FSDP shards and gathers them as NF4. Not
+            with tp or float8; the model's weights must exist (not meta). Default None (``techniques/quantize/``).
         pp_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zb"`` or ``"zbv"``.
         pp_microbatches: micro-batches per batch (default: the number of stages). ``1`` with ``"gpipe"`` is plain
             layer-split model parallelism.
@@ -160,6 +163,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         async_tp: bool = False,
         loss_parallel: bool = False,
         float8: str | None = None,
+        quantize_base: str | None = None,
         pp_schedule: str = "1f1b",
         pp_microbatches: int | None = None,
         pp_stages_per_rank: int | None = None,
@@ -193,7 +197,8 @@ class NDParallelStrategy(BaseParallelStrategy):
             compile=compile, shard_units=shard_units, reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload, ep_plan=ep_plan, ep_ranks_per_node=ep_ranks_per_node,
             accumulate_unsharded=accumulate_unsharded,
-            regather_sequence=regather_sequence, async_tp=async_tp, float8=float8))
+            regather_sequence=regather_sequence, async_tp=async_tp, float8=float8,
+            quantize_base=quantize_base))
         self.block_list = check_optional_str("block_list", block_list, "model.blocks")
         self._tp_gradients_checked = False
         #: where the step stands in gradient accumulation (Lightning's hook order: see ``strategies/accumulation``)
@@ -213,6 +218,8 @@ class NDParallelStrategy(BaseParallelStrategy):
         self.context_parallel, self.expert_parallel = recipe.context_parallel, recipe.expert_parallel
         self.activation_checkpointing, self.compile = recipe.activation_checkpointing, recipe.compile
         self.fully_sharded, self.float8 = recipe.fully_sharded, recipe.float8
+        self.quantize_base = recipe.quantize_base
+        self.quantize_base.check_with_float8(self.float8.recipe)
 
     @property
     def pipeline(self) -> LivePipeline | None:

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_par.dims import MESH_DIM_NAMES, ParallelDims
+from lightning_par.techniques.quantize.nf4_weights import is_nf4, nf4_bytes
 
 
 def local_parameter_bytes(module: nn.Module) -> tuple[int, int]:
@@ -17,7 +18,7 @@ def local_parameter_bytes(module: nn.Module) -> tuple[int, int]:
     nbytes = numel = 0
     for p in module.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
-        nbytes += local.numel() * local.element_size()
+        nbytes += nf4_bytes(local) if is_nf4(local) else local.numel() * local.element_size()
         numel += local.numel()
     return nbytes, numel
 

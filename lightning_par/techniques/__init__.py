@@ -1,7 +1,7 @@
 """The parallel techniques, one folder each (``tensor/``, ``context/``, ``pipeline/``, ``experts/``, ``sharding/``,
-``recompute/``, ``float8/``): its torch-level code (usable without Lightning), its technique object (its options,
-its checks, how it applies itself to the modules of this rank, what it needs while a step runs, and its cost
-account).
+``recompute/``, ``float8/``, ``quantize/``): its torch-level code (usable without Lightning), its technique object
+(its options, its checks, how it applies itself to the modules of this rank, what it needs while a step runs, and
+its cost account).
 ``technique.py`` is what they share; ``recipe.py`` puts them in the engine's order (``NDParallelStrategy``).
 
 The names below are imported when first asked for: the cost model (``costs/``) reads the torch-level modules of
@@ -21,6 +21,7 @@ _WHERE = {
     "Float8Training": "float8.float8_training",
     "FullySharded": "sharding.fully_sharded",
     "PipelineParallel": "pipeline.pipeline_parallel",
+    "QuantizeBase": "quantize.quantize_base",
     "Recipe": "recipe",
     "Target": "technique",
     "Technique": "technique",
@@ -47,6 +48,7 @@ __all__ = [
     "Float8Training",
     "FullySharded",
     "PipelineParallel",
+    "QuantizeBase",
     "Recipe",
     "Target",
     "Technique",

@@ -15,6 +15,7 @@ from lightning_par.techniques.context.context_parallel import ContextParallel, C
 from lightning_par.techniques.experts.expert_parallel import ExpertParallel, ExpertParallelOptions
 from lightning_par.techniques.float8.float8_training import Float8Options, Float8Training
 from lightning_par.techniques.pipeline.pipeline_parallel import PipelineOptions, PipelineParallel
+from lightning_par.techniques.quantize.quantize_base import QuantizeBase, QuantizeOptions
 from lightning_par.techniques.recompute.activation_checkpointing import (
     ActivationCheckpointing,
     ActivationCheckpointingOptions,
@@ -26,8 +27,8 @@ from lightning_par.techniques.technique import Technique
 from lightning_par.techniques.tensor.tensor_parallel import TensorParallel, TensorParallelOptions
 
 #: every technique's options dataclass, in the order of application
-OPTIONS = (PipelineOptions, Float8Options, TensorParallelOptions, ContextParallelOptions, ExpertParallelOptions,
-           ActivationCheckpointingOptions, CompileOptions, FullyShardedOptions)
+OPTIONS = (PipelineOptions, QuantizeOptions, Float8Options, TensorParallelOptions, ContextParallelOptions,
+           ExpertParallelOptions, ActivationCheckpointingOptions, CompileOptions, FullyShardedOptions)
 
 
 def option_names() -> list[str]:
@@ -38,9 +39,11 @@ def option_names() -> list[str]:
 @dataclass
 class Recipe:
     """The techniques of one layout, named; iterating gives them in the order they are applied (pipeline split,
-    float8, tensor parallel, context parallel, expert parallel, activation checkpointing, compile, FSDP)."""
+    4-bit base weights, float8, tensor parallel, context parallel, expert parallel, activation checkpointing, compile,
+    FSDP)."""
 
     pipeline_parallel: PipelineParallel
+    quantize_base: QuantizeBase
     float8: Float8Training
     tensor_parallel: TensorParallel
     context_parallel: ContextParallel
@@ -72,6 +75,7 @@ def build_recipe(**options: Any) -> Recipe:
 
     return Recipe(
         pipeline_parallel=chosen(PipelineOptions).build(),
+        quantize_base=chosen(QuantizeOptions).build(),
         float8=chosen(Float8Options).build(),
         tensor_parallel=chosen(TensorParallelOptions).build(),
         context_parallel=chosen(ContextParallelOptions).build(),

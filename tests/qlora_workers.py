@@ -1,0 +1,110 @@
+"""What tests/test_qlora.py runs in each process: QLoRA (``quantize_base="nf4"``) on a tiny Hugging Face Llama with
+PEFT LoRA adapters, under FSDP2 (also with activation checkpointing, with CPU offload) and pipeline parallelism,
+and the inputs it refuses.
+
+The model is wide enough for NF4's blocks: every block's linear weight holds whole blocks of 64 x 256 weights per
+FSDP shard over 2 ranks (hidden 256, MLP 512, 2 key/value heads of 64: the smallest, k_proj, is 128 x 256)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from finetune_workers import LoRALM, MergeAtEnd
+from lightning.pytorch.callbacks import Callback
+from workers import error_of, fit
+
+from lightning_par import NDParallelStrategy
+from lightning_par.techniques.quantize.nf4_weights import dequantized, is_nf4, nf4_bytes, quantize_base_weights
+
+STEPS = 6
+BF16_STEPS = 4
+#: a Llama whose linear weights NF4 takes whole (see the module docstring); vocabulary 32, 4 blocks
+WIDE = dict(arch="llama", hidden_size=256, intermediate_size=512)
+PROBE = "model.base_model.model.model.layers.0.self_attn.k_proj.base_layer"
+
+
+class QLoRAByHand(LoRALM):
+    """One QLoRA process without lightning_par's option: the torch-level function applied in ``__init__`` (what a
+    user of plain PyTorch would do), so the reference shares no code path with the strategy but the quantizer."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        layers = self.model.base_model.model.model.layers
+        self.quantized, self.left = quantize_base_weights(
+            self, [f"model.base_model.model.model.layers.{i}" for i in range(len(layers))])
+
+
+class BaseBytes(Callback):
+    """Per rank: the bytes this rank holds for the NF4 base weights (codes, scales, their factors and mean) against
+    bf16's bytes for the same local elements; which weights are NF4; the type of a base weight while its layer runs
+    (FSDP's gathered parameter) and the NF4 codes this rank holds of one weight."""
+
+    def __init__(self) -> None:
+        self.gathered_types: list[str] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        nf4 = {n: p for n, p in pl_module.named_parameters() if is_nf4(p)}
+        self.nf4_names = sorted(nf4)
+        self.nf4_bytes = sum(nf4_bytes(p) for p in nf4.values())
+        self.bf16_bytes = sum(getattr(p, "_local_tensor", p).numel() * 2 for p in nf4.values())
+        self.trainable_quantized = [n for n, p in nf4.items() if p.requires_grad]
+        self.nf4_dtypes = sorted({str(p.dtype) for p in nf4.values()})
+        modules = dict(pl_module.named_modules())
+        if getattr(modules.get(PROBE), "weight", None) is not None:  # this rank runs the probed layer
+            local = getattr(modules[PROBE].weight, "_local_tensor", modules[PROBE].weight)
+            self.probe_codes = local.quantized_data.clone() if is_nf4(local) else None
+            modules[PROBE].register_forward_pre_hook(
+                lambda m, args: self.gathered_types.append(type(m.weight).__name__))
+
+    def measured(self) -> dict[str, Any]:
+        return {k: getattr(self, k, None) for k in ("nf4_names", "nf4_bytes", "bf16_bytes", "trainable_quantized",
+                                                    "probe_codes", "gathered_types", "nf4_dtypes")}
+
+
+def plain_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict's values as plain tensors: NF4 weights dequantized (their own dtype)."""
+    return {k: dequantized(v).detach().clone() for k, v in weights.items()}
+
+
+def run(strategy: NDParallelStrategy, world: int, dp: int, callbacks: list[Callback] = (),
+        **kwargs: Any) -> dict[str, Any]:
+    measure = BaseBytes()
+    kwargs.setdefault("max_steps", STEPS)
+    out = fit(strategy, devices=world, dp_size=dp, module_cls=LoRALM, callbacks=[measure, *callbacks],
+              **{**WIDE, **kwargs})
+    out["weights"] = plain_weights(out["weights"])
+    out["base"] = measure.measured()
+    return out
+
+
+def nd(**kw: Any) -> NDParallelStrategy:
+    kw.setdefault("dp_shard", 1)
+    return NDParallelStrategy(quantize_base="nf4", **kw)
+
+
+def world2(tmp: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    # refused on every rank before any collective (the runs after them in this job still succeed)
+    out["errors"] = {
+        "tp2": error_of(lambda: run(nd(tp=2), 2, 1, max_steps=1)),
+        "bad_value": error_of(lambda: run(NDParallelStrategy(dp_shard=2, quantize_base="int4"), 2, 2, max_steps=1)),
+        "with_float8": error_of(lambda: run(nd(dp_shard=2, float8="tensorwise"), 2, 2, max_steps=1)),
+        "meta_device": error_of(lambda: run(nd(dp_shard=2), 2, 2, max_steps=1, empty_init=True)),
+    }
+    # the merged model (adapters folded into the dequantized base weights) written at the end of the FSDP2 run
+    out["fsdp2"] = run(nd(dp_shard=2), 2, 2, callbacks=[MergeAtEnd(str(Path(tmp) / "merged"))])
+    out["pp2"] = run(nd(pp=2, pp_microbatches=2), 2, 1)
+    out["fsdp2_ac"] = run(nd(dp_shard=2, activation_checkpointing=True), 2, 2)
+    out["fsdp2_offload"] = run(nd(dp_shard=2, cpu_offload=True), 2, 2)
+    # bf16 weights (quantized from bf16) and bf16 adapters
+    out["fsdp2_bf16"] = run(nd(dp_shard=2), 2, 2, max_steps=BF16_STEPS, precision="bf16-true")
+    # adapters-only checkpoints: written at step 3 under FSDP2, resumed under the pipeline; the NF4 base weights are
+    # not in them (the model quantizes the same initial weights to the same codes again)
+    adapters = str(Path(tmp) / "adapters")
+    run(nd(dp_shard=2, save_trainable_only=True), 2, 2, max_steps=3, ckpt_dir=adapters, ckpt_every_n_steps=3)
+    out["adapters_resumed_pp2"] = run(nd(pp=2, pp_microbatches=2), 2, 1,
+                                      resume_from=str(Path(adapters) / "step=3.ckpt"))
+    out["adapter_checkpoint"] = str(Path(adapters) / "step=3.ckpt")
+    return out
