@@ -5,6 +5,8 @@ Each is called by every rank at the same point; none hides a collective in rank-
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -59,12 +61,45 @@ def raise_on_every_rank(problems: list[str]) -> None:
         raise ValueError(" ".join(problems))
 
 
+@contextmanager
+def _quantized_weights_dequantized(module: torch.nn.Module) -> Iterator[None]:
+    """While inside, every 4-bit base weight (QLoRA's NF4, any tensor with ``get_original_weight``) holds its
+    dequantized values, sharded as it was: a full state dict then gathers plain tensors. Gathering the NF4 tensors
+    themselves (their codes and scales, through DTensor's redistribute) crashed a gloo rank with heap corruption
+    once in five runs of tests/test_qlora.py, cause unknown; the plain gather is the path every other weight takes."""
+    from torch.distributed.tensor import DTensor
+
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    for owner in module.modules():
+        for name, param in list(owner._parameters.items()):
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if local is None or not hasattr(local, "get_original_weight"):
+                continue
+            values = local.get_original_weight().to(local.dtype)
+            if isinstance(param, DTensor):
+                values = DTensor.from_local(values, param.device_mesh, param.placements, run_check=False,
+                                            shape=param.shape, stride=param.stride())
+            swapped.append((owner, name, param))
+            owner._parameters[name] = torch.nn.Parameter(values, requires_grad=False)
+    try:
+        yield
+    finally:
+        for owner, name, param in swapped:
+            owner._parameters[name] = param
+
+
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Collective: the module's full (unsharded) weights on CPU, on rank 0; an empty dict on other ranks.
 
     Keys are the module's own parameter names (activation-checkpoint wrappers stripped), whatever the layout;
-    under pipeline parallelism each rank holds only its stages, and rank 0 merges them.
+    under pipeline parallelism each rank holds only its stages, and rank 0 merges them. 4-bit base weights
+    (``quantize_base="nf4"``) come dequantized, in the dtype they were quantized from.
     """
+    with _quantized_weights_dequantized(module):
+        return _full_state_dict(module)
+
+
+def _full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     keys: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
