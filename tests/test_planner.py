@@ -5,6 +5,7 @@ parity with the same layout by hand; the CLI; the picture; and what is refused."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -891,3 +892,61 @@ def test_bf16_mixed_activations_under_autocast_alone_and_under_fsdp(model):
     assert autocast > 0.6 * fp32  # the old uniform half would have been 0.5
     sharded_fp32 = predict(Layout(dp_shard=2), prof, CPU, 2, 16, "32-true").activations
     assert predict(Layout(dp_shard=2), prof, CPU, 2, 16, "bf16-mixed").activations == pytest.approx(0.5 * sharded_fp32)
+
+
+TINY_PROJECT = {"model": {"n_layer": 2, "n_embd": 32, "n_head": 2, "warmup_steps": 2},
+                "data": {"seq_len": 32, "batch_size": 4, "max_chars": 60000}}
+PLANNED_YAML = """\
+trainer:
+  strategy:
+    class_path: lightning_par.NDParallelStrategy
+    init_args:
+      dp_replicate: 1
+      dp_shard: 2
+      cp: 1
+      tp: 1
+      pp: 1
+  accumulate_grad_batches: 2
+data:
+  batch_size: 2
+# data.batch_size: the batch of one rank's loader step, the global batch 8 / dp 2 / accumulate 2
+"""
+
+
+def test_cli_yaml_trains_unchanged_under_lightning_cli_in_parity_with_the_layout_by_hand(tmp_path):
+    """``--yaml`` for the tiny GPT on 2 CPU ranks (this machine probed; a memory budget that only 2 micro-batches
+    fit): the file, passed as a second ``--config`` after the example's own, trains under LightningCLI as the same
+    layout written by hand does (losses within 1e-5)."""
+    import yaml
+    from test_cli import _scalars, _train
+
+    tiny, planned = tmp_path / "tiny.yaml", tmp_path / "plan.yaml"
+    tiny.write_text(yaml.safe_dump(TINY_PROJECT))
+    out = subprocess.run([sys.executable, "-m", "lightning_par.plan", "--module", "example_projects.gpt.lit.GPTModule",
+                          "--datamodule", "example_projects.gpt.data.CharDataModule", "--config",
+                          "example_projects/gpt/configs/fsdp2.yaml", str(tiny), "--world", "2", "--gpus-per-node",
+                          "2", "--batch", "8", "--precision", "32-true", "--memory-budget", "850000", "--restrict",
+                          "pp=1", "tp=1", "cp=1", "--activation-checkpointing", "none", "--reshard-after-forward", "on",
+                          "--accumulate-unsharded", "off", "--yaml", str(planned)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ,
+                                                                                      "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    text = planned.read_text()
+    header = [line for line in text.splitlines() if line.startswith("# ")][:6]
+    assert header[0].startswith("# lightning_par plan of 20") and "GPTModule, 0.036 M parameters" in text
+    assert "# cluster: 2 devices, 2 per node" in text and "tokens/s per device" in text
+    assert text[text.index("trainer:"):] == PLANNED_YAML, text
+    by_hand = tmp_path / "by_hand.yaml"
+    by_hand.write_text("trainer:\n  strategy:\n    class_path: lightning_par.NDParallelStrategy\n    init_args:\n"
+                       "      dp_shard: 2\n  accumulate_grad_batches: 2\ndata:\n  batch_size: 2\n")
+    short = ["--trainer.max_steps=3", "--trainer.limit_val_batches=0", "--trainer.callbacks=[]"]
+    losses = []
+    for config, name in ((planned, "planned"), (by_hand, "by_hand")):
+        _, log_dir = _train(tmp_path / name, *short, "--config", str(config))
+        losses.append([e.value for e in _scalars(log_dir)["train/loss"]])
+        ran = yaml.safe_load((log_dir / "config.yaml").read_text())  # what LightningCLI ran, after the merge
+        assert ran["trainer"]["strategy"]["class_path"] == "lightning_par.NDParallelStrategy"
+        assert ran["trainer"]["strategy"]["init_args"]["dp_shard"] == 2
+        assert ran["trainer"]["accumulate_grad_batches"] == 2
+        assert ran["data"]["batch_size"] == 2 and ran["model"]["n_embd"] == 32
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], abs=1e-5)

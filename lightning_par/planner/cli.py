@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from dataclasses import replace
 
     from lightning_par.costs.profile import profile_model
-    from lightning_par.planner.predict import trace_dtype
+    from lightning_par.planner.predict import shares_cores, trace_dtype
     from lightning_par.planner.search import plan_layouts
 
     start = time.perf_counter()
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         if piped and piped[0].fits and plan.predictions and piped[0].tokens_per_s > plan.best.tokens_per_s:
             untried_winner = piped[0]
     seconds = time.perf_counter() - start
-    out = [f"{name}: {sum(p.numel for p in profile.params) / 1e9:.3f} B parameters, global batch {global_batch} x "
+    out = [f"{name}: {_parameters(profile)}, global batch {global_batch} x "
            f"{profile.seq_len} tokens, {args.precision}",
            f"{args.world} devices, {hardware.gpus_per_node} per node: {hardware.source}",
            f"{len(plan.predictions)} layouts in {seconds:.1f} s"]
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{', '.join(f'{k}={v!r}' for k, v in kwargs.items())}), accumulate_grad_batches="
             f"{best.layout.accumulate_grad_batches}, the data loader's batch size {micro} per rank ({rank_batch} per "
             f"rank and optimizer step){'' if args.yaml else '; --yaml OUT.yaml writes it as a config'}"]
-    if args.async_tp is None:
+    if args.async_tp is None and not shares_cores(hardware):  # (CPU ranks never weigh it)
         if untried_winner is not None:
             gain = untried_winner.tokens_per_s / best.tokens_per_s - 1
             notes.append(f"If async TP worked (never run: it needs 2+ CUDA GPUs; --async-tp weighs it), "
@@ -191,6 +191,18 @@ def _wrapped(text: str) -> list[str]:
     import textwrap
 
     return textwrap.wrap(text, WIDTH, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False) or [""]
+
+
+def _parameters(profile: Any) -> str:
+    count = sum(p.numel for p in profile.params)
+    return f"{count / 1e9:.3f} B parameters" if count >= 1e8 else f"{count / 1e6:.3f} M parameters"
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= 0.1 * scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
 
 
 def _batches(layout: Any, global_batch: int) -> tuple[int, int]:
@@ -225,20 +237,19 @@ def plan_yaml(plan: Any, name: str, global_batch: int, argv: list[str], batch_ar
     best = plan.best
     layout = best.layout
     rank_batch, micro = _batches(layout, global_batch)
-    gib = 2**30
     now = now or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     hw = plan.hardware
     header = [
         f"lightning_par plan of {now}: python -m lightning_par.plan {shlex.join(argv)}",
-        f"model: {name}, {sum(p.numel for p in plan.profile.params) / 1e9:.3f} B parameters; global batch "
+        f"model: {name}, {_parameters(plan.profile)}; global batch "
         f"{global_batch} x {plan.seq_len} tokens, {plan.precision}",
         f"cluster: {plan.world_size} devices, {hw.gpus_per_node} per node ({hw.source}); the Trainer's devices x "
         f"num_nodes must be {plan.world_size}",
         f"layout: {layout}; activation checkpointing "
         f"{ {False: 'off', True: 'full'}.get(layout.activation_checkpointing, layout.activation_checkpointing)}",
         f"predicted: {best.tokens_per_s:,.0f} tokens/s per device, step {best.step_s * 1e3:.1f} ms, "
-        f"{best.memory / gib:.2f} GiB per rank ({best.model_state / gib:.2f} model state, "
-        f"{best.activations / gib:.2f} activations)" + ("" if best.fits else "; DOES NOT FIT the memory budget"),
+        f"{_size(best.memory)} per rank ({_size(best.model_state)} model state, {_size(best.activations)} "
+        f"activations)" + ("" if best.fits else "; DOES NOT FIT the memory budget"),
         "use as a second config: train.py fit --config PROJECT.yaml --config THIS.yaml",
     ]
     trainer = {"strategy": {"class_path": "lightning_par.NDParallelStrategy",
@@ -332,10 +343,14 @@ def _lightning_project(args: argparse.Namespace) -> tuple[nn.Module, Any]:
         return getattr(importlib.import_module(module), name)
 
     argv = [f"--config={path}" for path in args.config or []]
-    cli = LightningCLI(load(args.module), load(args.datamodule) if args.datamodule else None, run=False,
-                       args=argv + ["--trainer.devices=1", "--trainer.accelerator=cpu", "--trainer.logger=false",
-                                    "--trainer.strategy=auto", "--trainer.callbacks=[]"],
-                       save_config_callback=None)
+    own, sys.argv = sys.argv, sys.argv[:1]  # (LightningCLI reads the given args, not the planner's command line)
+    try:
+        cli = LightningCLI(load(args.module), load(args.datamodule) if args.datamodule else None, run=False,
+                           args=argv + ["--trainer.devices=1", "--trainer.accelerator=cpu", "--trainer.logger=false",
+                                        "--trainer.strategy=auto", "--trainer.callbacks=[]"],
+                           save_config_callback=None)
+    finally:
+        sys.argv = own
     module = cli.model
     if hasattr(module, "configure_model"):
         with torch.device("meta"):
