@@ -950,3 +950,88 @@ def test_cli_yaml_trains_unchanged_under_lightning_cli_in_parity_with_the_layout
         assert ran["trainer"]["accumulate_grad_batches"] == 2
         assert ran["data"]["batch_size"] == 2 and ran["model"]["n_embd"] == 32
     assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], abs=1e-5)
+
+
+DOCS = ROOT / "docs" / "planner.md"
+#: what changes with the machine and the day: the planning time and the config's date
+_VARYING = [(r"layouts in [\d.]+ s", "layouts in ... s"), (r"plan of \d{4}-\d\d-\d\d \d\d:\d\d UTC", "plan of ...")]
+
+
+def _docs_sample() -> tuple[list[str], str, str]:
+    """The command of docs/planner.md's "From the command line" (its optional ``[...]`` left out) and the two blocks
+    after it: what it prints and the --yaml file it writes."""
+    import re
+    import shlex
+
+    text = DOCS.read_text()
+    match = re.search(r"```bash\n(python -m lightning_par\.plan .*?)\n```\n(?:<!--.*?-->\n)?```text\n(.*?)```\n"
+                      r"(?:.*?\n)?```yaml\n(.*?)```", text[text.index("## From the command line"):], re.S)
+    assert match, "docs/planner.md: the command line's sample (a bash block, a text block, a yaml block) is missing"
+    command = re.sub(r"\[.*?\]", "", match.group(1).replace("\\\n", " "))
+    return shlex.split(command)[3:], match.group(2), match.group(3)
+
+
+def _masked(text: str) -> str:
+    import re
+
+    for pattern, stand_in in _VARYING:
+        text = re.sub(pattern, stand_in, text)
+    return text
+
+
+def test_cli_docs_sample_is_what_the_command_prints(tmp_path, monkeypatch, capsys):
+    """docs/planner.md's sample output and config are this command's, up to the planning time and the config's date
+    (``_VARYING``); ``LIGHTNING_PAR_WRITE_DOCS=1`` writes them anew. Every line fits 120 columns, the model is named
+    from its config, the legend expands what the table abbreviates, and the config's layout is the table's first."""
+    from lightning_par.planner.cli import main
+
+    args, printed, written = _docs_sample()
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    config = (tmp_path / "plan.yaml").read_text()
+    if os.environ.get("LIGHTNING_PAR_WRITE_DOCS"):
+        text = DOCS.read_text()
+        DOCS.write_text(text.replace(f"```text\n{printed}```", f"```text\n{out}```", 1)
+                        .replace(f"```yaml\n{written}```", f"```yaml\n{config}```", 1))
+        printed, written = out, config
+    assert _masked(out) == _masked(printed), "docs/planner.md's sample output is stale: LIGHTNING_PAR_WRITE_DOCS=1"
+    assert _masked(config) == _masked(written), "docs/planner.md's sample config is stale: LIGHTNING_PAR_WRITE_DOCS=1"
+    lines = out.splitlines() + config.splitlines()
+    assert max(len(line) for line in lines) <= 120
+    assert out.startswith("LlamaForCausalLM (llama): 8.030 B parameters") and "_CausalLM" not in out
+    legend = out[out.index("Legend:"):]
+    lines = out.splitlines()
+    first = lines[next(i for i, line in enumerate(lines) if line.startswith("  #  tok/s/dev")) + 1]
+    assert first.split()[0] in ("1", "1*") and first.split()[7] in ("off", "full", "selective")
+    for word, meaning in (("dp_shard", "dp_shardN = FSDP2"), ("cp", "cpN = context parallelism"),
+                          ("accumulate", "accumulate N = accumulate_grad_batches N"), ("ZeRO-2", "ZeRO-2 = FSDP")):
+        if word in out[:out.index("Legend:")]:
+            assert meaning in " ".join(legend.split()), word
+    assert "accumulate_grad_batches" in out and "lightning_par.NDParallelStrategy(" in out
+    assert "would not change the first layout" in out or "If async TP worked" in out
+    assert "class_path: lightning_par.NDParallelStrategy" in config and "accumulate_grad_batches:" in config
+
+
+def test_cli_leaves_async_tp_out_unless_asked_and_marks_it(capsys):
+    """Async TP has never run (it needs 2+ CUDA GPUs): by default no layout uses it and one line says which would
+    win if it worked; --async-tp weighs it, and the table marks (*) and explains the layouts that use it."""
+    from lightning_par.planner.cli import main
+
+    config = ["--hf-config", "llama", "--hf-override", "vocab_size=32000", "hidden_size=1024",
+              "intermediate_size=3584", "num_hidden_layers=8", "num_attention_heads=8", "num_key_value_heads=8",
+              "--world", "8", "--device", "H100", "--seq-len", "4096", "--batch", "8", "--restrict", "tp=8",
+              "--top", "4"]
+    assert main(config) == 0
+    out = capsys.readouterr().out
+    table = out[:out.index("Legend:")]
+    assert "async TP" not in table and "*" not in table
+    assert "If async TP worked (never run: it needs 2+ CUDA GPUs; --async-tp weighs it), tp8 (SP, async TP, LP) " \
+           "would come first" in " ".join(out.split())
+    assert main([*config, "--async-tp"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    rows = lines[next(i for i, line in enumerate(lines) if line.startswith("  #  tok/s/dev")) + 1:]
+    assert rows[0].startswith("  1*") and "tp8 (SP, async TP, LP)" in rows[0]
+    assert "* = uses a technique never run on this hardware (async TP needs 2+ CUDA GPUs" in " ".join(out.split())
+    assert "If async TP worked" not in out

@@ -187,10 +187,10 @@ def main(argv: list[str] | None = None) -> int:
 WIDTH = 120
 
 
-def _wrapped(text: str) -> list[str]:
+def _wrapped(text: str, width: int = WIDTH) -> list[str]:
     import textwrap
 
-    return textwrap.wrap(text, WIDTH, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False) or [""]
+    return textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False) or [""]
 
 
 def _parameters(profile: Any) -> str:
@@ -264,9 +264,9 @@ def plan_yaml(plan: Any, name: str, global_batch: int, argv: list[str], batch_ar
     else:
         footer = [f"set the data loader's batch size to {micro} per rank ({split}); {rank_batch} per rank and "
                   f"optimizer step"]
-    lines = [line for text in header for line in _wrapped(text)]
+    lines = [line for text in header for line in _wrapped(text, WIDTH - 2)]  # (after "# ")
     comments = "\n".join(f"# {line}" for line in lines)
-    notes = "\n".join(f"# {line}" for text in footer for line in _wrapped(text))
+    notes = "\n".join(f"# {line}" for text in footer for line in _wrapped(text, WIDTH - 2))
     return f"{comments}\n{yaml.safe_dump(body, sort_keys=False)}{notes}\n"
 
 
