@@ -906,6 +906,18 @@ trainer:
       cp: 1
       tp: 1
       pp: 1
+      pp_schedule: 1f1b
+      pp_microbatches: null
+      pp_stages_per_rank: null
+      activation_checkpointing: false
+      sequence_parallel: false
+      regather_sequence: false
+      async_tp: false
+      loss_parallel: false
+      cpu_offload: false
+      reshard_after_forward: true
+      accumulate_unsharded: false
+      ep: 1
   accumulate_grad_batches: 2
 data:
   batch_size: 2
@@ -936,6 +948,15 @@ def test_cli_yaml_trains_unchanged_under_lightning_cli_in_parity_with_the_layout
     assert header[0].startswith("# lightning_par plan of 20") and "GPTModule, 0.036 M parameters" in text
     assert "# cluster: 2 devices, 2 per node" in text and "tokens/s per device" in text
     assert text[text.index("trainer:"):] == PLANNED_YAML, text
+    # after a pipeline config: every option the layout decides is the plan's (LightningCLI keeps the first
+    # config's strategy arguments that the second does not name, under another class path too)
+    merged = subprocess.run([sys.executable, "example_projects/gpt/train.py", "fit", "--config",
+                             "example_projects/gpt/configs/pipeline_parallel.yaml", "--config", str(planned),
+                             "--print_config"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert merged.returncode == 0, merged.stderr
+    init_args = yaml.safe_load(merged.stdout)["trainer"]["strategy"]["init_args"]
+    assert {k: init_args[k] for k in ("dp_shard", "pp", "pp_microbatches")} == {"dp_shard": 2, "pp": 1,
+                                                                                 "pp_microbatches": None}
     by_hand = tmp_path / "by_hand.yaml"
     by_hand.write_text("trainer:\n  strategy:\n    class_path: lightning_par.NDParallelStrategy\n    init_args:\n"
                        "      dp_shard: 2\n  accumulate_grad_batches: 2\ndata:\n  batch_size: 2\n")

@@ -198,6 +198,21 @@ def _parameters(profile: Any) -> str:
     return f"{count / 1e9:.3f} B parameters" if count >= 1e8 else f"{count / 1e6:.3f} M parameters"
 
 
+def _init_args(layout: Any) -> dict[str, Any]:
+    """``Layout.strategy_kwargs()``, and ``NDParallelStrategy``'s own default for every other option a layout
+    decides: LightningCLI keeps a first config's strategy arguments that the second does not name, even under
+    another class path (a pipeline config's ``pp_microbatches`` would otherwise outlive a plan without a pipeline)."""
+    import inspect
+
+    from lightning_par import NDParallelStrategy
+    from lightning_par.planner.predict import Layout
+
+    kwargs = layout.strategy_kwargs()
+    defaults = inspect.signature(NDParallelStrategy.__init__).parameters
+    return {**kwargs, **{name: defaults[name].default for name in Layout.__dataclass_fields__
+                         if name in defaults and name not in kwargs}}
+
+
 def _size(nbytes: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
         if nbytes >= 0.1 * scale:
@@ -250,10 +265,11 @@ def plan_yaml(plan: Any, name: str, global_batch: int, argv: list[str], batch_ar
         f"predicted: {best.tokens_per_s:,.0f} tokens/s per device, step {best.step_s * 1e3:.1f} ms, "
         f"{_size(best.memory)} per rank ({_size(best.model_state)} model state, {_size(best.activations)} "
         f"activations)" + ("" if best.fits else "; DOES NOT FIT the memory budget"),
-        "use as a second config: train.py fit --config PROJECT.yaml --config THIS.yaml",
+        "use as a second config: train.py fit --config PROJECT.yaml --config THIS.yaml (every option the layout "
+        "decides is written, defaults included, so that the project's own values for them do not carry over; its "
+        "other strategy options, such as compile or tp_plan, do)",
     ]
-    trainer = {"strategy": {"class_path": "lightning_par.NDParallelStrategy",
-                            "init_args": layout.strategy_kwargs()},
+    trainer = {"strategy": {"class_path": "lightning_par.NDParallelStrategy", "init_args": _init_args(layout)},
                "accumulate_grad_batches": layout.trainer_kwargs().get("accumulate_grad_batches", 1)}
     body = {"trainer": trainer}
     split = (f"the global batch {global_batch} / dp {layout.dp}"
