@@ -1056,3 +1056,26 @@ def test_cli_leaves_async_tp_out_unless_asked_and_marks_it(capsys):
     assert rows[0].startswith("  1*") and "tp8 (SP, async TP, LP)" in rows[0]
     assert "* = uses a technique never run on this hardware (async TP needs 2+ CUDA GPUs" in " ".join(out.split())
     assert "If async TP worked" not in out
+
+
+@pytest.mark.parametrize("given, weighed", [(None, (False,)), (True, (True,)), (False, (False,))])
+def test_auto_parallel_plans_async_tp_only_when_asked(monkeypatch, given, weighed):
+    """Async TP has never run (it needs 2+ CUDA GPUs): auto_parallel with compile=True no longer weighs it unasked;
+    async_tp=True plans it, as before."""
+    from lightning_par.strategies import auto
+
+    seen = {}
+    monkeypatch.setattr(auto, "train_dataloader_of", lambda trainer: [batch()])
+    monkeypatch.setattr(auto, "plan_layouts", lambda *args, **kwargs: seen.update(kwargs))
+    options = {} if given is None else {"async_tp": given}
+    strategy = AutoParallelStrategy(device="H100", gpus_per_node=8, compile=True, **options)
+    strategy._lightning_module = gpt()
+    strategy._plan(None)
+    assert seen["async_tp"] == weighed
+
+
+def test_cli_every_option_has_help():
+    from lightning_par.planner.cli import _parser
+
+    bare = [a.option_strings for a in _parser()._actions if not a.help and a.option_strings != ["-h", "--help"]]
+    assert not bare
