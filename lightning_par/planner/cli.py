@@ -7,10 +7,13 @@ data classes plus its YAML), on a world of any size, on a known device or on thi
         --world 8 --device H100 --seq-len 8192 --batch 16 --precision bf16-mixed
     python -m lightning_par.plan --module example_projects.gpt.lit.GPTModule \\
         --datamodule example_projects.gpt.data.CharDataModule --config example_projects/gpt/configs/fsdp2.yaml \\
-        --world 4 --json plan.json --plot plan.png
+        --world 4 --yaml plan.yaml --json plan.json --plot plan.png
 
 The model is built on the meta device (nothing allocated), traced once, and every valid layout is predicted and
-ranked; the table goes to stdout, ``--json`` writes every prediction.
+ranked; the table (within 120 columns, with a legend) goes to stdout with the first layout's strategy arguments,
+``accumulate_grad_batches`` and per-rank batch; ``--yaml`` writes them as a LightningCLI config to pass after the
+project's own (``train.py fit --config configs/fsdp2.yaml --config plan.yaml``), ``--json`` every prediction.
+Async tensor parallelism, never run yet (it needs 2+ CUDA GPUs), is ranked only with ``--async-tp``.
 """
 
 from __future__ import annotations
@@ -147,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             untried_winner = piped[0]
     seconds = time.perf_counter() - start
     out = [f"{name}: {_parameters(profile)}, global batch {global_batch} x "
-           f"{profile.seq_len} tokens, {args.precision}",
-           f"{args.world} devices, {hardware.gpus_per_node} per node: {hardware.source}",
+           f"{profile.seq_len} tokens, {args.world} devices ({hardware.gpus_per_node} per node), {args.precision}",
+           f"Hardware: {hardware.source}",
            f"{len(plan.predictions)} layouts in {seconds:.1f} s"]
     out = [line for text in out for line in _wrapped(text)] + ["", plan.table(args.top, width=WIDTH), ""]
     notes = []
