@@ -1079,3 +1079,28 @@ def test_cli_every_option_has_help():
 
     bare = [a.option_strings for a in _parser()._actions if not a.help and a.option_strings != ["-h", "--help"]]
     assert not bare
+
+
+def test_cli_table_fits_120_columns_and_its_legend_expands_every_abbreviation(capsys):
+    """Long layouts (a pipeline's schedule, stages per rank, micro-batches and options) wrap at their options; the
+    legend expands each abbreviation the rows use."""
+    import re
+
+    from lightning_par.planner.cli import main
+
+    assert main(["--hf-config", "llama", "--hf-override", "vocab_size=32000", "hidden_size=1024",
+                 "intermediate_size=3584", "num_hidden_layers=8", "num_attention_heads=8", "num_key_value_heads=8",
+                 "--world", "16", "--device", "H100", "--seq-len", "4096", "--batch", "16", "--restrict", "pp=2",
+                 "tp=2", "--top", "12"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 120
+    table, legend = out[:out.index("Legend:")], " ".join(out[out.index("Legend:"):].split())
+    assert re.search(r"\n {60,}\S", table), "no layout wrapped onto a second line"
+    expected = {r"\bpp2\b": "ppN = N pipeline stages", r"\btp2\b": "tpN = tensor parallelism",
+                r"\bSP\b": "SP = sequence parallelism", r"\bLP\b": "LP = loss parallelism",
+                r" v\d+ m\d+": "vN mM = N pipeline stages per rank",
+                r"ZeRO-1": "ZeRO-1 = FSDP gathered and reduced once",
+                r"\bdp_shard\d": "dp_shardN = FSDP2", r"\bcp\d": "cpN = context parallelism",
+                r"\bselective\b": "selective", r"accumulate \d": "accumulate N = accumulate_grad_batches N"}
+    used = [meaning for pattern, meaning in expected.items() if re.search(pattern, table)]
+    assert len(used) >= 5 and all(meaning in legend for meaning in used), (used, legend)

@@ -135,8 +135,10 @@ _LEGEND = (
     (r"\btp\d", "tpN = tensor parallelism over N ranks"),
     (r"\bpp\d", "ppN = N pipeline stages"),
     (r"\(ep\d", "epN = expert parallelism over N ranks"),
+    (r"\bpp\d", "the name before vN or mM is the pipeline schedule (pp_schedule)"),
     (r" v\d+ m\d+", "vN mM = N pipeline stages per rank, M micro-batches per step"),
-    (r"(?<! v\d)(?<! v\d\d) m\d+", "mM = M pipeline micro-batches per step"),
+    (r"(?<! v\d)(?<! v\d\d) m\d+", "mM = M pipeline micro-batches per step (the schedule's own stages per rank: "
+                                    "2 for the interleaved ones)"),
     (r"\bSP\b", "SP = sequence parallelism"),
     (r"\bregather\b", "regather = sequence-parallel inputs gathered again in backward"),
     (r"\basync TP\b", "async TP = tensor-parallel collectives pipelined with their matmuls (compile=True)"),
