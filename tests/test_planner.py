@@ -5,6 +5,7 @@ parity with the same layout by hand; the CLI; the picture; and what is refused."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -891,3 +892,215 @@ def test_bf16_mixed_activations_under_autocast_alone_and_under_fsdp(model):
     assert autocast > 0.6 * fp32  # the old uniform half would have been 0.5
     sharded_fp32 = predict(Layout(dp_shard=2), prof, CPU, 2, 16, "32-true").activations
     assert predict(Layout(dp_shard=2), prof, CPU, 2, 16, "bf16-mixed").activations == pytest.approx(0.5 * sharded_fp32)
+
+
+TINY_PROJECT = {"model": {"n_layer": 2, "n_embd": 32, "n_head": 2, "warmup_steps": 2},
+                "data": {"seq_len": 32, "batch_size": 4, "max_chars": 60000}}
+PLANNED_YAML = """\
+trainer:
+  strategy:
+    class_path: lightning_par.NDParallelStrategy
+    init_args:
+      dp_replicate: 1
+      dp_shard: 2
+      cp: 1
+      tp: 1
+      pp: 1
+      pp_schedule: 1f1b
+      pp_microbatches: null
+      pp_stages_per_rank: null
+      activation_checkpointing: false
+      sequence_parallel: false
+      regather_sequence: false
+      async_tp: false
+      loss_parallel: false
+      cpu_offload: false
+      reshard_after_forward: true
+      accumulate_unsharded: false
+      ep: 1
+  accumulate_grad_batches: 2
+data:
+  batch_size: 2
+# data.batch_size: the batch of one rank's loader step, the global batch 8 / dp 2 / accumulate 2
+"""
+
+
+def test_cli_yaml_trains_unchanged_under_lightning_cli_in_parity_with_the_layout_by_hand(tmp_path):
+    """``--yaml`` for the tiny GPT on 2 CPU ranks (this machine probed; a memory budget that only 2 micro-batches
+    fit): the file, passed as a second ``--config`` after the example's own, trains under LightningCLI as the same
+    layout written by hand does (losses within 1e-5)."""
+    import yaml
+    from test_cli import _scalars, _train
+
+    tiny, planned = tmp_path / "tiny.yaml", tmp_path / "plan.yaml"
+    tiny.write_text(yaml.safe_dump(TINY_PROJECT))
+    out = subprocess.run([sys.executable, "-m", "lightning_par.plan", "--module", "example_projects.gpt.lit.GPTModule",
+                          "--datamodule", "example_projects.gpt.data.CharDataModule", "--config",
+                          "example_projects/gpt/configs/fsdp2.yaml", str(tiny), "--world", "2", "--gpus-per-node",
+                          "2", "--batch", "8", "--precision", "32-true", "--memory-budget", "850000", "--restrict",
+                          "pp=1", "tp=1", "cp=1", "--activation-checkpointing", "none", "--reshard-after-forward", "on",
+                          "--accumulate-unsharded", "off", "--yaml", str(planned)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ,
+                                                                                      "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    text = planned.read_text()
+    header = [line for line in text.splitlines() if line.startswith("# ")][:6]
+    assert header[0].startswith("# lightning_par plan of 20") and "GPTModule, 0.036 M parameters" in text
+    assert "# cluster: 2 devices, 2 per node" in text and "tokens/s per device" in text
+    assert text[text.index("trainer:"):] == PLANNED_YAML, text
+    # after a pipeline config: every option the layout decides is the plan's (LightningCLI keeps the first
+    # config's strategy arguments that the second does not name, under another class path too)
+    merged = subprocess.run([sys.executable, "example_projects/gpt/train.py", "fit", "--config",
+                             "example_projects/gpt/configs/pipeline_parallel.yaml", "--config", str(planned),
+                             "--print_config"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert merged.returncode == 0, merged.stderr
+    init_args = yaml.safe_load(merged.stdout)["trainer"]["strategy"]["init_args"]
+    assert {k: init_args[k] for k in ("dp_shard", "pp", "pp_microbatches")} == {"dp_shard": 2, "pp": 1,
+                                                                                 "pp_microbatches": None}
+    by_hand = tmp_path / "by_hand.yaml"
+    by_hand.write_text("trainer:\n  strategy:\n    class_path: lightning_par.NDParallelStrategy\n    init_args:\n"
+                       "      dp_shard: 2\n  accumulate_grad_batches: 2\ndata:\n  batch_size: 2\n")
+    short = ["--trainer.max_steps=3", "--trainer.limit_val_batches=0", "--trainer.callbacks=[]"]
+    losses = []
+    for config, name in ((planned, "planned"), (by_hand, "by_hand")):
+        _, log_dir = _train(tmp_path / name, *short, "--config", str(config))
+        losses.append([e.value for e in _scalars(log_dir)["train/loss"]])
+        ran = yaml.safe_load((log_dir / "config.yaml").read_text())  # what LightningCLI ran, after the merge
+        assert ran["trainer"]["strategy"]["class_path"] == "lightning_par.NDParallelStrategy"
+        assert ran["trainer"]["strategy"]["init_args"]["dp_shard"] == 2
+        assert ran["trainer"]["accumulate_grad_batches"] == 2
+        assert ran["data"]["batch_size"] == 2 and ran["model"]["n_embd"] == 32
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], abs=1e-5)
+
+
+DOCS = ROOT / "docs" / "planner.md"
+#: what changes with the machine and the day: the planning time and the config's date
+_VARYING = [(r"layouts in [\d.]+ s", "layouts in ... s"), (r"plan of \d{4}-\d\d-\d\d \d\d:\d\d UTC", "plan of ...")]
+
+
+def _docs_sample() -> tuple[list[str], str, str]:
+    """The command of docs/planner.md's "From the command line" (its optional ``[...]`` left out) and the two blocks
+    after it: what it prints and the --yaml file it writes."""
+    import re
+    import shlex
+
+    text = DOCS.read_text()
+    match = re.search(r"```bash\n(python -m lightning_par\.plan .*?)\n```\n(?:<!--.*?-->\n)?```text\n(.*?)```\n"
+                      r"(?:.*?\n)?```yaml\n(.*?)```", text[text.index("## From the command line"):], re.S)
+    assert match, "docs/planner.md: the command line's sample (a bash block, a text block, a yaml block) is missing"
+    command = re.sub(r"\[.*?\]", "", match.group(1).replace("\\\n", " "))
+    return shlex.split(command)[3:], match.group(2), match.group(3)
+
+
+def _masked(text: str) -> str:
+    import re
+
+    for pattern, stand_in in _VARYING:
+        text = re.sub(pattern, stand_in, text)
+    return text
+
+
+def test_cli_docs_sample_is_what_the_command_prints(tmp_path, monkeypatch, capsys):
+    """docs/planner.md's sample output and config are this command's, up to the planning time and the config's date
+    (``_VARYING``); ``LIGHTNING_PAR_WRITE_DOCS=1`` writes them anew. Every line fits 120 columns, the model is named
+    from its config, the legend expands what the table abbreviates, and the config's layout is the table's first."""
+    from lightning_par.planner.cli import main
+
+    args, printed, written = _docs_sample()
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    config = (tmp_path / "plan.yaml").read_text()
+    if os.environ.get("LIGHTNING_PAR_WRITE_DOCS"):
+        text = DOCS.read_text()
+        DOCS.write_text(text.replace(f"```text\n{printed}```", f"```text\n{out}```", 1)
+                        .replace(f"```yaml\n{written}```", f"```yaml\n{config}```", 1))
+        printed, written = out, config
+    assert _masked(out) == _masked(printed), "docs/planner.md's sample output is stale: LIGHTNING_PAR_WRITE_DOCS=1"
+    assert _masked(config) == _masked(written), "docs/planner.md's sample config is stale: LIGHTNING_PAR_WRITE_DOCS=1"
+    lines = out.splitlines() + config.splitlines()
+    assert max(len(line) for line in lines) <= 120
+    assert out.startswith("LlamaForCausalLM (llama): 8.030 B parameters") and "_CausalLM" not in out
+    legend = out[out.index("Legend:"):]
+    lines = out.splitlines()
+    first = lines[next(i for i, line in enumerate(lines) if line.startswith("  #  tok/s/dev")) + 1]
+    assert first.split()[0] in ("1", "1*") and first.split()[7] in ("off", "full", "selective")
+    for word, meaning in (("dp_shard", "dp_shardN = FSDP2"), ("cp", "cpN = context parallelism"),
+                          ("accumulate", "accumulate N = accumulate_grad_batches N"), ("ZeRO-2", "ZeRO-2 = FSDP")):
+        if word in out[:out.index("Legend:")]:
+            assert meaning in " ".join(legend.split()), word
+    assert "accumulate_grad_batches" in out and "lightning_par.NDParallelStrategy(" in out
+    assert "would not change the first layout" in out or "If async TP worked" in out
+    assert "class_path: lightning_par.NDParallelStrategy" in config and "accumulate_grad_batches:" in config
+
+
+def test_cli_leaves_async_tp_out_unless_asked_and_marks_it(capsys):
+    """Async TP has never run (it needs 2+ CUDA GPUs): by default no layout uses it and one line says which would
+    win if it worked; --async-tp weighs it, and the table marks (*) and explains the layouts that use it."""
+    from lightning_par.planner.cli import main
+
+    config = ["--hf-config", "llama", "--hf-override", "vocab_size=32000", "hidden_size=1024",
+              "intermediate_size=3584", "num_hidden_layers=8", "num_attention_heads=8", "num_key_value_heads=8",
+              "--world", "8", "--device", "H100", "--seq-len", "4096", "--batch", "8", "--restrict", "tp=8",
+              "--top", "4"]
+    assert main(config) == 0
+    out = capsys.readouterr().out
+    table = out[:out.index("Legend:")]
+    assert "async TP" not in table and "*" not in table
+    assert "If async TP worked (never run: it needs 2+ CUDA GPUs; --async-tp weighs it), tp8 (SP, async TP, LP) " \
+           "would come first" in " ".join(out.split())
+    assert main([*config, "--async-tp"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    rows = lines[next(i for i, line in enumerate(lines) if line.startswith("  #  tok/s/dev")) + 1:]
+    assert rows[0].startswith("  1*") and "tp8 (SP, async TP, LP)" in rows[0]
+    assert "* = uses a technique never run on this hardware (async TP needs 2+ CUDA GPUs" in " ".join(out.split())
+    assert "If async TP worked" not in out
+
+
+@pytest.mark.parametrize("given, weighed", [(None, (False,)), (True, (True,)), (False, (False,))])
+def test_auto_parallel_plans_async_tp_only_when_asked(monkeypatch, given, weighed):
+    """Async TP has never run (it needs 2+ CUDA GPUs): auto_parallel with compile=True no longer weighs it unasked;
+    async_tp=True plans it, as before."""
+    from lightning_par.strategies import auto
+
+    seen = {}
+    monkeypatch.setattr(auto, "train_dataloader_of", lambda trainer: [batch()])
+    monkeypatch.setattr(auto, "plan_layouts", lambda *args, **kwargs: seen.update(kwargs))
+    options = {} if given is None else {"async_tp": given}
+    strategy = AutoParallelStrategy(device="H100", gpus_per_node=8, compile=True, **options)
+    strategy._lightning_module = gpt()
+    strategy._plan(None)
+    assert seen["async_tp"] == weighed
+
+
+def test_cli_every_option_has_help():
+    from lightning_par.planner.cli import _parser
+
+    bare = [a.option_strings for a in _parser()._actions if not a.help and a.option_strings != ["-h", "--help"]]
+    assert not bare
+
+
+def test_cli_table_fits_120_columns_and_its_legend_expands_every_abbreviation(capsys):
+    """Long layouts (a pipeline's schedule, stages per rank, micro-batches and options) wrap at their options; the
+    legend expands each abbreviation the rows use."""
+    import re
+
+    from lightning_par.planner.cli import main
+
+    assert main(["--hf-config", "llama", "--hf-override", "vocab_size=32000", "hidden_size=1024",
+                 "intermediate_size=3584", "num_hidden_layers=8", "num_attention_heads=8", "num_key_value_heads=8",
+                 "--world", "16", "--device", "H100", "--seq-len", "4096", "--batch", "16", "--restrict", "pp=2",
+                 "tp=2", "--top", "12"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 120
+    table, legend = out[:out.index("Legend:")], " ".join(out[out.index("Legend:"):].split())
+    assert re.search(r"\n {60,}\S", table), "no layout wrapped onto a second line"
+    expected = {r"\bpp2\b": "ppN = N pipeline stages", r"\btp2\b": "tpN = tensor parallelism",
+                r"\bSP\b": "SP = sequence parallelism", r"\bLP\b": "LP = loss parallelism",
+                r" v\d+ m\d+": "vN mM = N pipeline stages per rank",
+                r"ZeRO-1": "ZeRO-1 = FSDP gathered and reduced once",
+                r"\bdp_shard\d": "dp_shardN = FSDP2", r"\bcp\d": "cpN = context parallelism",
+                r"\bselective\b": "selective", r"accumulate \d": "accumulate N = accumulate_grad_batches N"}
+    used = [meaning for pattern, meaning in expected.items() if re.search(pattern, table)]
+    assert len(used) >= 5 and all(meaning in legend for meaning in used), (used, legend)

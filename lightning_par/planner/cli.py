@@ -7,10 +7,13 @@ data classes plus its YAML), on a world of any size, on a known device or on thi
         --world 8 --device H100 --seq-len 8192 --batch 16 --precision bf16-mixed
     python -m lightning_par.plan --module example_projects.gpt.lit.GPTModule \\
         --datamodule example_projects.gpt.data.CharDataModule --config example_projects/gpt/configs/fsdp2.yaml \\
-        --world 4 --json plan.json --plot plan.png
+        --world 4 --yaml plan.yaml --json plan.json --plot plan.png
 
 The model is built on the meta device (nothing allocated), traced once, and every valid layout is predicted and
-ranked; the table goes to stdout, ``--json`` writes every prediction.
+ranked; the table (within 120 columns, with a legend) goes to stdout with the first layout's strategy arguments,
+``accumulate_grad_batches`` and per-rank batch; ``--yaml`` writes them as a LightningCLI config to pass after the
+project's own (``train.py fit --config configs/fsdp2.yaml --config plan.yaml``), ``--json`` every prediction.
+Async tensor parallelism, never run yet (it needs 2+ CUDA GPUs), is ranked only with ``--async-tp``.
 """
 
 from __future__ import annotations
@@ -45,18 +48,23 @@ def _parser() -> argparse.ArgumentParser:
                        help="config fields, e.g. hidden_size=4096 num_hidden_layers=32")
     model.add_argument("--module", help="a LightningModule class path (LightningCLI project)")
     model.add_argument("--datamodule", help="its LightningDataModule class path")
-    model.add_argument("--config", help="the LightningCLI YAML")
+    model.add_argument("--config", nargs="+", metavar="YAML", help="the LightningCLI YAML (several: merged in "
+                       "order, as LightningCLI merges repeated --config)")
+    model.add_argument("--batch-arg", metavar="NAME", help="the data module's per-rank batch-size argument, which "
+                       "--yaml sets (default: batch_size where the data module takes one)")
     data = p.add_argument_group("the batch")
     data.add_argument("--seq-len", type=int, help="tokens per sequence (Hugging Face models; default 4096)")
     data.add_argument("--batch", type=int, help="sequences per step, the global batch (default: 1 per device)")
     where = p.add_argument_group("where it runs")
     where.add_argument("--world", type=int, required=True, help="devices in all")
-    where.add_argument("--gpus-per-node", type=int, default=8)
+    where.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default 8): mesh "
+                       "dimensions within a node use --intra-link, those across nodes --inter-link")
     where.add_argument("--device", help="a known device (H100, H200, A100-80GB, B200, ...); default: this machine")
     where.add_argument("--intra-link", help="the link within a node (default: the device's own; pcie4 on this "
                        "machine)")
     where.add_argument("--inter-link", default="ib-ndr400", help="the link between nodes")
-    where.add_argument("--precision", default="bf16-mixed")
+    where.add_argument("--precision", default="bf16-mixed", help="the Trainer's precision, which sets the bytes "
+                       "and the matmul rate priced: 32-true, bf16-mixed (default), 16-mixed or bf16-true")
     where.add_argument("--memory-budget", type=float, help="bytes per device (default: the device's memory less "
                        "the reserve)")
     where.add_argument("--memory-reserve", type=float, default=0.1, help="share of device memory kept free for "
@@ -77,10 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--regather-sequence", choices=("both", "on", "off"), default="both",
                        help="with sequence parallelism: weigh saving the gathered layer inputs as chunks gathered "
                        "again in backward on, off or both (default: for the layouts that do not fit without it)")
-    where.add_argument("--async-tp", choices=("both", "on", "off"), default="both",
+    where.add_argument("--async-tp", choices=("both", "on", "off"), nargs="?", const="both", default=None,
                        help="with sequence parallelism on a GPU, weigh its collectives pipelined with their matmuls "
-                       "(Inductor's async tensor parallelism; the layout then needs compile=True): both (default), on "
-                       "or off")
+                       "(Inductor's async tensor parallelism, which needs 2+ CUDA GPUs and has never run; the layout "
+                       "then needs compile=True): --async-tp (or both) weighs it beside the plain layouts, on forces "
+                       "it, off leaves it out. Default: left out of the ranking, and one line says which layout "
+                       "would win if it worked")
     where.add_argument("--reshard-after-forward", choices=("both", "on", "off"), default="both",
                        help="with FSDP: weigh resharding after forward (ZeRO-3) on, off (ZeRO-2-like) or both")
     where.add_argument("--accumulate-unsharded", choices=("both", "on", "off"), default="both",
@@ -90,7 +100,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="for layouts without a pipeline whose batch does not fit: weigh splitting it into "
                        "micro-batches (the Trainer's accumulate_grad_batches; default on)")
     out = p.add_argument_group("output")
-    out.add_argument("--top", type=int, default=15)
+    out.add_argument("--top", type=int, default=15, help="layouts to show in the table (default 15)")
+    out.add_argument("--yaml", metavar="OUT.yaml", help="write the first layout as a LightningCLI config: "
+                     "trainer.strategy (class path and arguments), trainer.accumulate_grad_batches and the per-rank "
+                     "batch size, to pass as a second --config next to the project's own")
     out.add_argument("--json", help="write every prediction here")
     out.add_argument("--plot", help="write the plan's picture here (PNG)")
     return p
@@ -98,8 +111,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from dataclasses import replace
+
     from lightning_par.costs.profile import profile_model
-    from lightning_par.planner.predict import trace_dtype
+    from lightning_par.planner.predict import shares_cores, trace_dtype
     from lightning_par.planner.search import plan_layouts
 
     start = time.perf_counter()
@@ -107,26 +122,61 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("pass either --hf-config (a Hugging Face model) or --module (a LightningCLI project)")
     if args.hf_config:
         module, batch = _hf_model(args)
+        batch_arg = None
     else:
         module, batch = _lightning_project(args)
+        batch_arg = args.batch_arg or _batch_argument(args.datamodule)
     global_batch = int(batch[0].shape[0])
     profile = profile_model(module, batch, dtype=trace_dtype(args.precision))
+    name = getattr(module, "planner_name", profile.name)
     hardware = _hardware(args, profile)
     restrict = {k: [int(x) for x in v.split(",")] for k, v in (item.split("=", 1) for item in args.restrict)}
+    # async TP has never run: by default it is weighed only to say what it would change, and left out of the ranking
+    async_tp = _CHOICES["both" if args.async_tp is None else args.async_tp]
     plan = plan_layouts(profile, batch, args.world, hardware, precision=args.precision, batch_is_global=True,
                         memory_budget=args.memory_budget, memory_reserve=args.memory_reserve, restrict=restrict,
                         activation_checkpointing=[_CHECKPOINTING[c] for c in args.activation_checkpointing],
                         schedules=args.schedules, sequence_parallel=_CHOICES[args.sequence_parallel],
                         reshard_after_forward=_CHOICES[args.reshard_after_forward],
                         accumulate_unsharded=_CHOICES[args.accumulate_unsharded],
-                        regather_sequence=_CHOICES[args.regather_sequence], async_tp=_CHOICES[args.async_tp],
+                        regather_sequence=_CHOICES[args.regather_sequence], async_tp=async_tp,
                         gradient_accumulation=args.gradient_accumulation == "on",
                         uneven_stages=args.uneven_stages == "on")
+    untried_winner = None
+    if args.async_tp is None:
+        piped = [p for p in plan.predictions if p.layout.async_tp]
+        plan = replace(plan, predictions=[p for p in plan.predictions if not p.layout.async_tp])
+        if piped and piped[0].fits and plan.predictions and piped[0].tokens_per_s > plan.best.tokens_per_s:
+            untried_winner = piped[0]
     seconds = time.perf_counter() - start
-    print(f"{profile.name}: {sum(p.numel for p in profile.params) / 1e9:.3f} B parameters, global batch "
-          f"{global_batch} x {profile.seq_len} tokens, {args.world} devices ({hardware.source}); "
-          f"{len(plan.predictions)} layouts in {seconds:.1f} s")
-    print(plan.table(args.top))
+    out = [f"{name}: {_parameters(profile)}, global batch {global_batch} x "
+           f"{profile.seq_len} tokens, {args.world} devices ({hardware.gpus_per_node} per node), {args.precision}",
+           f"Hardware: {hardware.source}",
+           f"{len(plan.predictions)} layouts in {seconds:.1f} s"]
+    out = [line for text in out for line in _wrapped(text)] + ["", plan.table(args.top, width=WIDTH), ""]
+    notes = []
+    best = plan.best
+    rank_batch, micro = _batches(best.layout, global_batch)
+    kwargs = best.layout.strategy_kwargs()
+    notes += [f"#1 {best.layout}: {best.reason}",
+            f"To train it: strategy lightning_par.NDParallelStrategy("
+            f"{', '.join(f'{k}={v!r}' for k, v in kwargs.items())}), accumulate_grad_batches="
+            f"{best.layout.accumulate_grad_batches}, the data loader's batch size {micro} per rank ({rank_batch} per "
+            f"rank and optimizer step){'' if args.yaml else '; --yaml OUT.yaml writes it as a config'}"]
+    if args.async_tp is None and not shares_cores(hardware):  # (CPU ranks never weigh it)
+        if untried_winner is not None:
+            gain = untried_winner.tokens_per_s / best.tokens_per_s - 1
+            notes.append(f"If async TP worked (never run: it needs 2+ CUDA GPUs; --async-tp weighs it), "
+                       f"{untried_winner.layout} would come first: {untried_winner.tokens_per_s:,.0f} tok/s/dev, "
+                       f"{gain:+.1%}.")
+        else:
+            notes.append("Async TP (never run: it needs 2+ CUDA GPUs; --async-tp weighs it) would not change the "
+                         "first layout.")
+    print("\n".join(out + [line for text in notes for line in _wrapped(text)]))
+    if args.yaml:
+        Path(args.yaml).write_text(plan_yaml(plan, name, global_batch, argv if argv is not None else sys.argv[1:],
+                                             batch_arg))
+        print(f"Wrote {args.yaml}: pass it as a second --config after the project's own.")
     if args.json:
         Path(args.json).write_text(json.dumps({**plan.as_dict(), "seconds": seconds}, indent=1, default=str))
     if args.plot:
@@ -134,6 +184,109 @@ def main(argv: list[str] | None = None) -> int:
 
         draw_plan(plan).savefig(args.plot, dpi=100)
     return 0
+
+
+#: the columns the output fits
+WIDTH = 120
+
+
+def _wrapped(text: str, width: int = WIDTH) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False) or [""]
+
+
+def _parameters(profile: Any) -> str:
+    count = sum(p.numel for p in profile.params)
+    return f"{count / 1e9:.3f} B parameters" if count >= 1e8 else f"{count / 1e6:.3f} M parameters"
+
+
+def _init_args(layout: Any) -> dict[str, Any]:
+    """``Layout.strategy_kwargs()``, and ``NDParallelStrategy``'s own default for every other option a layout
+    decides: LightningCLI keeps a first config's strategy arguments that the second does not name, even under
+    another class path (a pipeline config's ``pp_microbatches`` would otherwise outlive a plan without a pipeline)."""
+    import inspect
+
+    from lightning_par import NDParallelStrategy
+    from lightning_par.planner.predict import Layout
+
+    kwargs = layout.strategy_kwargs()
+    defaults = inspect.signature(NDParallelStrategy.__init__).parameters
+    return {**kwargs, **{name: defaults[name].default for name in Layout.__dataclass_fields__
+                         if name in defaults and name not in kwargs}}
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= 0.1 * scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+def _batches(layout: Any, global_batch: int) -> tuple[int, int]:
+    """A rank's samples per optimizer step (the global batch over the data-parallel ranks) and per loader batch
+    (that over ``accumulate_grad_batches``; a pipeline splits its loader batch into micro-batches itself)."""
+    rank_batch = global_batch // layout.dp
+    return rank_batch, rank_batch // layout.accumulate_grad_batches
+
+
+def _batch_argument(datamodule: str | None) -> str | None:
+    """The data module's batch-size argument where it takes one named ``batch_size``."""
+    import inspect
+
+    if not datamodule:
+        return None
+    module, _, name = datamodule.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    return "batch_size" if "batch_size" in inspect.signature(cls.__init__).parameters else None
+
+
+def plan_yaml(plan: Any, name: str, global_batch: int, argv: list[str], batch_arg: str | None,
+              now: str | None = None) -> str:
+    """The plan's first layout as a LightningCLI config: ``trainer.strategy`` (``Layout.strategy_kwargs()``),
+    ``trainer.accumulate_grad_batches`` (``Layout.trainer_kwargs()``) and, where the data module's batch-size
+    argument is known (``batch_arg``), ``data.<batch_arg>``: the batch of one rank's loader step. A header comment
+    names the model, the cluster, the prediction and the date."""
+    import datetime
+    import shlex
+
+    import yaml
+
+    best = plan.best
+    layout = best.layout
+    rank_batch, micro = _batches(layout, global_batch)
+    now = now or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    hw = plan.hardware
+    header = [
+        f"lightning_par plan of {now}: python -m lightning_par.plan {shlex.join(argv)}",
+        f"model: {name}, {_parameters(plan.profile)}; global batch "
+        f"{global_batch} x {plan.seq_len} tokens, {plan.precision}",
+        f"cluster: {plan.world_size} devices, {hw.gpus_per_node} per node ({hw.source}); the Trainer's devices x "
+        f"num_nodes must be {plan.world_size}",
+        f"layout: {layout}; activation checkpointing "
+        f"{ {False: 'off', True: 'full'}.get(layout.activation_checkpointing, layout.activation_checkpointing)}",
+        f"predicted: {best.tokens_per_s:,.0f} tokens/s per device, step {best.step_s * 1e3:.1f} ms, "
+        f"{_size(best.memory)} per rank ({_size(best.model_state)} model state, {_size(best.activations)} "
+        f"activations)" + ("" if best.fits else "; DOES NOT FIT the memory budget"),
+        "use as a second config: train.py fit --config PROJECT.yaml --config THIS.yaml (every option the layout "
+        "decides is written, defaults included, so that the project's own values for them do not carry over; its "
+        "other strategy options, such as compile or tp_plan, do)",
+    ]
+    trainer = {"strategy": {"class_path": "lightning_par.NDParallelStrategy", "init_args": _init_args(layout)},
+               "accumulate_grad_batches": layout.trainer_kwargs().get("accumulate_grad_batches", 1)}
+    body = {"trainer": trainer}
+    split = (f"the global batch {global_batch} / dp {layout.dp}"
+             + (f" / accumulate {layout.accumulate_grad_batches}" if layout.accumulate_grad_batches > 1 else ""))
+    if batch_arg:
+        body["data"] = {batch_arg: micro}
+        footer = [f"data.{batch_arg}: the batch of one rank's loader step, {split}"]
+    else:
+        footer = [f"set the data loader's batch size to {micro} per rank ({split}); {rank_batch} per rank and "
+                  f"optimizer step"]
+    lines = [line for text in header for line in _wrapped(text, WIDTH - 2)]  # (after "# ")
+    comments = "\n".join(f"# {line}" for line in lines)
+    notes = "\n".join(f"# {line}" for text in footer for line in _wrapped(text, WIDTH - 2))
+    return f"{comments}\n{yaml.safe_dump(body, sort_keys=False)}{notes}\n"
 
 
 def _hardware(args: argparse.Namespace, profile: Any) -> Any:
@@ -195,7 +348,10 @@ def _hf_model(args: argparse.Namespace) -> tuple[nn.Module, tuple[torch.Tensor, 
     seq = args.seq_len or 4096
     batch = args.batch or args.world
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    return _CausalLM(model), (ids, ids)
+    causal = _CausalLM(model)
+    # the table and the config's header name the model as its config does (LlamaForCausalLM), not this wrapper
+    causal.planner_name = f"{type(model).__name__} ({config.model_type})"
+    return causal, (ids, ids)
 
 
 def _lightning_project(args: argparse.Namespace) -> tuple[nn.Module, Any]:
@@ -205,11 +361,15 @@ def _lightning_project(args: argparse.Namespace) -> tuple[nn.Module, Any]:
         module, _, name = path.rpartition(".")
         return getattr(importlib.import_module(module), name)
 
-    argv = [f"--config={args.config}"] if args.config else []
-    cli = LightningCLI(load(args.module), load(args.datamodule) if args.datamodule else None, run=False,
-                       args=argv + ["--trainer.devices=1", "--trainer.accelerator=cpu", "--trainer.logger=false",
-                                    "--trainer.strategy=auto", "--trainer.callbacks=[]"],
-                       save_config_callback=None)
+    argv = [f"--config={path}" for path in args.config or []]
+    own, sys.argv = sys.argv, sys.argv[:1]  # (LightningCLI reads the given args, not the planner's command line)
+    try:
+        cli = LightningCLI(load(args.module), load(args.datamodule) if args.datamodule else None, run=False,
+                           args=argv + ["--trainer.devices=1", "--trainer.accelerator=cpu", "--trainer.logger=false",
+                                        "--trainer.strategy=auto", "--trainer.callbacks=[]"],
+                           save_config_callback=None)
+    finally:
+        sys.argv = own
     module = cli.model
     if hasattr(module, "configure_model"):
         with torch.device("meta"):

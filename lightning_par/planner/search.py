@@ -7,6 +7,7 @@ names is one ``NDParallelStrategy(**layout.strategy_kwargs())`` accepts.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -94,20 +95,100 @@ class Plan:
             f"{self.world_size} devices: the smallest needs {smallest.memory / gib:.2f} GiB ({smallest.layout}). "
             f"Raise the budget to at least that, use more devices, a smaller batch or sequence, or allow CPU offload.")
 
-    def table(self, top: int = 10) -> str:
+    def table(self, top: int = 10, width: int = 120, marked: Callable[[Layout], bool] | None = None) -> str:
+        """The first ``top`` layouts, one line each within ``width`` columns (a long layout wraps at its options),
+        and a legend of every abbreviation they use. ``marked``: layouts to flag with ``*`` (by default those
+        using a technique never run on the hardware: ``untried``), which the legend explains."""
+        marked = marked or (lambda layout: bool(untried(layout, self.hardware)))
         gib = 2**30
-        w = max([len("layout")] + [len(str(p.layout)) for p in self.predictions[:top]])
-        rows = [f"{'#':>3}  {'layout':<{w}} {'state GiB':>9} {'act GiB':>8} {'total GiB':>9} {'step ms':>9} "
-                f"{'tok/s/dev':>10}  reason"]
-        for i, p in enumerate(self.predictions[:top], 1):
-            rows.append(f"{i:>3}  {str(p.layout):<{w}} {p.model_state / gib:>9.3f} {p.activations / gib:>8.3f} "
-                        f"{p.memory / gib:>9.3f} {p.step_s * 1e3:>9.2f} {p.tokens_per_s:>10.0f}  {p.reason}")
+        head = (f"{'#':>3}  {'tok/s/dev':>9}  {'step ms':>9}  {'GiB/dev':>7}  {'state':>6}  {'act':>6}  "
+                f"{'fits':<4}  {'AC':<9}  layout")
+        indent = len(head) - len("layout")
+        rows, shown = [head], self.predictions[:top]
+        for i, p in enumerate(shown, 1):
+            mark = "*" if marked(p.layout) else " "
+            fits = "yes" if p.fits else "no"
+            cells = (f"{i:>3}{mark} {p.tokens_per_s:>9,.0f}  {p.step_s * 1e3:>9.1f}  {p.memory / gib:>7.2f}  "
+                     f"{p.model_state / gib:>6.2f}  {p.activations / gib:>6.2f}  {fits:<4}  "
+                     f"{_CHECKPOINTING_NAMES[p.layout.activation_checkpointing]:<9}  ")
+            rows += _wrap(cells, _layout_words(p.layout), width, indent)
+        rows += textwrap.wrap(legend([p.layout for p in shown], any(marked(p.layout) for p in shown)), width,
+                              subsequent_indent="  ")
         return "\n".join(rows)
 
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.profile.name, "world_size": self.world_size, "hardware": vars(self.hardware),
                 "batch": self.batch, "seq_len": self.seq_len, "precision": self.precision, "skipped": self.skipped,
                 "layouts": [p.as_dict() for p in self.predictions]}
+
+
+#: the table's AC column
+_CHECKPOINTING_NAMES: dict[bool | str, str] = {False: "off", True: "full", "selective": "selective"}
+#: techniques the engine has never run, by ``Layout`` field, with why: the planner weighs them only when asked
+#: (``--async-tp``, ``AutoParallelStrategy(async_tp=True)``) and the table marks the layouts that use them
+UNTRIED = {"async_tp": "async TP needs 2+ CUDA GPUs and has never run"}
+#: the legend: what each abbreviation of a layout means, shown where the table uses it (pattern, meaning)
+_LEGEND = (
+    (r"\bdp_replicate\d", "dp_replicateN = N replicas (DDP, HSDP with dp_shard)"),
+    (r"\bdp_shard\d", "dp_shardN = FSDP2 (ZeRO-3) over N ranks"),
+    (r"\bcp\d", "cpN = context parallelism (the sequence split over N ranks)"),
+    (r"\btp\d", "tpN = tensor parallelism over N ranks"),
+    (r"\bpp\d", "ppN = N pipeline stages"),
+    (r"\(ep\d", "epN = expert parallelism over N ranks"),
+    (r"\bpp\d", "the name before vN or mM is the pipeline schedule (pp_schedule)"),
+    (r" v\d+ m\d+", "vN mM = N pipeline stages per rank, M micro-batches per step"),
+    (r"(?<! v\d)(?<! v\d\d) m\d+", "mM = M pipeline micro-batches per step (the schedule's own stages per rank: "
+                                    "2 for the interleaved ones)"),
+    (r"\bSP\b", "SP = sequence parallelism"),
+    (r"\bregather\b", "regather = sequence-parallel inputs gathered again in backward"),
+    (r"\basync TP\b", "async TP = tensor-parallel collectives pipelined with their matmuls (compile=True)"),
+    (r"\bLP\b", "LP = loss parallelism (cross-entropy on vocabulary-sharded logits)"),
+    (r"\boffload\b", "offload = FSDP state on the CPU"),
+    (r"\bZeRO-2\b", "ZeRO-2 = FSDP without resharding after forward"),
+    (r"\bZeRO-1\b", "ZeRO-1 = FSDP gathered and reduced once per step (reshard_after_forward=False, "
+                    "accumulate_unsharded=True)"),
+    (r"\breduce once\b", "reduce once = gradients reduced once per step (accumulate_unsharded=True)"),
+    (r"\baccumulate \d", "accumulate N = accumulate_grad_batches N (the batch in N micro-batches)"),
+)
+
+
+def untried(layout: Layout, hardware: Hardware | None = None) -> list[str]:
+    """What of ``layout`` the engine has never run (on any hardware yet: ``UNTRIED``), as the table names it."""
+    return [why for name, why in UNTRIED.items() if getattr(layout, name)]
+
+
+def legend(layouts: Iterable[Layout], marked: bool = False) -> str:
+    """One paragraph expanding every abbreviation these layouts' table rows use."""
+    import re
+
+    text = " | ".join(str(layout) for layout in layouts)
+    terms = [meaning for pattern, meaning in _LEGEND if re.search(pattern, text)]
+    columns = ("Legend: tok/s/dev = tokens per second per device; GiB/dev = predicted peak memory per device, of "
+               "which state = parameters, gradients and optimizer state, act = saved activations; fits = within "
+               "the memory budget; AC = activation checkpointing: off, full (every block recomputed in backward) or "
+               "selective")
+    marks = ["* = uses a technique never run on this hardware (" + "; ".join(UNTRIED.values()) + ")"] if marked else []
+    return "; ".join([columns, *terms, *marks]) + "."
+
+
+def _layout_words(layout: Layout) -> str:
+    """The layout as the table shows it: checkpointing is a column of its own."""
+    return str(replace(layout, activation_checkpointing=False))
+
+
+def _wrap(cells: str, text: str, width: int, indent: int) -> list[str]:
+    """``cells`` then ``text``, wrapped within ``width`` at ``text``'s commas onto lines indented by ``indent``."""
+    lines, line = [], cells
+    pieces = text.split(", ")
+    for i, piece in enumerate(pieces):
+        piece += "," if i < len(pieces) - 1 else ""
+        gap = "" if line.endswith(" ") else " "
+        if len(line) + len(gap) + len(piece) > width and line.strip() and line != cells:
+            lines.append(line.rstrip())
+            line, gap = " " * indent, ""
+        line += gap + piece
+    lines.append(line.rstrip())
+    return lines
 
 
 def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_size: int, hardware: Hardware, *,

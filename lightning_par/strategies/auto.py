@@ -35,8 +35,8 @@ _OWN = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "pp_schedule", "pp_m
 class AutoParallelStrategy(NDParallelStrategy):
     """Chooses the layout (``pp x dp_replicate x dp_shard x cp x tp``, schedule, micro-batches, activation
     checkpointing, offload) that the planner predicts fastest among those that fit, and trains it. With
-    ``compile=True`` it plans without context parallelism (not compiled yet) and, on CUDA, also weighs async tensor
-    parallelism for sequence-parallel layouts.
+    ``compile=True`` it plans without context parallelism (not compiled yet). Async tensor parallelism, which has
+    never run (it needs 2+ CUDA GPUs), is planned only when asked for: ``async_tp=True``.
 
     Args:
         memory_budget: bytes (or a string such as ``"20GiB"``) one device may use; default: the device's memory
@@ -47,8 +47,9 @@ class AutoParallelStrategy(NDParallelStrategy):
         sequence_parallel: force it on or off where the planner picks ``tp > 1`` (default: it weighs both).
         regather_sequence: force it on or off where the planner picks sequence parallelism (default: it weighs
             it for the layouts that do not fit without it; never with ``compile=True``).
-        async_tp: force Inductor's async tensor parallelism on or off where the planner picks sequence
-            parallelism (default: with ``compile=True`` on CUDA it weighs both; ``True`` needs both).
+        async_tp: Inductor's async tensor parallelism where the planner picks sequence parallelism: ``True``
+            plans it (needs ``compile=True`` and CUDA); default off: it has never run (it needs 2+ CUDA GPUs), so
+            the planner does not recommend it unasked.
         device: plan for a known device (``lightning_par.devices``) instead of measuring this machine.
         gpus_per_node: ranks per node (default: the devices per node the Trainer was given).
         plot_dir: write the plan's picture there (and to a TensorBoard logger).
@@ -158,11 +159,9 @@ class AutoParallelStrategy(NDParallelStrategy):
             regather = (self.force_regather,)
         else:  # the hooks that keep the chunks are not traced by torch.compile
             regather = (False,) if self._options.get("compile") else (False, True)
-        # Inductor's async tensor parallelism: a pass of the compile the user asked for, on CUDA symmetric memory
-        if self.force_async_tp is not None:
-            async_tp = (self.force_async_tp,)
-        else:
-            async_tp = (False, True) if self._options.get("compile") and self.root_device.type == "cuda" else (False,)
+        # Inductor's async tensor parallelism (a pass of the compile the user asked for, on CUDA symmetric memory)
+        # has never run: only when asked for
+        async_tp = (bool(self.force_async_tp),)
         restrict = dict(self.restrict)
         return plan_layouts(module if self.plan_device is not None else profile, batch,
                             self.num_nodes * self.num_processes, hardware, precision=precision,
