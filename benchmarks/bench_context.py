@@ -8,7 +8,7 @@ For each (cp, sequence length, algorithm) one rank-group runs causal, load-balan
   all-gather cp of them.) cp = 1 also shows torch's own SDPA for reference.
 - ``fwd+bwd``: median wall time of a forward+backward, slowest rank. On a 2-core machine cp = 4 runs 4 ranks on
   2 cores, so its times are not a scaling measurement; per-rank compute still drops as 1/cp.
-- ``comm``: bytes this rank sent (CommCounter of lightning_par.parallel.context) against the formula
+- ``comm``: bytes this rank sent (CommCounter of lightning_par.techniques.context.context) against the formula
   ring: (cp-1)*KV fwd + (cp-1)*KV + cp*dKV bwd; allgather: (cp-1)*KV fwd + (cp-1)*KV + (cp-1)*dKV bwd,
   with KV the local K+V bytes and dKV the local K+V gradient bytes in fp32.
 
@@ -35,7 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the package and the shared la
 
 from launch import launch  # noqa: E402
 
-from lightning_par.parallel.context import CommCounter, context_parallel_attention  # noqa: E402
+from lightning_par.techniques.context.context import CommCounter, context_parallel_attention  # noqa: E402
 
 ALGORITHMS = ("ring", "allgather")
 

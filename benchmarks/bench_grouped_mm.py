@@ -17,7 +17,7 @@ both and their ratio, the figure the planner applies to expert FLOPs.
 ``--hf``: the same measurement on transformers' ``Qwen3MoeExperts`` (Qwen3-30B-A3B's sizes, its ``grouped_mm``
 implementation) with the rows a rank's 16 experts receive at ep 8, grouped by expert as the dispatch hands them
 over, one row per choice with weight 1, the experts drawn from a random router's softmax (uneven loads, as
-training has): its own forward, and ``lightning_par.parallel.experts.grouped_experts``, which the engine runs
+training has): its own forward, and ``lightning_par.techniques.experts.experts.grouped_experts``, which the engine runs
 under ep (the same math without the forward's sorting and copies), against the curve at the mean rows per
 expert.
 
@@ -115,13 +115,13 @@ def dense_rate(k: int, n: int, device: str, dtype: torch.dtype, warmup: int, rep
 
 def measure_hf(rows: int, local: int, hidden: int, width: int, device: str, dtype: torch.dtype, warmup: int,
                repeats: int, dense: float) -> dict[str, Any]:
-    """transformers' Qwen3-MoE experts called as the engine calls them under ep (:mod:`lightning_par.parallel.
+    """transformers' Qwen3-MoE experts called as the engine calls them under ep (:mod:`lightning_par.techniques.experts.
     experts`): ``rows`` routed rows, each with its local expert (of ``local``) and weight 1."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     from lightning_par.devices import H100_GROUPED_MM
-    from lightning_par.parallel.experts import grouped_experts
+    from lightning_par.techniques.experts.experts import grouped_experts
 
     config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=width, num_experts=local)
     config._experts_implementation = "grouped_mm"

@@ -128,7 +128,7 @@ def dp_size(spec: dict[str, Any]) -> int:
 def pp_stages_and_microbatches(spec: dict[str, Any]) -> tuple[int, int]:
     """A layout's pipeline stage count and micro-batches per batch (NDParallelStrategy's defaults); (1, 1) without
     pipelining."""
-    from lightning_par.parallel.pipeline import SCHEDULES
+    from lightning_par.techniques.pipeline.pipeline import SCHEDULES
 
     pp = spec.get("pp", 1)
     if pp == 1:

@@ -105,7 +105,7 @@ def run_ours(cfg: dict[str, Any], p: int, schedule: str, m: int, yield_turn: Cal
 
     from example_projects.gpt.lit import GPTModule
     from lightning_par import PipelineParallelStrategy
-    from lightning_par.parallel.schedule_recorder import gather_timelines
+    from lightning_par.techniques.pipeline.schedule_recorder import gather_timelines
 
     n_timed, n_total = cfg["warmup"] + cfg["steps"], total_steps(cfg)
 
@@ -153,9 +153,9 @@ def run_hand_written(cfg: dict[str, Any], p: int, schedule: str, m: int, pipe: A
     from torch.distributed.pipelining import PipelineStage
 
     from example_projects.gpt.lit import GPTModule
-    from lightning_par.parallel.pipeline import SCHEDULES as SPECS
-    from lightning_par.parallel.pipeline import last_stage_rank, stage_ids
-    from lightning_par.parallel.schedule_recorder import ScheduleRecorder, gather_timelines
+    from lightning_par.techniques.pipeline.pipeline import SCHEDULES as SPECS
+    from lightning_par.techniques.pipeline.pipeline import last_stage_rank, stage_ids
+    from lightning_par.techniques.pipeline.schedule_recorder import ScheduleRecorder, gather_timelines
 
     rank = dist.get_rank()
     spec = SPECS[schedule]
@@ -207,7 +207,7 @@ def run_hand_written(cfg: dict[str, Any], p: int, schedule: str, m: int, pipe: A
 def idle_per_rank(timelines: list[list[Any]]) -> list[float]:
     """Each pp rank's idle fraction over the pipeline's step: from the first rank's start to the last rank's end
     (as PipelineTimelineMonitor measures it), so a rank that enters the step late is not counted busy."""
-    from lightning_par.parallel.schedule_recorder import idle_fraction
+    from lightning_par.techniques.pipeline.schedule_recorder import idle_fraction
 
     start = min((e.t0 for tl in timelines for e in tl), default=0.0)
     end = max((e.t1 for tl in timelines for e in tl), default=0.0)
@@ -232,8 +232,8 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     from example_projects.gpt.model import GPT, GPTConfig
-    from lightning_par.parallel.pipeline import SCHEDULES as SPECS
-    from lightning_par.parallel.pipeline import init_weights, plan_split
+    from lightning_par.techniques.pipeline.pipeline import SCHEDULES as SPECS
+    from lightning_par.techniques.pipeline.pipeline import init_weights, plan_split
 
     dist.init_process_group("gloo")  # Lightning's strategies find it initialized and reuse it
     rank, p = dist.get_rank(), dist.get_world_size()
@@ -275,7 +275,7 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------------
 def valid_layouts(cfg: dict[str, Any], p: int) -> tuple[list[tuple[str, int]], list[str]]:
     """(schedule, m) pairs this p can run, and why the others cannot (checked before launching)."""
-    from lightning_par.parallel.pipeline import validate_pipeline
+    from lightning_par.techniques.pipeline.pipeline import validate_pipeline
 
     ok, skipped = [], []
     for schedule in cfg["schedules"]:
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import matplotlib.pyplot as plt
 
-    from lightning_par.parallel.schedule_recorder import draw_timeline, theory_idle
+    from lightning_par.techniques.pipeline.schedule_recorder import draw_timeline, theory_idle
 
     cfg: dict[str, Any] = {"microbatches": args.mb_list, "schedules": args.schedule_list, "steps": args.steps,
                            "warmup": args.warmup, "record": args.record, "rounds": args.rounds,

@@ -75,7 +75,7 @@ from benchmarks.common import (  # noqa: E402
     summarize,
 )
 from example_projects.gpt.model import GPT, GPT_TP_PLAN, GPTConfig  # noqa: E402
-from lightning_par.parallel.tensor import apply_tp  # noqa: E402
+from lightning_par.techniques.tensor.tensor import apply_tp  # noqa: E402
 
 MODEL = dict(vocab_size=2048, block_size=128, n_layer=4, n_head=8, n_embd=256, dropout=0.0)
 BATCH, SEQ = 4, 128
