@@ -17,7 +17,8 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 __all__ = ["all_to_all_single_autograd", "async_tensor_parallel_enabled", "checkpoint_wrapper",
-           "enable_async_tensor_parallel", "ignore_profiler_ranges_in_selective_checkpointing",
+           "enable_async_tensor_parallel", "fused_attention_backward", "fused_attention_forward",
+           "ignore_profiler_ranges_in_selective_checkpointing",
            "in_backward", "is_transformers_experts", "live_process_groups", "local_chunk",
            "move_graph_to_device", "pipeline_stage_class", "set_device_mesh", "symmetric_memory_enabled",
            "torch_dispatch_mode", "transformers_experts_gate", "transformers_experts_implementation",
@@ -300,3 +301,40 @@ def is_transformers_experts(module: Any) -> bool:
         return False
     return hasattr(module, "_is_expert_parallel") or all(
         hasattr(module, name) for name in ("has_gate", "has_bias", "is_transposed"))
+
+
+#: the memory-efficient kernel's lse holds its rows in tiles of this many (padded): its backward reads them so
+_EFFICIENT_LSE_ROWS = 32
+
+
+def fused_attention_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of torch's fused CUDA attention kernel ``kernel`` ("flash" or "efficient"), lse unpadded: the private
+    aten ops torch's own ring attention calls per block (``torch.distributed.tensor.experimental``'s
+    ``_templated_ring_attention``); their schemas are the same on torch 2.11 and 2.13 (tests/test_compat.py)."""
+    if kernel == "flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+    return out, lse[..., : q.size(2)]
+
+
+def fused_attention_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the fused kernel's own backward given ``out`` and ``lse`` (any out and lse: the block's rows
+    of the merged ones, in context parallelism). lse must be contiguous (a strided slice gave wrong dq and dk, NaN
+    for causal blocks, on an H200 with torch 2.11), and for the memory-efficient kernel padded to its row tiles.
+    No dropout: the seed and offset the ops take are unused."""
+    no_rng = torch.empty((), dtype=torch.long)
+    rows = q.size(2)
+    if kernel == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.float().contiguous(), None, None, rows, k.size(2), 0.0, causal, no_rng, no_rng,
+            scale=scale)
+    padded = -(-rows // _EFFICIENT_LSE_ROWS) * _EFFICIENT_LSE_ROWS
+    tiles = lse.new_zeros((*lse.shape[:2], padded), dtype=torch.float32)
+    tiles[..., :rows] = lse
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, tiles, no_rng, no_rng, 0.0, [True, True, True, False], causal, scale=scale)[:3]

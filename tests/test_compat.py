@@ -264,3 +264,22 @@ def test_transformers_experts_implementation_and_gate():
     gate_up = torch.randn(5, 2 * experts.down_proj.shape[-1])
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(transformers_experts_gate(experts, gate_up), torch.nn.functional.silu(gate) * up)
+
+
+def test_the_fused_attention_ops_take_the_arguments_context_parallelism_passes():
+    """The private aten ops behind ``_compat.fused_attention_forward`` / ``_backward`` (CUDA kernels: their numbers
+    are checked in tests/test_gpu.py); here their schemas, which the calls' positional arguments follow."""
+    def names(op):
+        return [a.name for a in op.default._schema.arguments]
+
+    aten = torch.ops.aten
+    assert names(aten._scaled_dot_product_flash_attention)[:5] == ["query", "key", "value", "dropout_p", "is_causal"]
+    assert names(aten._scaled_dot_product_flash_attention_backward)[:14] == [
+        "grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
+        "dropout_p", "is_causal", "philox_seed", "philox_offset"]
+    assert names(aten._scaled_dot_product_efficient_attention)[:7] == [
+        "query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal"]
+    assert names(aten._scaled_dot_product_efficient_attention_backward)[:12] == [
+        "grad_out_", "query", "key", "value", "attn_bias", "out", "logsumexp", "philox_seed", "philox_offset",
+        "dropout_p", "grad_input_mask", "is_causal"]
+    assert callable(_compat.fused_attention_forward) and callable(_compat.fused_attention_backward)

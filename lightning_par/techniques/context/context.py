@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from lightning_par._compat import fused_attention_backward, fused_attention_forward
 from lightning_par.techniques.context.context_sharding import (
     Block,
     block_plan,
@@ -59,8 +60,6 @@ ALGORITHMS = ("ring", "allgather")
 #: where it takes the block's shapes, else the math path) or "math" (fp32 matmuls everywhere, the reference).
 #: CPU tensors always take the math path.
 CUDA_KERNELS: Literal["auto", "math"] = "auto"
-#: the memory-efficient kernel's lse holds its rows in tiles of this many (padded)
-_EFFICIENT_LSE_ROWS = 32
 
 # Collectives were renamed in torch 2.13; keep working on older releases.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -175,20 +174,10 @@ def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: to
     return "efficient" if q.dtype in (torch.float16, torch.bfloat16, torch.float32) else None
 
 
-def _no_rng() -> torch.Tensor:
-    """The (unused) dropout seed and offset the kernels' backwards take: no dropout here."""
-    return torch.empty((), dtype=torch.long)
-
-
 def _fused_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = q.size(2)
-    if kernel == "flash":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
-    else:
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, causal, scale=scale)[:2]
-    return out.float(), lse[..., :rows].float()  # the efficient kernel pads lse's rows to its tiles
+    out, lse = fused_attention_forward(kernel, q, k, v, scale, causal)
+    return out.float(), lse.float()
 
 
 def _fused_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -197,19 +186,8 @@ def _fused_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k: torch.T
     """The kernel's own backward of one block, given the block's rows of the merged out and lse: with the final lse,
     exp(scores - lse) is this block's slice of the whole softmax, and rowsum(dO * out) the whole row's delta."""
     dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out.to(q.dtype)))
-    rows = q.size(2)
-    if kernel == "flash":
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse.float().contiguous(), None, None, rows, k.size(2), 0.0, causal, _no_rng(),
-            _no_rng(), scale=scale)
-    else:
-        padded = -(-rows // _EFFICIENT_LSE_ROWS) * _EFFICIENT_LSE_ROWS
-        lse_tiles = lse.new_zeros((*lse.shape[:2], padded), dtype=torch.float32)
-        lse_tiles[..., :rows] = lse
-        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse_tiles, _no_rng(), _no_rng(), 0.0, [True, True, True, False], causal,
-            scale=scale)
-    return tuple(g.float() for g in grads[:3])  # summed over blocks (and GQA's shared heads) in fp32
+    grads = fused_attention_backward(kernel, dout, q, k, v, out, lse, scale, causal)
+    return tuple(g.float() for g in grads)  # summed over blocks (and GQA's shared heads) in fp32
 
 
 def _block_forward(
