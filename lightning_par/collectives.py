@@ -67,9 +67,14 @@ def _quantized_weights_dequantized(module: torch.nn.Module) -> Iterator[None]:
     dequantized values, sharded as it was: a full state dict then gathers plain tensors. Gathering the NF4 tensors
     themselves (their codes and scales, through DTensor's redistribute) crashed a gloo rank with heap corruption
     once in five runs of tests/test_qlora.py, cause unknown; the plain gather is the path every other weight takes."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    for owner in module.modules():  # a gathered unit's state-dict hook would put its NF4 shards back
+        if isinstance(owner, FSDPModule) and any(
+                hasattr(getattr(p, "_local_tensor", p), "get_original_weight") for p in owner.parameters()):
+            owner.reshard()
     for owner in module.modules():
         for name, param in list(owner._parameters.items()):
             local = param.to_local() if isinstance(param, DTensor) else param

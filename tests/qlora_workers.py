@@ -63,6 +63,17 @@ class BaseBytes(Callback):
                                                     "probe_codes", "gathered_types", "nf4_dtypes")}
 
 
+class MergeAndCount(MergeAtEnd):
+    """The merged model written at the end (``save_hf_pretrained``, which gathers the full state dict), then how many
+    base weights are still NF4 in the model: the gather dequantizes them only while it runs."""
+
+    nf4_after: int | None = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        self.nf4_after = sum(is_nf4(getattr(p, "_local_tensor", p)) for p in pl_module.parameters())
+
+
 def plain_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The state dict's values as plain tensors: NF4 weights dequantized (their own dtype)."""
     return {k: dequantized(v).detach().clone() for k, v in weights.items()}
@@ -94,7 +105,9 @@ def world2(tmp: str) -> dict[str, Any]:
         "meta_device": error_of(lambda: run(nd(dp_shard=2), 2, 2, max_steps=1, empty_init=True)),
     }
     # the merged model (adapters folded into the dequantized base weights) written at the end of the FSDP2 run
-    out["fsdp2"] = run(nd(dp_shard=2), 2, 2, callbacks=[MergeAtEnd(str(Path(tmp) / "merged"))])
+    merge = MergeAndCount(str(Path(tmp) / "merged"))
+    out["fsdp2"] = run(nd(dp_shard=2), 2, 2, callbacks=[merge])
+    out["fsdp2"]["nf4_after_merge"] = merge.nf4_after
     out["pp2"] = run(nd(pp=2, pp_microbatches=2), 2, 1)
     out["fsdp2_ac"] = run(nd(dp_shard=2, activation_checkpointing=True), 2, 2)
     out["fsdp2_offload"] = run(nd(dp_shard=2, cpu_offload=True), 2, 2)

@@ -284,3 +284,37 @@ def test_sdpa_helper_rejects_bad_algorithm() -> None:
 
 def test_case_names_are_readable() -> None:
     assert str(Case("ring", True, False, 8, 4, 2, scale=0.5)) == "ring causal=True lb=False S=8 H=4 Hkv=2 scale=0.5"
+
+
+@pytest.mark.parametrize("options", [{}, {"weight": True}, {"label_smoothing": 0.1}, {"ignore_index": 3},
+                                     {"dtype": torch.bfloat16}], ids=str)
+def test_token_mean_cross_entropy_is_torchs_mean_on_one_rank(options):
+    """On a group of one the token-weighted cross-entropy is ``F.cross_entropy``'s mean, with class weights, label
+    smoothing, another ignore_index, and in bf16 (the count kept in fp32: 601 counted tokens are no bf16 number)."""
+    import torch.distributed as dist
+
+    from lightning_par.techniques.context.context_routing import token_mean_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    dtype = options.get("dtype", torch.float32)
+    logits = torch.randn(1003, 10, generator=g).to(dtype).requires_grad_()
+    target = torch.randint(0, 10, (1003,), generator=g)
+    ignore = options.get("ignore_index", -100)
+    target[torch.arange(1003) % 5 < 2] = ignore  # 601 counted
+    kwargs = {"ignore_index": ignore, "label_smoothing": options.get("label_smoothing", 0.0)}
+    if options.get("weight"):
+        kwargs["weight"] = torch.rand(10, generator=g).to(dtype)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ours = token_mean_cross_entropy(dist.group.WORLD, logits, target, **kwargs)
+    finally:
+        dist.destroy_process_group()
+    # torch's mean of the same values in fp32 (torch's own bf16 mean is further from it than ours: its sum rounds)
+    exact = logits.detach().float().requires_grad_()
+    torchs = F.cross_entropy(exact, target, **{k: v.float() if k == "weight" else v for k, v in kwargs.items()})
+    tol = 1e-6 if dtype == torch.float32 else 2**-7  # bf16: one rounding of the result
+    assert ours.dtype == dtype
+    assert abs(float(ours) - float(torchs)) <= tol * float(torchs)
+    ours.backward()
+    torchs.backward()
+    assert (logits.grad.float() - exact.grad).abs().max() <= tol * float(exact.grad.abs().max())

@@ -194,6 +194,8 @@ def test_merged_model_loads_with_from_pretrained(w2):
     written in the model's dtype; ``from_pretrained``'s logits equal the one-process QLoRA model's."""
     from transformers import AutoModelForCausalLM
 
+    # the gather dequantized the base weights only while it ran: the model holds its NF4 weights again
+    assert w2[0]["fsdp2"]["nf4_after_merge"] == len(w2[0]["fsdp2"]["base"]["nf4_names"]) > 0
     merged = AutoModelForCausalLM.from_pretrained(w2[0]["merged"]).eval()
     assert {p.dtype for p in merged.parameters()} == {torch.float32}
     pl.seed_everything(SEED, verbose=False)

@@ -116,8 +116,8 @@ class Section:
     routed_rows: int = 0  # those rows (tokens x routing choices)
     #: the routing choices per token where the experts module receives tokens with their choices (transformers'
     #: ``(hidden_states, top_k_index, top_k_weights)``: expert parallelism then sends a token once per rank that
-    #: holds one of its experts, ``techniques.expert_parallel.dispatched_bytes``); 0 where it receives rows already
-    #: one per choice
+    #: holds one of its experts, ``techniques.experts.expert_parallel.dispatched_bytes``); 0 where it receives rows
+    #: already one per choice
     routed_choices: int = 0
     #: of ``flops``, the experts modules' own (their grouped matmuls), and the experts' width those FLOPs imply
     #: (``expert_flops / (2 x matmuls x routed_rows x hidden)``: a gated expert's three matmuls, an ungated one's

@@ -65,6 +65,12 @@ def fqn_matches(name: str, pattern: str) -> bool:
     return _glob_regex(pattern).match(name) is not None
 
 
+def inside_any(fqn: str, prefixes: Sequence[str]) -> bool:
+    """Whether module ``fqn`` is one of ``prefixes`` or inside one of them (``blocks.0.mlp`` is inside ``blocks.0``,
+    ``blocks.01`` is not)."""
+    return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
+
+
 def match_modules(model: nn.Module, patterns: Sequence[str], parameter: str) -> list[tuple[str, nn.Module]]:
     """Modules whose class name equals a pattern or whose FQN matches it as a glob (``model.blocks.*``).
 

@@ -212,8 +212,9 @@ def _init_args(layout: Any) -> dict[str, Any]:
 
     kwargs = layout.strategy_kwargs()
     defaults = inspect.signature(NDParallelStrategy.__init__).parameters
-    return {**kwargs, **{name: defaults[name].default for name in Layout.__dataclass_fields__
-                         if name in defaults and name not in kwargs}}
+    # pp_split_points name the project's own stage cuts, which fit only the project's pipeline: reset with the rest
+    decided = [*Layout.__dataclass_fields__, "pp_split_points"]
+    return {**kwargs, **{name: defaults[name].default for name in decided if name in defaults and name not in kwargs}}
 
 
 def _size(nbytes: float) -> str:

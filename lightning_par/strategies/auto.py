@@ -120,7 +120,8 @@ class AutoParallelStrategy(NDParallelStrategy):
         layout = self._agree(self.plan.require_fit().layout)
         self.dims = layout.dims().resolve(self.num_nodes * self.num_processes)
         self._use_recipe(build_recipe(**{**self._options, **_recipe_options(layout)}))
-        self.expert_parallel.check(self.dims)  # the ep chosen against the given ep_ranks_per_node, on every rank
+        for technique in self.techniques:  # the chosen layout against every option (ep_ranks_per_node, ...), on
+            technique.check(self.dims)     # every rank alike: the layout is agreed
         self.build_mesh()
         rank_zero_info(self._summary())
         if self.plot_dir is not None:
@@ -163,6 +164,8 @@ class AutoParallelStrategy(NDParallelStrategy):
         # has never run: only when asked for
         async_tp = (bool(self.force_async_tp),)
         restrict = dict(self.restrict)
+        if self._options.get("float8") or self._options.get("quantize_base"):  # neither composes with tp yet
+            restrict["tp"] = [1]
         return plan_layouts(module if self.plan_device is not None else profile, batch,
                             self.num_nodes * self.num_processes, hardware, precision=precision,
                             batch_is_global=False, memory_budget=self.memory_budget, restrict=restrict,

@@ -169,7 +169,10 @@ def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: to
     d = q.size(-1)
     if v.size(-1) != d or d % 8 != 0 or d > 256:
         return None  # head dims the kernels do not take (or not alike for q and v: MLA)
-    if q.dtype in (torch.float16, torch.bfloat16) and torch.cuda.get_device_capability(q.device) >= (8, 0):
+    capability = torch.cuda.get_device_capability(q.device)
+    # flash's backward takes head dims over 192 on sm80 and sm90 only (torch's sdp_utils refuses sm86/sm89)
+    if q.dtype in (torch.float16, torch.bfloat16) and capability >= (8, 0) and (d <= 192 or capability in ((8, 0),
+                                                                                                        (9, 0))):
         return "flash"
     return "efficient" if q.dtype in (torch.float16, torch.bfloat16, torch.float32) else None
 

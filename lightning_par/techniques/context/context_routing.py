@@ -44,16 +44,17 @@ def token_mean_cross_entropy(group: dist.ProcessGroup, input: torch.Tensor, targ
     class-probability targets (one per token: equal counts), are torch's own."""
     if reduction != "mean" or size_average is not None or reduce is not None or target.is_floating_point():
         return F.cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
-    total = F.cross_entropy(input, target, weight, ignore_index=ignore_index, reduction="sum",
-                            label_smoothing=label_smoothing)
+    # summed in fp32, as torch's mean accumulates (a bf16 sum of thousands of losses would round by 2**-8)
+    total = F.cross_entropy(input, target, weight, ignore_index=ignore_index, reduction="none",
+                            label_smoothing=label_smoothing).float().sum()
     counted = target != ignore_index
     if weight is None:
-        count = counted.sum().to(total.dtype)
+        count = counted.sum(dtype=torch.float32)
     else:
-        count = (weight[target.masked_fill(~counted, 0)] * counted).sum().to(total.dtype)
-    count = count.detach().clone()
+        count = (weight[target.masked_fill(~counted, 0)].float() * counted).sum()
+    count = count.detach().clone()  # in fp32 whatever the loss's dtype: bf16 holds integers exactly only to 256
     dist.all_reduce(count, group=group)  # a number per rank: no host synchronization
-    return total * dist.get_world_size(group) / count
+    return (total * dist.get_world_size(group) / count).to(input.dtype)
 
 
 class ContextParallelScope(TorchFunctionMode):

@@ -24,6 +24,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_par.parallel.modules import inside_any
+
 #: the scaling recipes (torchao's ``Float8LinearConfig.from_recipe_name``): one scale per tensor, or per row
 RECIPES = ("tensorwise", "rowwise")
 #: a float8 matmul's dimensions must be multiples of this
@@ -41,11 +43,8 @@ def float8_layer_filter(blocks: list[str], skip: list[str]) -> Callable[[nn.Modu
     """``module_filter_fn`` for torchao: the ``nn.Linear`` layers inside ``blocks`` (FQN prefixes), outside ``skip``
     (the experts), with both dimensions multiples of ``ALIGNMENT``."""
 
-    def inside(fqn: str, prefixes: list[str]) -> bool:
-        return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
-
     def keep(module: nn.Module, fqn: str) -> bool:
-        return (isinstance(module, nn.Linear) and inside(fqn, blocks) and not inside(fqn, skip)
+        return (isinstance(module, nn.Linear) and inside_any(fqn, blocks) and not inside_any(fqn, skip)
                 and module.in_features % ALIGNMENT == 0 and module.out_features % ALIGNMENT == 0)
 
     return keep

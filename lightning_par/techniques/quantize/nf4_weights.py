@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from lightning_par.dims import ParallelDims
+from lightning_par.parallel.modules import inside_any
 
 #: the 4-bit formats ``quantize_base`` takes
 FORMATS = ("nf4",)
@@ -62,10 +63,6 @@ def is_nf4(tensor: Any) -> bool:
     return type(local).__name__ == "NF4Tensor"
 
 
-def _inside(fqn: str, prefixes: list[str]) -> bool:
-    return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
-
-
 def why_not_quantizable(weight: torch.Tensor, shards: int = 1, block_size: int = BLOCK_SIZE,
                         scaler_block_size: int = SCALER_BLOCK_SIZE) -> str | None:
     """Why ``to_nf4`` cannot take ``weight`` (or FSDP could not cut it into ``shards`` NF4 shards); None if it can."""
@@ -93,7 +90,7 @@ def quantize_base_weights(module: nn.Module, blocks: list[str], skip: list[str] 
     done: list[str] = []
     left: dict[str, str] = {}
     for fqn, layer in module.named_modules():
-        if not (isinstance(layer, nn.Linear) and _inside(fqn, list(blocks)) and not _inside(fqn, list(skip))):
+        if not (isinstance(layer, nn.Linear) and inside_any(fqn, list(blocks)) and not inside_any(fqn, list(skip))):
             continue
         weight = layer.weight
         if weight.requires_grad or is_nf4(weight):

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_par.collectives import raise_on_every_rank
 from lightning_par.dims import ParallelDims
+from lightning_par.parallel.modules import inside_any
 from lightning_par.techniques.quantize.nf4_weights import (
-    _inside,
     check_quantize_base,
     quantize_base_weights,
     refuse_bitsandbytes,
@@ -54,17 +55,24 @@ class QuantizeBase(Technique):
                 f"Use tp=1 with quantize_base (dp_shard, pp, cp compose with it), or quantize_base=None.")
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
-        refuse_bitsandbytes(target.module, dims)
         if self.format is None:
+            refuse_bitsandbytes(target.module, dims)
             return
+        # with pipeline stages each rank sees its own layers: every rank raises what any rank found
+        problems = []
+        try:
+            refuse_bitsandbytes(target.module, dims)
+        except ValueError as e:
+            problems.append(str(e))
         meta = [f"{fqn}.weight" for fqn, m in target.module.named_modules() if isinstance(m, nn.Linear)
-                and _inside(fqn, target.blocks) and m.weight.is_meta and not m.weight.requires_grad]
+                and inside_any(fqn, target.blocks) and m.weight.is_meta and not m.weight.requires_grad]
         if meta:
-            raise ValueError(
+            problems.append(
                 f"quantize_base={self.format!r}: the frozen linear weights of the blocks are on the meta device "
                 f"({meta[0]!r} and {len(meta) - 1} more): empty_init=True or pretrained= give them values only after "
                 f"the model is sharded, and NF4 codes are computed from the values. Create the model with real "
                 f"weights (trainer.init_module(empty_init=False)) and load them before fit, or quantize_base=None.")
+        raise_on_every_rank(problems)
         shards = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
         self.layers, self.left = quantize_base_weights(target.module, target.blocks, target.experts, shards)
         if self.left:
