@@ -918,6 +918,7 @@ trainer:
       reshard_after_forward: true
       accumulate_unsharded: false
       ep: 1
+      pp_split_points: null
   accumulate_grad_batches: 2
 data:
   batch_size: 2
