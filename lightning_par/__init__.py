@@ -6,6 +6,7 @@ from lightning_par.dims import ParallelDims
 from lightning_par.expert_balance import ExpertBiasBalancer
 from lightning_par.lightning_checkpoints import to_lightning_checkpoint
 from lightning_par.moved_modules import install as _install_moved_modules  # noqa: F401 - old paths of moved modules
+from lightning_par.parallel.documents import packed_documents
 from lightning_par.parallel.fault_tolerance import FaultTolerance
 from lightning_par.parallel.sequence_scope import context_positions, local_sequence, whole_sequence
 from lightning_par.planner.search import plan_layouts
@@ -51,6 +52,7 @@ __all__ = [
     "local_experts",
     "local_sequence",
     "load_hf_weights",
+    "packed_documents",
     "plan_layouts",
     "save_hf_pretrained",
     "to_lightning_checkpoint",

@@ -105,12 +105,13 @@ class HFCausalLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=1e-6)
 
 
-class PaddedHFCausalLM(HFCausalLM):
-    """Passes a padding mask that hides the first token of every sequence."""
+class DenseMaskHFCausalLM(HFCausalLM):
+    """Passes a dense 4-D (batch, 1, seq, seq) causal mask of its own, which no rank can hold whole under context
+    parallelism."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = torch.ones_like(x)
-        mask[:, 0] = 0
+        n = x.size(1)
+        mask = torch.ones(x.size(0), 1, n, n, dtype=torch.bool, device=x.device).tril()
         return self.model(input_ids=x, attention_mask=mask).logits
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from hf_models import HFCausalLM, MaskedHFCausalLM, PaddedHFCausalLM
+from hf_models import DenseMaskHFCausalLM, HFCausalLM, MaskedHFCausalLM
 from torch.utils.data import DataLoader
 from workers import SEED, error_of, fit, token_dataset
 
@@ -52,7 +52,7 @@ def world2(ckpt_dir: str) -> dict[str, Any]:
     """Every architecture under cp=2 and pp=2; the other schedules, an uneven split, activation checkpointing,
     validate, the timeline, checkpoints across layouts, and what is refused."""
     out: dict[str, Any] = {"errors": {
-        "padding_mask_under_cp": error_of(lambda: hf_fit(_cp(), 2, 1, module_cls=PaddedHFCausalLM)),
+        "dense_mask_under_cp": error_of(lambda: hf_fit(_cp(), 2, 1, module_cls=DenseMaskHFCausalLM)),
         "tied_embeddings_across_ranks": error_of(lambda: hf_fit(_pp(), 2, 1, tie_word_embeddings=True)),
         "softcapping_under_cp": error_of(lambda: hf_fit(_cp(), 2, 1, arch="gemma2")),
         "forward_breaks_the_contract": error_of(lambda: hf_fit(_pp(), 2, 1, module_cls=MaskedHFCausalLM)),

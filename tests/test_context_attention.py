@@ -24,6 +24,7 @@ from lightning_par.techniques.context.context import (
     shard_sequence,
 )
 from lightning_par.techniques.context.context_sharding import block_plan
+from lightning_par.techniques.context.ulysses import kv_repeats
 
 TOL = 1e-5
 
@@ -64,16 +65,36 @@ def _expected_bytes(algorithm: str, cp: int, kv_bytes: int, dkv_bytes: int) -> d
     }
 
 
+def _expected_ulysses_bytes(case: Case, cp: int, q_numel: int, kv_numel: int, itemsize: int) -> dict[str, int]:
+    """Bytes one rank sends by all-to-all per forward+backward call, and the ring's or all-gather's over the
+    groups after it: each all-to-all keeps 1/u of its tensor (q, k and v in, the output back; their gradients the
+    other way), key/value heads repeated where fewer than the group; the ring then moves the group's gathered
+    keys and values, as many elements as this rank's repeated ones."""
+    u = cp if case.algorithm == "ulysses" else case.ulysses
+    repeats = kv_repeats(case.heads, case.kv_heads, u)
+    kv = kv_numel * repeats
+    moved = (2 * q_numel + kv) * itemsize * (u - 1) // u
+    expected = {"forward/all_to_all": moved, "backward/all_to_all": moved}
+    if case.algorithm != "ulysses":
+        expected.update(_expected_bytes(case.algorithm, cp // u, kv * itemsize, kv * 4))
+    return expected
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_bytes_communicated_match_formula(world: int) -> None:
     failures = []
     for rank, res in enumerate(_launch(world)):
         for r in res["results"]:
             cp, case = r["cp"], r["case"]
-            expected = _expected_bytes(case.algorithm, cp, r["kv_numel"] * r["itemsize"], r["kv_numel"] * 4)
+            ring = cp // case.ulysses
+            if case.algorithm == "ulysses" or case.ulysses > 1:
+                expected = _expected_ulysses_bytes(case, cp, r["q_numel"], r["kv_numel"], r["itemsize"])
+            else:
+                expected = _expected_bytes(case.algorithm, cp, r["kv_numel"] * r["itemsize"], r["kv_numel"] * 4)
             if r["bytes"] != expected:
                 failures.append(f"cp={cp} rank {rank} [{case}]: got {r['bytes']}, expected {expected}")
-            if case.algorithm == "ring" and r["calls"] != {"forward/send": cp - 1, "backward/send": 2 * cp - 1}:
+            hops = {key: n for key, n in r["calls"].items() if key.endswith("/send")}
+            if case.algorithm == "ring" and hops != {"forward/send": ring - 1, "backward/send": 2 * ring - 1}:
                 failures.append(f"cp={cp} rank {rank} [{case}]: ring hop counts {r['calls']}")
     assert not failures, "\n".join(failures)
 
@@ -246,12 +267,12 @@ def _err(**overrides) -> str:
 @pytest.mark.parametrize(
     ("overrides", "pattern"),
     [
-        ({"algorithm": "ulysses"}, r"algorithm must be one of \('ring', 'allgather'\), got 'ulysses'"),
+        ({"algorithm": "tree"}, r"algorithm must be one of \('ring', 'allgather', 'ulysses'\), got 'tree'"),
         ({"attn_mask": torch.ones(8, 8, dtype=torch.bool)}, r"attn_mask is not supported.*is_causal=True/False"),
-        (
-            {"q": torch.randn(1, 4, 7, 16), "k": torch.randn(1, 2, 7, 16), "v": torch.randn(1, 2, 7, 16)},
-            r"local sequence length 7 is inconsistent with cp = 1.*multiple of 2.*load_balance=False",
-        ),
+        ({"documents": torch.zeros(1, 7, dtype=torch.long)}, r"documents must be an integer tensor of shape \(batch=1, "
+                                                             r"whole sequence=8\)"),
+        ({"attendable": torch.ones(1, 8)}, r"attendable must be a boolean tensor"),
+        ({"algorithm": "ulysses", "ulysses_group": object()}, r"ulysses_group is for the hybrid"),
         ({"k": torch.randn(1, 2, 6, 16), "v": torch.randn(1, 2, 6, 16)}, r"q and k local sequence lengths differ"),
         ({"v": torch.randn(1, 2, 4, 16)}, r"q, k, v shapes do not match"),
         ({"k": torch.randn(1, 2, 8, 32)}, r"q, k, v shapes do not match"),
@@ -271,9 +292,10 @@ def test_bad_inputs_raise_clear_errors(overrides: dict, pattern: str) -> None:
     assert re.search(pattern, _err(**overrides)), _err(**overrides)
 
 
-def test_odd_local_length_is_fine_without_load_balance() -> None:
-    q = torch.randn(1, 2, 7, 8)
-    out = context_parallel_attention(q, q, q, is_causal=True, load_balance=False)
+@pytest.mark.parametrize("load_balance", [False, True])
+def test_odd_local_length_is_fine_in_one_process_or_without_load_balance(load_balance: bool) -> None:
+    q = torch.randn(1, 2, 7, 8)  # one process: nothing to balance, so no even split is asked for
+    out = context_parallel_attention(q, q, q, is_causal=True, load_balance=load_balance)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, is_causal=True), atol=TOL, rtol=0)
 
 

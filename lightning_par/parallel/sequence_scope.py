@@ -8,7 +8,7 @@ below every technique, by the active scope's own methods. Outside any scope each
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -24,6 +24,9 @@ class SequenceScope(Protocol):
     def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
 
     def reentered(self) -> AbstractContextManager: ...
+
+    def tokens(self, position_ids: torch.Tensor | None,
+               attention_mask: torch.Tensor | None) -> AbstractContextManager: ...
 
 
 _ACTIVE: list[Any] = []
@@ -44,11 +47,29 @@ def active_scope() -> Any:
 
 def recompute_in_active_scope() -> tuple[AbstractContextManager, AbstractContextManager]:
     """``context_fn`` for activation checkpointing: the recomputation (run by autograd during backward, where no
-    TorchFunctionMode of the forward is active) re-enters the scope that was active when the forward ran."""
-    scope = _ACTIVE[-1] if _ACTIVE else None
-    if scope is None:
+    TorchFunctionMode of the forward is active) re-enters the scope that was active when the forward ran, and the
+    one-process document mask (``parallel/documents``) where one was."""
+    from lightning_par.parallel.documents import active_document_mask  # (it asks this module for the scope)
+
+    again = [mode.reentered() for mode in (_ACTIVE[-1] if _ACTIVE else None, active_document_mask()) if mode]
+    if not again:
         return nullcontext(), nullcontext()
-    return nullcontext(), scope.reentered()
+    return nullcontext(), _Entered(again)
+
+
+class _Entered(AbstractContextManager):
+    """Several contexts entered in order and left in reverse."""
+
+    def __init__(self, contexts: list[AbstractContextManager]) -> None:
+        self.stack = ExitStack()
+        self.contexts = contexts
+
+    def __enter__(self) -> None:
+        for context in self.contexts:
+            self.stack.enter_context(context)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.close()
 
 
 def context_positions(local_len: int, device: torch.device | str | None = None) -> torch.Tensor:

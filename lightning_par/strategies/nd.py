@@ -82,7 +82,12 @@ class NDParallelStrategy(BaseParallelStrategy):
             node holding one of its experts once, then goes once to each rank there holding one (fewer bytes on the
             links between nodes; two host syncs per layer instead of one). Default: found from the hosts' names;
             ``ep`` or 1: one step.
-        cp_algorithm: ``"ring"`` (K/V passed around the cp group point to point) or ``"allgather"``.
+        cp_algorithm: ``"ring"`` (K/V passed around the cp group point to point), ``"allgather"``, or
+            ``"ulysses"`` (all-to-all: every rank attends over the whole sequence for ``heads / cp`` of the heads;
+            cp must divide the heads, after tp).
+        cp_ulysses_size: the hybrid: all-to-all inside groups of this many consecutive cp ranks (a node's, by
+            default placement), then ``cp_algorithm`` (ring or all-gather) over the ``cp / cp_ulysses_size``
+            groups; scales past the head count. Default None (no all-to-all unless ``cp_algorithm="ulysses"``).
         cp_load_balance: split each sequence into 2*cp chunks, rank i holding chunks i and 2*cp-1-i, so causal
             attention costs every rank the same (the sequence length must then be divisible by 2*cp).
         cp_seq_dim: the sequence dimension of the batch's tensors (tensors with fewer dims are not sharded).
@@ -155,6 +160,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         cp_algorithm: str = "ring",
         cp_load_balance: bool = True,
         cp_seq_dim: int = 1,
+        cp_ulysses_size: int | None = None,
         tp_plan: Mapping[str, Any] | None = None,
         ep_plan: list[str] | None = None,
         ep_ranks_per_node: int | None = None,
@@ -193,7 +199,8 @@ class NDParallelStrategy(BaseParallelStrategy):
             pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_stages_per_rank=pp_stages_per_rank,
             pp_split_points=pp_split_points, pp_loss_method=pp_loss_method, tp_plan=tp_plan,
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, cp_algorithm=cp_algorithm,
-            cp_load_balance=cp_load_balance, cp_seq_dim=cp_seq_dim, activation_checkpointing=activation_checkpointing,
+            cp_load_balance=cp_load_balance, cp_seq_dim=cp_seq_dim, cp_ulysses_size=cp_ulysses_size,
+            activation_checkpointing=activation_checkpointing,
             compile=compile, shard_units=shard_units, reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload, ep_plan=ep_plan, ep_ranks_per_node=ep_ranks_per_node,
             accumulate_unsharded=accumulate_unsharded,
@@ -219,6 +226,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         self.activation_checkpointing, self.compile = recipe.activation_checkpointing, recipe.compile
         self.fully_sharded, self.float8 = recipe.fully_sharded, recipe.float8
         self.quantize_base = recipe.quantize_base
+        self.activation_checkpointing.compiled = self.compile.enabled
         self.quantize_base.check_with_float8(self.float8.recipe)
 
     @property

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from lightning_par._compat import fused_attention_backward, fused_attention_forward
+from lightning_par.techniques.context import ulysses as a2a
 from lightning_par.techniques.context.context_sharding import (
     Block,
     block_plan,
@@ -54,8 +55,8 @@ __all__ = [
     "unshard_sequence",
 ]
 
-Algorithm = Literal["ring", "allgather"]
-ALGORITHMS = ("ring", "allgather")
+Algorithm = Literal["ring", "allgather", "ulysses"]
+ALGORITHMS = ("ring", "allgather", "ulysses")
 #: Which kernels compute a block on CUDA: "auto" (flash attention for fp16/bf16, memory-efficient for fp32, each
 #: where it takes the block's shapes, else the math path) or "math" (fp32 matmuls everywhere, the reference).
 #: CPU tensors always take the math path.
@@ -100,6 +101,16 @@ class _Setup:
     algorithm: str
     counter: CommCounter | None
     window: int | None = None  # sliding window: a query sees the `window` latest keys (itself included)
+    #: (batch, whole sequence) document index of every token, in sequence order: a query sees keys of its own
+    #: document only (packed sequences); None: one document a row
+    documents: torch.Tensor | None = None
+    #: (batch, whole sequence) whether each token may be seen as a key (False: padding); None: all may
+    attendable: torch.Tensor | None = None
+
+    @property
+    def masks_by_token(self) -> bool:
+        """Whether blocks need a mask from the tokens' positions (not just the causal triangle)."""
+        return self.window is not None or self.documents is not None or self.attendable is not None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -124,9 +135,10 @@ def _acc(t: torch.Tensor) -> torch.dtype:
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
             visible: torch.Tensor | None = None, row0: int = 0) -> torch.Tensor:
-    """Scaled scores; masked entries -inf. ``visible`` (rows x cols, from global positions) replaces the plain
-    lower-triangular mask where a sliding window applies; ``row0``: the first query row's index in its causal block
-    (a row tile's), whose key ``j`` is masked past row ``row0 + i``."""
+    """Scaled scores; masked entries -inf. ``visible`` (batch or 1, 1, rows, cols; from the tokens' global positions
+    and documents) replaces the plain lower-triangular mask where a sliding window, packed documents or padding
+    apply; ``row0``: the first query row's index in its causal block (a row tile's), whose key ``j`` is masked past
+    row ``row0 + i``."""
     s = (q.to(_acc(q)) @ k.to(_acc(q)).transpose(-2, -1)) * scale
     if visible is not None:
         s.masked_fill_(~visible, float("-inf"))
@@ -213,7 +225,7 @@ def _block_forward(
     for r0, r1, keys in tiles:
         out[:, :, r0:r1], lse[:, :, r0:r1] = _tile_forward(
             q[:, :, r0:r1], k[:, :, :keys], v[:, :, :keys], scale, causal,
-            None if visible is None else visible[r0:r1, :keys], r0)
+            None if visible is None else visible[..., r0:r1, :keys], r0)
     return out, lse
 
 
@@ -260,7 +272,7 @@ def _block_backward(
             rows = slice(r0, r1)
             dq[:, :, rows], gk, gv = _tile_backward(
                 dout[:, :, rows], q[:, :, rows], k[:, :, :keys], v[:, :, :keys], out[:, :, rows], lse[:, :, rows],
-                scale, causal, None if visible is None else visible[rows, :keys],
+                scale, causal, None if visible is None else visible[..., rows, :keys],
                 None if dlse is None else dlse[:, :, rows], r0)
             dk[:, :, :keys] += gk
             dv[:, :, :keys] += gv
@@ -272,7 +284,8 @@ def _tile_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    dlse: torch.Tensor | None, row0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of query rows ``row0`` on of a block (dk, dv over the keys ``k`` they may see, per query
     head: the caller folds them for GQA)."""
-    p = torch.exp(_scores(q, k, scale, causal, visible, row0) - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
+    # masked entries: exp(-inf) = 0; a row that sees no key at all (a padding query) has lse -inf and gets 0 too
+    p = torch.exp(_scores(q, k, scale, causal, visible, row0) - _finite(lse).unsqueeze(-1))
     do = dout.to(p.dtype)
     dv = p.transpose(-2, -1) @ do
     # d(scores) = P * (dP - rowsum(dO * O)): rowsum(P * dP) over ALL blocks equals rowsum(dO * O).
@@ -416,15 +429,25 @@ def _unpack(buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.
 
 
 def _plan(s: _Setup, src: int, n: int, device: torch.device) -> tuple[Block | None, torch.Tensor | None]:
-    """The block of ``src``'s K/V that this rank's queries see, and (with a sliding window) which of its entries:
-    the window is checked on the tokens' global positions. A block the window hides entirely is skipped."""
+    """The block of ``src``'s K/V that this rank's queries see, and (with a sliding window, packed documents or
+    padding) which of its entries: checked on the tokens' global positions and documents. A block they hide entirely
+    (no document spans it, or the window does not reach it) is skipped."""
     blk = block_plan(s.rank, src, s.size, n, s.is_causal, s.load_balance)
-    if blk is None or s.window is None:
+    if blk is None or not s.masks_by_token:
         return blk, None
     pq = sequence_positions(n * s.size, s.rank, s.size, s.load_balance, device=device)[blk.q]
     pk = sequence_positions(n * s.size, src, s.size, s.load_balance, device=device)[blk.kv]
     distance = pq[:, None] - pk[None, :]
-    visible = (distance >= 0) & (distance < s.window)
+    visible = distance >= 0 if s.is_causal else torch.ones_like(distance, dtype=torch.bool)
+    if s.window is not None:
+        visible = visible & (distance < s.window)
+    visible = visible[None]  # (batch, rows, cols) from here
+    if s.documents is not None:
+        docs = s.documents.to(device)
+        visible = visible & (docs[:, pq, None] == docs[:, None, pk])
+    if s.attendable is not None:
+        visible = visible & s.attendable.to(device)[:, None, pk]
+    visible = visible.unsqueeze(1)  # over the heads
     return (blk, visible) if bool(visible.any()) else (None, None)
 
 
@@ -498,7 +521,7 @@ def _check_algorithm(algorithm: str) -> None:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}.")
 
 
-def _validate(q, k, v, attn_mask, algorithm, load_balance, scale, cp_size) -> None:
+def _validate(q, k, v, attn_mask, algorithm, load_balance, scale, cp_size, ulysses: int = 1) -> None:
     _check_algorithm(algorithm)
     if attn_mask is not None:
         raise ValueError(
@@ -532,13 +555,13 @@ def _validate(q, k, v, attn_mask, algorithm, load_balance, scale, cp_size) -> No
             f"q heads ({q.size(1)}) must be a multiple of k/v heads ({k.size(1)}) for grouped-query attention: "
             f"{shapes}. Give k and v a head count that divides the query head count."
         )
-    n, chunks = q.size(2), 2 * cp_size if load_balance else cp_size
+    n, chunks = q.size(2) * ulysses, 2 * cp_size if load_balance else cp_size  # n: the ring level's
     if n == 0 or (load_balance and n % 2 != 0):
         raise ValueError(
-            f"local sequence length {n} is inconsistent with cp = {cp_size} and load_balance={load_balance}: the "
-            f"global length {n * cp_size} must split into {chunks} equal non-empty chunks (each rank holds two with "
-            f"load balancing). Pad the global sequence to a multiple of {chunks} and shard it with shard_sequence(), "
-            "or pass load_balance=False."
+            f"local sequence length {q.size(2)} is inconsistent with cp = {cp_size * ulysses} and load_balance="
+            f"{load_balance}: the global length {n * cp_size} must split into {chunks} equal non-empty chunks (each "
+            f"rank holds two with load balancing). Pad the global sequence to a multiple of {chunks} and shard it "
+            "with shard_sequence(), or pass load_balance=False."
         )
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise ValueError(f"scale must be a float or None (1/sqrt(head_dim)), got {scale!r}.")
@@ -573,6 +596,9 @@ def context_parallel_attention(
     comm_counter: CommCounter | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
+    attendable: torch.Tensor | None = None,
+    ulysses_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Exact attention over sequences sharded across ``group`` (the cp group); returns this rank's output shard.
 
@@ -583,9 +609,31 @@ def context_parallel_attention(
     sliding-window attention, each query seeing the ``window`` latest tokens up to itself (Mistral's
     ``sliding_window``), on global positions. ``sinks`` (H,): a learned logit per head that joins every softmax's
     denominator and attends to nothing (gpt-oss's attention sinks, transformers' ``s_aux``).
+
+    ``documents`` (B, S_global) integers: packed sequences, a query seeing keys of its own document only (the whole
+    rows, in sequence order, the same on every rank: ``parallel/documents.document_ids`` makes them from position
+    ids).
+    ``attendable`` (B, S_global) bools: tokens that may be seen as keys (False: padding; Hugging Face's 2-D
+    ``attention_mask``). Blocks they hide entirely are skipped.
+
+    ``algorithm="ulysses"``: all-to-all over ``group`` instead of moving keys and values: every rank attends over
+    the whole sequence for ``H / cp`` of the heads (its tokens: ``shard_sequence(..., ulysses=cp)``). The hybrid:
+    ``ulysses_group`` (a group of ``k`` consecutive cp ranks) with ``"ring"`` or ``"allgather"`` over ``group``
+    (the ``cp / k`` ranks holding the same member index in each Ulysses group): all-to-all inside each Ulysses
+    group, then the ring over the groups' gathered parts (tokens: ``shard_sequence(..., ulysses=k)``).
     """
-    group, rank, size = _resolve_group(group)
-    _validate(q, k, v, attn_mask, algorithm, load_balance, scale, size)
+    _check_algorithm(algorithm)
+    if algorithm == "ulysses":
+        if ulysses_group is not None:
+            raise ValueError("ulysses_group is for the hybrid (all-to-all inside groups, then 'ring' or 'allgather' "
+                             "over group); with algorithm='ulysses' the all-to-all spans group itself: pass only "
+                             "group.")
+        ulysses_group, (group, rank, size) = _resolve_group(group)[0], (None, 0, 1)
+    else:
+        group, rank, size = _resolve_group(group)
+    ulysses = 1 if ulysses_group is None else dist.get_world_size(ulysses_group)
+    balanced = bool(load_balance) and size > 1
+    _validate(q, k, v, attn_mask, algorithm, balanced, scale, size, ulysses)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1 or not is_causal):
         raise ValueError(f"window={window!r} must be a positive int, and only with is_causal=True (a causal "
                          f"sliding window); pass window=None for full causal attention.")
@@ -593,13 +641,36 @@ def context_parallel_attention(
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q.size(1),)):
         raise ValueError(f"sinks must be a tensor of one logit per query head, shape ({q.size(1)},), got "
                          f"{getattr(sinks, 'shape', type(sinks).__name__)}.")
-    setup = _Setup(group, rank, size, bool(is_causal), bool(load_balance), scale, algorithm, comm_counter, window)
+    whole = q.size(2) * size * ulysses
+    documents = _check_token_table("documents", documents, q.size(0), whole, integer=True)
+    attendable = _check_token_table("attendable", attendable, q.size(0), whole, integer=False)
+    if ulysses > 1:
+        a2a.check_heads(q.size(1), k.size(1), ulysses)
+        member = dist.get_rank(ulysses_group)
+        if sinks is not None:
+            sinks = sinks[a2a.head_slice(ulysses, member, q.size(1))]
+        q, k, v = a2a.to_heads(q, k, v, ulysses_group, comm_counter)
+    setup = _Setup(group, rank, size, bool(is_causal), balanced, scale, "ring" if size == 1 else algorithm,
+                   comm_counter, window, documents, attendable)
     out, lse = _ContextParallelAttention.apply(q, k, v, setup)
-    if sinks is None:
-        return out
-    # softmax over [scores, sink]: the keys' share of the denominator is exp(lse) / (exp(lse) + exp(sink))
-    with_sink = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
-    return (out * torch.exp(lse - with_sink).unsqueeze(-1)).to(q.dtype)
+    if sinks is not None:
+        # softmax over [scores, sink]: the keys' share of the denominator is exp(lse) / (exp(lse) + exp(sink))
+        with_sink = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+        out = (out * torch.exp(lse - with_sink).unsqueeze(-1)).to(q.dtype)
+    return out if ulysses == 1 else a2a.to_sequence(out, ulysses_group, comm_counter)
+
+
+def _check_token_table(name: str, table: torch.Tensor | None, batch: int, whole: int,
+                       integer: bool) -> torch.Tensor | None:
+    if table is None:
+        return None
+    kind = "an integer" if integer else "a boolean"
+    ok = isinstance(table, torch.Tensor) and (not table.is_floating_point() if integer else table.dtype == torch.bool)
+    if not ok or table.dim() != 2 or table.size(1) != whole or table.size(0) not in (1, batch):
+        raise ValueError(f"{name} must be {kind} tensor of shape (batch={batch}, whole sequence={whole}) covering "
+                         f"every cp rank's tokens in sequence order, got {getattr(table, 'dtype', type(table))} "
+                         f"{tuple(getattr(table, 'shape', ()))}.")
+    return table
 
 
 def context_parallel_sdpa(
@@ -608,6 +679,8 @@ def context_parallel_sdpa(
     algorithm: Algorithm = "ring",
     load_balance: bool = True,
     comm_counter: CommCounter | None = None,
+    ulysses_group: dist.ProcessGroup | None = None,
+    tokens: Callable[[], dict] | None = None,
 ) -> Callable[..., torch.Tensor]:
     """A drop-in for ``F.scaled_dot_product_attention`` bound to a cp group: route a model's attention through it.
 
@@ -618,10 +691,12 @@ def context_parallel_sdpa(
         attn = context_parallel_sdpa(mesh["cp"].get_group())
         y = attn(q, k, v, is_causal=True)  # q, k, v: (B, H, S / cp, D), this rank's tokens
 
-    With a cp group of size 1 it returns ``F.scaled_dot_product_attention`` itself (same layout, fastest kernel).
+    ``tokens``: called at every attention, returns the ``documents`` / ``attendable`` tables of the rows running now
+    (``context_routing``'s scope). With a cp group of size 1 and no Ulysses group it returns
+    ``F.scaled_dot_product_attention`` itself (same layout, fastest kernel) unless ``tokens`` is given.
     """
     _check_algorithm(algorithm)
-    if _resolve_group(group)[2] == 1:
+    if _resolve_group(group)[2] == 1 and ulysses_group is None and tokens is None:
         return F.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -629,7 +704,8 @@ def context_parallel_sdpa(
             raise ValueError(f"dropout_p={dropout_p} is not supported by context-parallel attention; pass 0.0.")
         if query.size(-3) != key.size(-3) and not enable_gqa:
             raise ValueError(f"q has {query.size(-3)} heads and k has {key.size(-3)}: pass enable_gqa=True for GQA.")
-        kw = dict(group=group, algorithm=algorithm, load_balance=load_balance, comm_counter=comm_counter)
+        kw = dict(group=group, algorithm=algorithm, load_balance=load_balance, comm_counter=comm_counter,
+                  ulysses_group=ulysses_group, **(tokens() if tokens is not None else {}))
         return context_parallel_attention(query, key, value, attn_mask, is_causal=is_causal, scale=scale, **kw)
 
     return sdpa

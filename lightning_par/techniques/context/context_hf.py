@@ -8,7 +8,12 @@ validation step of a context-parallel strategy), the attention is :func:`context
 after training) both calls go to the implementation the model had before, so the model behaves exactly as it did.
 
 Rotary embeddings need each token's global position: a pre-hook on the model fills ``position_ids`` with this rank's
-positions (:func:`context_positions`), so the user's module passes nothing context-parallel specific.
+positions (:func:`context_positions`), so the user's module passes nothing context-parallel specific. Packed rows
+(``position_ids`` that restart at each document, as ``DataCollatorWithFlattening`` and TRL's packing give them, or
+``cu_seq_lens_q``) keep their positions, and their documents are found as transformers finds them in one process (a
+new document wherever the position does not go up by one; only without a padding mask and with ``use_cache=False``,
+as transformers does); a 2-D ``attention_mask`` hides its padding as keys. Both are gathered into whole rows once
+per forward.
 """
 
 from __future__ import annotations
@@ -66,8 +71,10 @@ def route_attention(model: nn.Module) -> None:
 
 #: ``config.layer_types`` entries context-parallel attention computes exactly (the MLP kinds say nothing of attention)
 _CP_LAYER_TYPES = {"full_attention", "sliding_attention", "dense", "sparse"}
-#: tensors transformers passes to every attention function that carry no change to its math
-_HARMLESS_TENSOR_KWARGS = {"position_ids", "cache_position"}
+#: tensors transformers passes to every attention function that carry no change to its math (packed rows'
+#: boundaries are the scope's documents: the model's pre-hook read them)
+_HARMLESS_TENSOR_KWARGS = {"position_ids", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                           "max_length_k"}
 
 
 def _layer_types(config: Any) -> list[str]:
@@ -108,26 +115,22 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
             f"window masks are applied from the tokens' global positions).")
     if not causal and sliding_window is not None:
         raise ValueError(f"{where}: a bidirectional sliding window is not supported by context-parallel attention.")
-    packed = [name for name in ("cu_seq_lens_q", "cu_seq_lens_k") if kwargs.get(name) is not None]
-    if packed:
-        raise ValueError(f"{where} received {packed}: packed sequences with per-sequence boundaries are not supported "
-                         f"by context-parallel attention. Pass whole, equal-length sequences.")
     extra = sorted(k for k, v in kwargs.items()
                    if isinstance(v, torch.Tensor) and k not in _HARMLESS_TENSOR_KWARGS and k != "s_aux")
     if extra:  # e.g. a relative position bias: a (q, k) term that would have to travel around the ring too
         raise ValueError(f"{where} passes {extra} to its attention, which context-parallel attention does not "
                          f"apply (it computes softmax(q k^T) v with causal/sliding masks and attention sinks). Use "
                          f"cp=1 for this model.")
-    out = context_parallel_attention(query, key, value, group=scope.group, is_causal=causal,
-                                     algorithm=scope.algorithm, load_balance=scope.load_balance, scale=scaling,
-                                     window=sliding_window, sinks=kwargs.get("s_aux"))
+    out = context_parallel_attention(query, key, value, is_causal=causal, scale=scaling, window=sliding_window,
+                                     sinks=kwargs.get("s_aux"), **scope.attention_kwargs())
     return out.transpose(1, 2).contiguous(), None
 
 
 def _mask(batch_size: int, q_length: int, kv_length: int, *args: Any, attention_mask: torch.Tensor | None = None,
           config: Any = None, **kwargs: Any) -> torch.Tensor | None:
-    """transformers' mask-interface signature. Inside a scope: no dense mask (the attention applies causality and
-    windows itself); a padding mask that hides tokens is refused. Outside: the original implementation's mask."""
+    """transformers' mask-interface signature. Inside a scope: no dense mask (the attention applies causality,
+    windows, documents and padding itself, from the tables the model's pre-hook gathered). Outside: the original
+    implementation's mask."""
     if active_scope() is None:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -136,14 +139,41 @@ def _mask(batch_size: int, q_length: int, kv_length: int, *args: Any, attention_
             return attention_mask
         return original(batch_size, q_length, kv_length, *args, attention_mask=attention_mask, config=config,
                         **kwargs)
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
-            "context parallelism got an attention_mask that hides tokens (padding): padded batches are not supported "
-            "under context parallelism. Pack or crop sequences to the same length and pass no attention_mask.")
     if q_length != kv_length:
         raise ValueError(f"context parallelism runs self-attention over whole sequences; got {q_length} queries and "
                          f"{kv_length} keys (a KV cache?). Use cp=1 for generation.")
+    scope = active_scope()
+    if getattr(scope, "_documents_to_confirm", None) is not None:
+        _confirm_documents(scope, kwargs.get("mask_function"))
     return None
+
+
+#: what one rank saw of the model's own mask function at a document boundary of its tokens
+_UNSEEN, _NOT_APPLIED, _APPLIED = 0, 1, 2
+
+
+def _confirm_documents(scope: Any, mask_function: Any) -> None:
+    """Keep the packed rows' documents only if the model's mask keeps them apart, as in one process.
+
+    transformers finds documents from ``position_ids`` only in models that pass them to their mask functions
+    (most do; gpt-oss, for one, does not, and attends across documents in one process). Its ``mask_function`` here
+    is built from this rank's positions: each rank asks it about two neighbouring tokens of its own on either side
+    of a position break (a query and the key just before it, which plain causality shows): hidden means the
+    model's mask separates documents. The ranks agree by one small all-reduce (a rank without such a pair has no
+    say); where none has one, the documents are kept (the usual case)."""
+    local = scope._documents_to_confirm
+    local = local.unsqueeze(0) if local.dim() == 1 else local
+    scope._documents_to_confirm = None
+    seen = torch.tensor(_UNSEEN)
+    breaks = (torch.diff(local, dim=-1) != 1).nonzero()
+    if mask_function is not None and len(breaks):
+        b, j = (int(i) for i in breaks[0])
+        with torch.no_grad():
+            shown = mask_function(torch.tensor(b), torch.tensor(0), torch.tensor(j + 1), torch.tensor(j))
+        seen = torch.tensor(_NOT_APPLIED if bool(shown) else _APPLIED)
+    torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX, group=scope.group)
+    if int(seen) == _NOT_APPLIED:
+        scope.documents = None
 
 
 # ---- global positions for rotary embeddings ------------------------------------------------------------------
@@ -161,18 +191,42 @@ def _install_position_hook(model: nn.Module) -> None:
         local = ids if ids is not None else embeds
         if local is None:
             return None
-        expected = context_positions(local.shape[1], local.device).unsqueeze(0)
-        given = bound.arguments.get("position_ids")
-        if given is None:
-            bound.arguments["position_ids"] = expected
-            return bound.args, bound.kwargs
-        if given.shape[-1] != expected.shape[-1] or not bool((given == expected).all()):
+        extra = bound.arguments.get("kwargs") or {}
+        given, mask = bound.arguments.get("position_ids"), bound.arguments.get("attention_mask")
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
             raise ValueError(
-                f"{type(_module).__name__} got position_ids that are not the global positions of this rank's tokens "
-                f"(packed sequences or offsets?); under context parallelism leave position_ids out (they are filled "
-                f"in) or pass the global positions of the whole sequence, sharded like the inputs.")
+                f"{type(_module).__name__} got an attention_mask of shape {tuple(getattr(mask, 'shape', ()))}: under "
+                f"context parallelism pass the 2-D (batch, seq) padding mask (1 token, 0 padding), sharded with the "
+                f"batch, or none; a dense mask cannot follow the keys around the cp group.")
+        if given is not None and given.shape[-1] != local.shape[1]:
+            raise ValueError(
+                f"{type(_module).__name__} got position_ids of length {given.shape[-1]} for {local.shape[1]} tokens "
+                f"on this rank: under context parallelism pass them in the batch (sharded with the inputs) or "
+                f"leave them out (they are filled in).")
+        cu_seq_lens = extra.get("cu_seq_lens_q")
+        if cu_seq_lens is not None and given is None:
+            raise ValueError(
+                f"{type(_module).__name__} got cu_seq_lens_q without position_ids: under context parallelism pass the "
+                f"packed rows' position_ids too (DataCollatorWithFlattening gives both), which carry the documents.")
+        # transformers finds documents from the positions only where no padding mask is given and no key/value cache
+        # is made (``use_cache=False``, as trainers set it for packed rows): the same rows behave as in one process
+        packed = given if mask is None and not _makes_cache(_module, bound.arguments, extra) else None
+        scope.set_tokens(packed, mask)
+        # kept only if the model's own mask function separates them (``_confirm_documents``, at its first call)
+        scope._documents_to_confirm = packed if scope.documents is not None else None
+        if given is None:
+            bound.arguments["position_ids"] = context_positions(local.shape[1], local.device).unsqueeze(0)
+            return bound.args, bound.kwargs
         return None
 
     model.register_forward_pre_hook(fill_positions, with_kwargs=True)
     model._lightning_par_position_hook = True
 
+
+def _makes_cache(model: nn.Module, arguments: dict[str, Any], extra: dict[str, Any]) -> bool:
+    """Whether this forward runs with a key/value cache (transformers' models make one where ``use_cache``, given
+    or the config's, is on and none was passed)."""
+    if arguments.get("past_key_values", extra.get("past_key_values")) is not None:
+        return True
+    use_cache = arguments.get("use_cache", extra.get("use_cache"))
+    return bool(getattr(model.config, "use_cache", False) if use_cache is None else use_cache)

@@ -36,23 +36,53 @@ class ContextParallelOptions:
     cp_algorithm: str = "ring"
     cp_load_balance: bool = True
     cp_seq_dim: int = 1
+    cp_ulysses_size: int | None = None
 
     def build(self) -> ContextParallel:
-        return ContextParallel(self.cp_algorithm, self.cp_load_balance, self.cp_seq_dim)
+        return ContextParallel(self.cp_algorithm, self.cp_load_balance, self.cp_seq_dim, self.cp_ulysses_size)
 
 
 class ContextParallel(Technique):
-    def __init__(self, algorithm: str = "ring", load_balance: bool = True, seq_dim: int = 1) -> None:
+    def __init__(self, algorithm: str = "ring", load_balance: bool = True, seq_dim: int = 1,
+                 ulysses_size: int | None = None) -> None:
         self.algorithm = check_choice("cp_algorithm", algorithm, ALGORITHMS)
         self.load_balance = check_bool("cp_load_balance", load_balance)
         if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 1:
             raise ValueError(f"cp_seq_dim={seq_dim!r} must be the batch tensors' sequence dimension (>= 1), e.g. 1.")
+        if ulysses_size is not None and (isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int)
+                                         or ulysses_size < 1):
+            raise ValueError(f"cp_ulysses_size={ulysses_size!r} must be a positive int: the cp ranks of one all-to-all "
+                             f"group (a divisor of cp), or None.")
         self.seq_dim = seq_dim
+        self.ulysses_size = ulysses_size
         self.scope: ContextParallelScope | None = None
 
+    def ulysses(self, cp: int) -> int:
+        """The ranks of one all-to-all group: cp with ``cp_algorithm="ulysses"``, else ``cp_ulysses_size`` (1:
+        none)."""
+        return cp if self.algorithm == "ulysses" else (self.ulysses_size or 1)
+
+    def check(self, dims: ParallelDims) -> None:
+        if self.ulysses_size is None or dims.cp == -1:
+            return
+        if self.algorithm == "ulysses" and self.ulysses_size != dims.cp:
+            raise ValueError(f"cp_ulysses_size={self.ulysses_size} with cp_algorithm='ulysses': the all-to-all then "
+                             f"spans the whole cp group ({dims.cp}). Leave cp_ulysses_size out, or give cp_algorithm "
+                             f"'ring' or 'allgather' for the hybrid (all-to-all inside groups of cp_ulysses_size "
+                             f"ranks, then the ring over the groups).")
+        if dims.cp % self.ulysses_size != 0:
+            raise ValueError(f"cp_ulysses_size={self.ulysses_size} must divide cp={dims.cp} (each all-to-all group is "
+                             f"that many consecutive cp ranks), e.g. {_divisors(dims.cp)}.")
+
     def setup_environment(self, dims: ParallelDims) -> None:
-        if dims.cp > 1:
-            self.scope = ContextParallelScope(dims.mesh("cp").get_group(), self.algorithm, self.load_balance)
+        if dims.cp == 1:
+            return
+        k = self.ulysses(dims.cp)
+        ring_group = ulysses_group = None
+        if 1 < k < dims.cp:  # the hybrid: the cp dimension cut into (ring, Ulysses group), the group innermost
+            ring_group, ulysses_group = hybrid_groups(dims, k)
+        self.scope = ContextParallelScope(dims.mesh("cp").get_group(), self.algorithm, self.load_balance, k,
+                                          ring_group, ulysses_group)
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
         if dims.cp > 1:
@@ -80,6 +110,9 @@ class ContextParallel(Technique):
         if cp == 1:
             return
         sheet.cp = cp
+        if self.ulysses(cp) == cp:
+            self._account_ulysses(sheet)
+            return
         sheet.buffer_bytes += SCORE_TENSORS * per_cut(
             sheet, ("cp_scores", sheet.token_scale, sheet.sequence_scale, cp, sheet.tp, cp_attention.SCORE_TILE_BYTES),
             lambda: _score_tile_bytes(sheet))
@@ -102,10 +135,45 @@ class ContextParallel(Technique):
                 sheet.transfers.append(Transfer("cp", "cp", "all_gather", kv * cp, 2 * m * k, False, m * k, m * k))
                 sheet.transfers.append(Transfer("cp", "cp", "reduce_scatter", grad * kv * cp, m * k, False))
 
+    def _account_ulysses(self, sheet: CostSheet) -> None:
+        """All-to-all over the cp group (``ulysses.py``): per attention and micro-batch, queries, keys, values and the
+        output in forward, their gradients in backward, each rank sending ``(cp - 1) / cp`` of its part, exposed
+        (the attention waits for its inputs). The attention then runs over whole rows for ``heads / cp`` of the
+        heads: the same compute as one rank's share of the ring's blocks, the fused kernels' memory (no score
+        tiles). Key/value heads fewer than cp are repeated first (priced as traced: a lower bound there)."""
+        cp, m = sheet.dims.cp, sheet.microbatches
+        scale = sheet.token_scale * sheet.activation_scale / cp / sheet.tp
+        for name in busiest_sections(sheet):
+            section = sheet.profile.sections[name]
+            moved = (section.qo_bytes + section.kv_bytes) * scale
+            if moved:
+                sheet.transfers.append(Transfer("cp", "cp", "all_to_all", moved / 4, 8 * m, False, 4 * m, 4 * m))
+
     def describe(self, dims: ParallelDims) -> str | None:
         if dims.cp == 1:
             return None
-        return f"context parallel ({self.algorithm}, load balance {self.load_balance})"
+        k = self.ulysses(dims.cp)
+        if k == dims.cp:
+            return "context parallel (ulysses all-to-all)"
+        how = self.algorithm if k == 1 else f"ulysses all-to-all in groups of {k}, then {self.algorithm}"
+        return f"context parallel ({how}, load balance {self.load_balance})"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def hybrid_groups(dims: ParallelDims, ulysses: int) -> tuple[Any, Any]:
+    """The process groups of the hybrid: the ring over ``cp / ulysses`` ranks and the all-to-all group of ``ulysses``
+    consecutive cp ranks (one mesh of their own over the same ranks, as the experts' mesh is; every rank builds
+    every group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = dims.world_mesh
+    shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp // ulysses, ulysses, dims.tp)
+    mesh = DeviceMesh(world.device_type, world.mesh.reshape(shape),
+                      mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp"))
+    return mesh["cp_ring"].get_group(), mesh["cp_ulysses"].get_group()
 
 
 def _score_tile_bytes(sheet: CostSheet) -> float:

@@ -5,10 +5,18 @@ into ``cp`` contiguous pieces would give the last rank ``2*cp - 1`` times the wo
 ``load_balance=True`` the sequence is cut into ``2*cp`` equal chunks and rank ``i`` holds chunks ``i`` and
 ``2*cp - 1 - i`` (one early, one late), so every rank does the same work. All helpers here are pure except
 :func:`unshard_sequence`, which gathers over the cp group.
+
+Ulysses (all-to-all) attention over groups of ``ulysses`` consecutive cp ranks gathers each group's tokens back
+into one piece before its attention, so the layout is two-level: the sequence is first split as for a ring of
+``cp / ulysses`` ranks (load-balanced chunks when that ring has more than one rank), and each ring rank's part is
+cut into ``ulysses`` contiguous pieces, one per rank of its group (cp rank = ring rank x ulysses + member). With
+``ulysses = cp`` (plain Ulysses) that is ``cp`` contiguous pieces: every rank attends over the whole sequence for its
+heads, so there is nothing to balance.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -34,28 +42,51 @@ def _check_layout(cp_rank: int, cp_size: int) -> None:
         raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}. Pass this rank's index in the cp group.")
 
 
-def _check_divisible(seq_len: int, cp_size: int, load_balance: bool, what: str) -> None:
-    n = num_chunks(cp_size, load_balance)
+def ring_layout(cp_size: int, load_balance: bool, ulysses: int = 1) -> tuple[int, bool]:
+    """The ring level of a cp group whose Ulysses groups have ``ulysses`` ranks: its size (``cp / ulysses``) and
+    whether its chunks are load-balanced (only where that ring has more than one rank)."""
+    if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or cp_size % ulysses != 0:
+        raise ValueError(f"ulysses={ulysses!r} must be a positive divisor of the cp size {cp_size} (the ranks of one "
+                         f"all-to-all group), e.g. 1 (no Ulysses) or {cp_size} (all-to-all over the whole cp group).")
+    ring = cp_size // ulysses
+    return ring, load_balance and ring > 1
+
+
+def _check_divisible(seq_len: int, cp_size: int, load_balance: bool, what: str, ulysses: int = 1) -> None:
+    ring, balanced = ring_layout(cp_size, load_balance, ulysses)
+    n = math.lcm(num_chunks(ring, balanced), cp_size)
     if seq_len % n != 0:
-        how = f"2*cp = {n} chunks (load_balance=True)" if load_balance else f"cp = {n} chunks"
+        if ulysses > 1:
+            how = (f"{n} equal pieces ({ring} ring ranks{', load-balanced,' if balanced else ''} x {ulysses} ranks "
+                   f"per all-to-all group)")
+        else:
+            how = f"2*cp = {n} chunks (load_balance=True)" if balanced else f"cp = {n} chunks"
         raise ValueError(
             f"{what} = {seq_len} cannot be split into {how}. Pad the sequence to a multiple of {n}"
-            + (", or pass load_balance=False." if load_balance else ".")
+            + (", or pass load_balance=False." if balanced else ".")
         )
 
 
 def shard_sequence(
-    tensor: torch.Tensor, dim: int, cp_rank: int, cp_size: int, load_balance: bool = True
+    tensor: torch.Tensor, dim: int, cp_rank: int, cp_size: int, load_balance: bool = True, ulysses: int = 1
 ) -> torch.Tensor:
     """This rank's part of ``tensor`` along the sequence dimension ``dim`` (differentiable)."""
     _check_layout(cp_rank, cp_size)
-    _check_divisible(tensor.size(dim), cp_size, load_balance, f"tensor.size({dim}) (the global sequence length)")
-    chunks = tensor.chunk(num_chunks(cp_size, load_balance), dim=dim)
-    return torch.cat([chunks[i] for i in local_chunk_ids(cp_rank, cp_size, load_balance)], dim=dim)
+    _check_divisible(tensor.size(dim), cp_size, load_balance, f"tensor.size({dim}) (the global sequence length)",
+                     ulysses)
+    ring, balanced = ring_layout(cp_size, load_balance, ulysses)
+    chunks = tensor.chunk(num_chunks(ring, balanced), dim=dim)
+    part = torch.cat([chunks[i] for i in local_chunk_ids(cp_rank // ulysses, ring, balanced)], dim=dim)
+    return part if ulysses == 1 else part.chunk(ulysses, dim=dim)[cp_rank % ulysses]
 
 
-def join_shards(shards: Sequence[torch.Tensor], dim: int, load_balance: bool = True) -> torch.Tensor:
+def join_shards(shards: Sequence[torch.Tensor], dim: int, load_balance: bool = True,
+                ulysses: int = 1) -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: rebuild the global tensor from every rank's shard, rank 0 first."""
+    if ulysses > 1:  # each Ulysses group's pieces make one ring rank's part
+        ring, balanced = ring_layout(len(shards), load_balance, ulysses)
+        parts = [torch.cat(list(shards[r * ulysses:(r + 1) * ulysses]), dim=dim) for r in range(ring)]
+        return join_shards(parts, dim, balanced)
     cp_size = len(shards)
     per_rank = 2 if load_balance else 1
     chunks: list[torch.Tensor | None] = [None] * num_chunks(cp_size, load_balance)
@@ -70,26 +101,28 @@ def join_shards(shards: Sequence[torch.Tensor], dim: int, load_balance: bool = T
 
 
 def unshard_sequence(
-    tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None, load_balance: bool = True
+    tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None, load_balance: bool = True,
+    ulysses: int = 1,
 ) -> torch.Tensor:
     """Gather every rank's shard over the cp ``group`` and return the global tensor (no autograd)."""
     shards = [
         torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))
     ]
     dist.all_gather(shards, tensor.contiguous(), group=group)
-    return join_shards(shards, dim, load_balance)
+    return join_shards(shards, dim, load_balance, ulysses)
 
 
 def sequence_positions(
-    seq_len: int, cp_rank: int, cp_size: int, load_balance: bool = True, device: torch.device | str | None = None
+    seq_len: int, cp_rank: int, cp_size: int, load_balance: bool = True, device: torch.device | str | None = None,
+    ulysses: int = 1,
 ) -> torch.Tensor:
     """Global positions (int64) of this rank's tokens for a global sequence of ``seq_len``.
 
     Index rotary tables or learned position embeddings with these, not with ``arange(local_len)``.
     """
     _check_layout(cp_rank, cp_size)
-    _check_divisible(seq_len, cp_size, load_balance, "seq_len")
-    return shard_sequence(torch.arange(seq_len, device=device), 0, cp_rank, cp_size, load_balance)
+    _check_divisible(seq_len, cp_size, load_balance, "seq_len", ulysses)
+    return shard_sequence(torch.arange(seq_len, device=device), 0, cp_rank, cp_size, load_balance, ulysses)
 
 
 @dataclass(frozen=True)

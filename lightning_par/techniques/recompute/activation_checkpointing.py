@@ -48,12 +48,17 @@ class ActivationCheckpointing(Technique):
     def __init__(self, enabled: bool | str = False) -> None:
         self.mode = check_checkpointing("activation_checkpointing", enabled)
         self.enabled = self.mode != "none"
+        #: whether ``compile`` compiles the checkpointed blocks afterwards (the recipe says; torch.compile takes
+        #: only torch's own recomputation contexts)
+        self.compiled = False
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
         if not self.enabled:
             return
         contexts: list[ContextFn] = []
-        if dims.cp > 1:  # the recomputation runs in autograd's backward: it must re-enter the context-parallel scope
+        # the recomputation runs in autograd's backward: it must re-enter the context-parallel scope, and a packed
+        # documents' mask (``parallel/documents``: not under compile, whose blocks take torch's contexts only)
+        if dims.cp > 1 or not self.compiled:
             contexts.append(recompute_in_active_scope)
         if self.mode == "selective":
             contexts.append(selective_checkpoint_contexts)
