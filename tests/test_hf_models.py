@@ -122,7 +122,7 @@ def test_checkpoint_under_pp_resumes_under_pp_and_cp(w2, name):
 
 
 @pytest.mark.parametrize("case, pattern", [
-    ("dense_mask_under_cp", r"got an attention_mask of shape \(4, 1, 8, 8\): under context parallelism pass the 2-D"),
+    ("dense_mask_under_cp", r"got an attention_mask of shape \(8, 1, 8, 8\): under context parallelism pass the 2-D"),
     ("tied_embeddings_across_ranks", r"'model.model.embed_tokens.weight' \(stage 0\) and 'model.lm_head.weight' "
                                      r"\(stage 1\) are one tied parameter.*pp_schedule='zbv'"),
     ("softcapping_under_cp", r"Gemma2ForCausalLM soft-caps its attention logits"),
