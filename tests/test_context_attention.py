@@ -315,7 +315,7 @@ def test_token_mean_cross_entropy_is_torchs_mean_on_one_rank(options):
     smoothing, another ignore_index, and in bf16 (the count kept in fp32: 601 counted tokens are no bf16 number)."""
     import torch.distributed as dist
 
-    from lightning_par.techniques.context.context_routing import token_mean_cross_entropy
+    from lightning_par.parallel.token_loss import token_mean_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     dtype = options.get("dtype", torch.float32)

@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
 from example_projects.gpt.lit import GPTModule
 from lightning_par import full_state_dict
@@ -189,11 +189,15 @@ def fit_reference(
     accumulate_grad_batches: int = 1,
     callbacks: list[Callback] | None = None,
     micro_batches: int = 1,
+    global_batch: int = GLOBAL_BATCH,
+    ranks: int = 1,
     **model_overrides: Any,
 ) -> dict:
     """One process, the whole global batch, the same sample order as a DistributedSampler over any dp size.
     ``micro_batches``: each global batch as that many consecutive micro-batches, their gradients accumulated (what a
-    pipeline's micro-batches are to a loss that is not a mean over samples); a step's loss is then their mean."""
+    pipeline's micro-batches are to a loss that is not a mean over samples); a step's loss is then their mean.
+    ``ranks``: each global batch's samples reordered rank by rank, as a DistributedSampler over that many ranks deals
+    them out: with ``micro_batches=ranks`` each micro-batch is one data-parallel rank's batch."""
     pl.seed_everything(SEED, verbose=False)
     record = RecordLoss()
     trainer = pl.Trainer(
@@ -206,10 +210,32 @@ def fit_reference(
         model = module_cls(**_model_kwargs(module_cls, model_overrides))
     data = token_dataset(num_samples)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)
-    trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH // micro_batches, sampler=sampler))
+    if ranks > 1:
+        sampler = RankByRank(sampler, global_batch, ranks)
+    trainer.fit(model, DataLoader(data, batch_size=global_batch // micro_batches, sampler=sampler))
     # Lightning reports each micro-batch's loss divided by the accumulation: a step's micro-batch losses add up to it
     losses = [sum(record.losses[i:i + micro_batches]) for i in range(0, len(record.losses), micro_batches)]
     return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+class RankByRank(Sampler):
+    """``sampler``'s indices, each block of ``batch`` reordered as ``ranks`` DistributedSampler ranks receive it
+    (rank r: positions r, r + ranks, ...), rank after rank."""
+
+    def __init__(self, sampler: DistributedSampler, batch: int, ranks: int) -> None:
+        self.sampler, self.batch, self.ranks = sampler, batch, ranks
+
+    def __iter__(self) -> Any:
+        indices = list(self.sampler)
+        for start in range(0, len(indices), self.batch):
+            block = indices[start:start + self.batch]
+            yield from (i for r in range(self.ranks) for i in block[r::self.ranks])
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
 
 
 def _model_kwargs(module_cls: type, overrides: dict[str, Any]) -> dict[str, Any]:

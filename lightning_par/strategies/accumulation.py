@@ -5,7 +5,8 @@ and there calls ``training_step`` (the forward) and then ``backward``; the step'
 outside it. The call order is Lightning's; this one object holds what follows from it, changed only by its three
 methods, each called from one hook of ``NDParallelStrategy``:
 
-* ``accumulating`` (``block_backward_sync``): this micro-batch's backward is not the step's last;
+* ``accumulating`` (``block_backward_sync``, under every option): this micro-batch's backward is not the step's
+  last;
 * ``window_open`` (``training_step`` opens it, ``backward`` closes it): a window of micro-batches whose unused
   gradients are taken back together has begun; with ``accumulate_unsharded`` the micro-batches of one accumulation
   are one window, without it each micro-batch is its own.
@@ -41,6 +42,6 @@ class AccumulationWindow:
 
     def end_backward(self) -> bool:
         """A micro-batch's backward ended (``backward``): whether it was the window's last (then closed)."""
-        last = not self.accumulating
+        last = not (self.accumulating and self.window_open)
         self.window_open = self.window_open and not last
         return last

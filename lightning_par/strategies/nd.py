@@ -116,6 +116,13 @@ class NDParallelStrategy(BaseParallelStrategy):
             memory of every unit gathered and its unsharded gradients. With ``reshard_after_forward=False`` also one
             all-gather per step: ZeRO-1-like (torch's schedules do this for a stage that is an FSDP module).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy).
+        loss_normalization: how a mean ``F.cross_entropy`` (the ``loss`` method's, ``ignore_index=-100``) is
+            normalized across the data-parallel ranks and the micro-batches of ``Trainer(accumulate_grad_batches=...)``:
+            ``"mean"`` (default, DDP's convention): each rank's and micro-batch's own mean over its counted tokens,
+            averaged; ``"tokens"``: one mean over the counted tokens of the whole global batch of the optimizer step,
+            as one process computes it (torchtitan's normalization), where labels of -100 (prompt masking, padding,
+            packing boundaries) leave the parts with different counts. The sequence parts of context parallelism and
+            the micro-batches of a pipeline are always counted as one batch.
         activation_checkpointing: recompute each block's activations in backward: ``True`` (or ``"full"``) all of
             them; ``"selective"`` all but the outputs of every other matmul and of attention (less memory saved,
             far less recomputed: torchtitan's op-level policy).
@@ -155,6 +162,7 @@ class NDParallelStrategy(BaseParallelStrategy):
         reshard_after_forward: bool = True,
         accumulate_unsharded: bool = False,
         cpu_offload: bool = False,
+        loss_normalization: str = "mean",
         activation_checkpointing: bool | str = False,
         compile: bool = False,
         cp_algorithm: str = "ring",
@@ -203,7 +211,7 @@ class NDParallelStrategy(BaseParallelStrategy):
             activation_checkpointing=activation_checkpointing,
             compile=compile, shard_units=shard_units, reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload, ep_plan=ep_plan, ep_ranks_per_node=ep_ranks_per_node,
-            accumulate_unsharded=accumulate_unsharded,
+            accumulate_unsharded=accumulate_unsharded, loss_normalization=loss_normalization,
             regather_sequence=regather_sequence, async_tp=async_tp, float8=float8,
             quantize_base=quantize_base))
         self.block_list = check_optional_str("block_list", block_list, "model.blocks")
@@ -244,6 +252,8 @@ class NDParallelStrategy(BaseParallelStrategy):
         super().build_mesh()
         for technique in self.techniques:
             technique.setup_environment(self.dims)
+        # a pipeline counts a batch's tokens over the ranks loss_normalization names
+        self.pipeline_parallel.count_tokens_with(self.fully_sharded.token_loss)
 
     def parallelize(self, module: pl.LightningModule) -> None:
         if is_parallelized(module):
@@ -286,16 +296,16 @@ class NDParallelStrategy(BaseParallelStrategy):
         ``accumulate_unsharded`` FSDP's units keep their gradients unsharded and stay gathered meanwhile; the last
         micro-batch's backward reduces them (under a pipeline: the last of the schedule's micro-batches in the
         step's last batch)."""
-        if not self.fully_sharded.accumulate_unsharded:
-            with super().block_backward_sync():
-                yield
-            return
-        if self.dims.pp > 1:  # the stages' own switch (_compat) does the rest
-            with hold_reductions():
-                yield
-            return
-        with self._accumulation.holding_back(), sync_gradients(self.lightning_module, False):
-            yield
+        with self._accumulation.holding_back():
+            if not self.fully_sharded.accumulate_unsharded:
+                with super().block_backward_sync():
+                    yield
+            elif self.dims.pp > 1:  # the stages' own switch (_compat) does the rest
+                with hold_reductions():
+                    yield
+            else:
+                with sync_gradients(self.lightning_module, False):
+                    yield
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._takes_back_unused_gradients():
@@ -303,8 +313,16 @@ class NDParallelStrategy(BaseParallelStrategy):
             # micro-batches of an accumulation; else each micro-batch alone
             first = self._accumulation.start_micro_batch(spans_accumulation=self.fully_sharded.accumulate_unsharded)
             self.fully_sharded.unused_parameters.before_backward(self.lightning_module, first=first)
-        with self.pipeline_parallel.training_step_context(self.lightning_module):
-            return super().training_step(*args, **kwargs)
+        token_loss = self.fully_sharded.token_loss
+        if token_loss is None:
+            with self.pipeline_parallel.training_step_context(self.lightning_module):
+                return super().training_step(*args, **kwargs)
+        token_loss.start_micro_batch(self.lightning_module.trainer.accumulate_grad_batches)
+        try:
+            with self.pipeline_parallel.training_step_context(self.lightning_module):
+                return super().training_step(*args, **kwargs)
+        finally:
+            token_loss.end_micro_batch()
 
     def _takes_back_unused_gradients(self) -> bool:
         """FSDP zero-fills gradients a rank's forward left out (``sharding/fsdp.py``); with dp x cp > 1 the ones no
@@ -323,6 +341,9 @@ class NDParallelStrategy(BaseParallelStrategy):
             self.pipeline_parallel.restore_gradients()
             closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
             self.post_backward(closure_loss)
+        if self.fully_sharded.token_loss is not None and not self._accumulation.accumulating:
+            # loss_normalization="tokens": the accumulated gradients over the whole window's count, before clipping
+            self.fully_sharded.token_loss.end_window(self.lightning_module.parameters())
         if self._takes_back_unused_gradients():
             last = self._accumulation.end_backward()
             self.fully_sharded.unused_parameters.after_backward(self.lightning_module,

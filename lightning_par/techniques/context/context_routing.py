@@ -5,7 +5,7 @@ attention of nanoGPT-style models and of Hugging Face models with ``attn_impleme
 :func:`~.context.context_parallel_attention` over the cp group: the same mechanism torch's own
 ``context_parallel`` uses (a ``TorchFunctionMode``), with our attention that also runs on gloo. Every
 ``F.cross_entropy`` with the mean reduction is answered by the mean over the whole sequences' counted tokens
-(:func:`token_mean_cross_entropy`). The one thing a model must do itself is take positions from
+(``parallel/token_loss``). The one thing a model must do itself is take positions from
 :func:`context_positions` instead of ``arange(seq_len)``, because a rank's tokens are not the first
 ``seq_len / cp`` of the sequence.
 """
@@ -31,38 +31,14 @@ from lightning_par.parallel.sequence_scope import (  # noqa: F401 - re-exported:
     recompute_in_active_scope,
     whole_sequence,
 )
+from lightning_par.parallel.token_loss import TokenLoss
 from lightning_par.techniques.context.context import context_parallel_sdpa
 from lightning_par.techniques.context.context_sharding import sequence_positions, shard_sequence, unshard_sequence
 
 
-def token_mean_cross_entropy(group: dist.ProcessGroup, input: torch.Tensor, target: torch.Tensor,
-                             weight: torch.Tensor | None = None, size_average: Any = None, ignore_index: int = -100,
-                             reduce: Any = None, reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
-    """``F.cross_entropy`` of this rank's part of sequences split over ``group``, such that the mean of the ranks'
-    values (what averaging gradients over the cp ranks computes) is the mean over all the sequences' counted
-    tokens, as in one process: this rank's sum over its tokens, times the group's size, over the group's count of
-    tokens whose target is not ``ignore_index`` (weighted by ``weight`` where given, as torch's mean is). With an
-    equal count on every rank it is the plain mean; with labels of -100 (prompts, padding, document boundaries)
-    the ranks' counts differ and the plain mean of means would not be one process's loss. Other reductions, and
-    class-probability targets (one per token: equal counts), are torch's own."""
-    if reduction != "mean" or size_average is not None or reduce is not None or target.is_floating_point():
-        return F.cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
-    # summed in fp32, as torch's mean accumulates (a bf16 sum of thousands of losses would round by 2**-8)
-    total = F.cross_entropy(input, target, weight, ignore_index=ignore_index, reduction="none",
-                            label_smoothing=label_smoothing).float().sum()
-    counted = target != ignore_index
-    if weight is None:
-        count = counted.sum(dtype=torch.float32)
-    else:
-        count = (weight[target.masked_fill(~counted, 0)].float() * counted).sum()
-    count = count.detach().clone()  # in fp32 whatever the loss's dtype: bf16 holds integers exactly only to 256
-    dist.all_reduce(count, group=group)  # a number per rank: no host synchronization
-    return (total * dist.get_world_size(group) / count).to(input.dtype)
-
-
 class ContextParallelScope(TorchFunctionMode):
     """While active, ``F.scaled_dot_product_attention`` is context-parallel over ``group``, and ``F.cross_entropy``
-    (mean reduction) averages over the tokens of the whole sequences (:func:`token_mean_cross_entropy`).
+    (mean reduction) averages over the tokens of the whole sequences (``parallel/token_loss``).
 
     ``algorithm="ulysses"``: all-to-all over the whole cp group; ``ulysses`` = k between 1 and cp (with ``"ring"``
     or ``"allgather"``): the hybrid, all-to-all inside ``ulysses_group`` (k consecutive cp ranks), then the ring over
@@ -75,6 +51,7 @@ class ContextParallelScope(TorchFunctionMode):
         super().__init__()
         self.group, self.algorithm, self.load_balance = group, algorithm, load_balance
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self._tokens = TokenLoss(group)
         if algorithm == "ulysses" or ulysses == self.size:
             ulysses, attention_group, attention_algorithm, ulysses_group = self.size, group, "ulysses", None
         elif ulysses > 1:
@@ -125,7 +102,7 @@ class ContextParallelScope(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             return self._sdpa(*args, **(kwargs or {}))
         if func is F.cross_entropy and self.size > 1:
-            return token_mean_cross_entropy(self.group, *args, **(kwargs or {}))
+            return self._tokens.cross_entropy(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
     def __enter__(self) -> ContextParallelScope:

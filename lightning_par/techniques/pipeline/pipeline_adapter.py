@@ -9,6 +9,13 @@ and passes what it returned to ``self.loss(outputs, targets)`` (the method's nam
   the mean loss, the same value on every rank, which ``self.log`` and Lightning's loop take as usual. The strategy's
   ``backward`` then only hands the gradients back: the schedule computed them inside ``training_step``, and
   Lightning's loop zeroes gradients between ``training_step`` and ``backward``, so they are set aside meanwhile.
+* The micro-batches of a batch are one batch: a mean ``F.cross_entropy`` in the loss method is the mean over the
+  counted tokens (targets other than -100) of the whole batch, not the mean of the micro-batches' means. As in
+  torchtitan, the targets are counted before the schedule runs, on every pp rank (summed over the cp ranks, and
+  over the data-parallel ranks with ``loss_normalization="tokens"``); inside the loss method each micro-batch's
+  cross-entropy is its sum over that count (:class:`_MicroBatchTokens`). The counts the cross-entropy saw are
+  checked against the targets' after the step, on every pp rank: a loss method that shifts or masks the targets
+  itself is refused, naming the fix.
 * Everywhere else (validation, test, predict, the model summary) ``forward`` runs the stages forward-only and
   returns the last stage's output on every rank, so metrics on the outputs work as without pipelining.
 """
@@ -19,8 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
+from lightning_par.parallel.token_loss import TokenLoss, cross_entropy_parts, weigh
 from lightning_par.techniques.pipeline.pipeline_live import LivePipeline
 
 _CONTRACT = ("under pipeline parallelism, training_step must pass what `self(...)` returns straight to "
@@ -43,10 +53,49 @@ class PipelineOutputs:
         return f"PipelineOutputs(pending {self._loss_name}(outputs, targets))"
 
 
+_MISCOUNTED = (
+    "under pipeline parallelism a mean F.cross_entropy in `{loss}` is the mean over the counted tokens of the whole "
+    "batch, counted from the targets passed to `self.{loss}(outputs, targets)` (those other than -100) before the "
+    "schedule runs; the cross-entropy in `{loss}` counted other tokens than those targets hold ({off:g} in all this "
+    "step's micro-batches). Shift or mask the targets before calling `self.{loss}` (in training_step or in the "
+    "data), and keep ignore_index=-100 and weight=None there; or compute such a loss with reduction='sum' divided "
+    "by a count of your own.")
+
+
+class _MicroBatchTokens(TorchFunctionMode):
+    """Around the loss method for one micro-batch: a mean ``F.cross_entropy`` is its sum times ``parts`` (micro-batches
+    x ranks of the count) over the batch's count, with the gradient over ``gradient_count`` (the count of the
+    accumulation window's first batch under ``loss_normalization="tokens"``); how far the counts it saw are from the
+    micro-batch's targets' own is added to ``miscount``."""
+
+    def __init__(self, expected: torch.Tensor, parts: float, count: torch.Tensor, gradient_count: torch.Tensor,
+                 miscount: torch.Tensor) -> None:
+        super().__init__()
+        self.expected, self.parts, self.count, self.gradient_count = expected, parts, count, gradient_count
+        self.miscount = miscount
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        parts = cross_entropy_parts(*args, **kwargs) if func is F.cross_entropy else None
+        if parts is None:
+            return func(*args, **kwargs)
+        total, seen = parts
+        self.miscount += (seen - self.expected).abs()
+        dtype = (args[0] if args else kwargs["input"]).dtype
+        return weigh(total * self.parts, self.count, self.gradient_count).to(dtype)
+
+
+def counted_tokens(targets: Any) -> torch.Tensor | None:
+    """The targets other than -100 (fp32), or None for targets that are not one tensor of class indices."""
+    if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or targets.is_complex():
+        return None
+    return (targets != -100).sum(dtype=torch.float32)
+
+
 class PipelineAdapter:
     """Installs the pipelined ``forward`` and loss method on one LightningModule instance."""
 
-    def __init__(self, module: nn.Module, pipeline: LivePipeline, loss_method: str) -> None:
+    def __init__(self, module: nn.Module, pipeline: LivePipeline, loss_method: str, token_loss: TokenLoss) -> None:
         user_loss = getattr(module, loss_method, None)
         if not callable(user_loss):
             raise ValueError(
@@ -61,12 +110,22 @@ class PipelineAdapter:
         self.loss_scale = 1.0  # 1 / accumulate_grad_batches: the schedule's backward must see Lightning's scaling
         self.grad_scaler: torch.amp.GradScaler | None = None  # 16-mixed: the loss scaler, inside the schedule too
         self.pending: PipelineOutputs | None = None
+        self.token_loss = token_loss  # the ranks (and accumulation window) a batch's count spans
+        self._counts: tuple[torch.Tensor, torch.Tensor] | None = None  # this batch's (count, gradient's count)
+        self._miscount = torch.zeros((), device=pipeline.device)
         pipeline.loss_fn = self._micro_batch_loss
         module.forward = self.forward  # instance attributes: nn.Module.__call__ and the loop find these
         setattr(module, loss_method, self.loss)
 
     def _micro_batch_loss(self, outputs: torch.Tensor, targets: Any) -> torch.Tensor:
-        loss = self.user_loss(outputs, targets) * self.loss_scale
+        expected = counted_tokens(targets)
+        if self._counts is None or expected is None:
+            loss = self.user_loss(outputs, targets)
+        else:
+            parts = self.pipeline.n_microbatches * self.token_loss.size
+            with _MicroBatchTokens(expected, parts, *self._counts, self._miscount):
+                loss = self.user_loss(outputs, targets)
+        loss = loss * self.loss_scale
         return loss if self.grad_scaler is None else self.grad_scaler.scale(loss)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -87,8 +146,25 @@ class PipelineAdapter:
             raise TypeError(f"{self.loss_method}(outputs, targets) takes exactly those two arguments, once per "
                             f"training_step, under pipeline parallelism.")
         outputs.used = True
-        loss = self.pipeline.train_step(outputs.args, targets) / self.loss_scale
+        counting = counted_tokens(targets) is not None  # alike on every pp rank: each reads the same batch
+        status = self._count_batch(targets) if counting else None
+        try:
+            loss = self.pipeline.train_step(outputs.args, targets, status=status)
+        finally:
+            self._counts = None
+        if status is not None and float(status) > 0:  # on every pp rank: the last stage's status was broadcast
+            raise ValueError(_MISCOUNTED.format(loss=self.loss_method, off=float(status)))
+        loss = loss / self.loss_scale
         return loss if self.grad_scaler is None else loss / self.grad_scaler.get_scale()
+
+    def _count_batch(self, targets: torch.Tensor) -> torch.Tensor:
+        """Before the schedule: the batch's count over the token loss's ranks (and the count its gradient takes in
+        an accumulation window). On every pp rank, each from the same batch: an accumulation window rescales the
+        gradients of every stage alike. Returns the step's status, the miscount the loss will add to."""
+        self._miscount.zero_()
+        count = self.token_loss.global_count(counted_tokens(targets))
+        self._counts = (count, self.token_loss.gradient_count(count))
+        return self._miscount
 
     def begin_training_step(self, accumulate_grad_batches: int, first_of_accumulation: bool) -> None:
         """``first_of_accumulation``: Lightning will zero the gradients in this step (after ``training_step``), so

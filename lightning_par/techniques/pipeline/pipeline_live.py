@@ -327,8 +327,10 @@ class LivePipeline:
         return calls
 
     # ---- running -----------------------------------------------------------------------------------------
-    def train_step(self, args: tuple[Any, ...], target: Any) -> torch.Tensor:
-        """Forward and backward of one batch through all stages; the mean micro-batch loss on every pp rank."""
+    def train_step(self, args: tuple[Any, ...], target: Any, status: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one batch through all stages; the mean micro-batch loss on every pp rank.
+        ``status``: a 0-dim tensor the last stage's loss function wrote during the step, broadcast with the loss
+        (in place) so every pp rank reads the last stage's."""
         args = _contiguous(args)
         compiled = self._compiled(args, train=True)
         losses: list[torch.Tensor] = []
@@ -343,8 +345,13 @@ class LivePipeline:
         losses = [x.to_local() if isinstance(x, DTensor) else x for x in losses]
         loss = (torch.stack([x.detach().float() for x in losses]).sum() if losses  # the mean: each is 1/m of one
                 else torch.zeros((), device=self.device))
+        if status is not None:
+            loss = torch.stack([loss, status.float()])
         with torch.profiler.record_function("PP::loss_broadcast"):  # counted as pipeline traffic by the monitors
             dist.broadcast(loss, self.last_rank, group=self.group)
+        if status is not None:
+            status.copy_(loss[1])
+            loss = loss[0]
         return loss
 
     @torch.no_grad()

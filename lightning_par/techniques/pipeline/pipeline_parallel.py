@@ -15,6 +15,7 @@ from torch import nn
 from lightning_par.checks import check_identifier, check_positive_int, check_str_list
 from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.dims import ParallelDims
+from lightning_par.parallel.token_loss import TokenLoss
 from lightning_par.techniques.pipeline.pipeline import SCHEDULES, even_cut, stage_ids
 from lightning_par.techniques.pipeline.pipeline_adapter import PipelineAdapter
 from lightning_par.techniques.pipeline.pipeline_live import LivePipeline, materialize_local
@@ -52,6 +53,7 @@ class PipelineParallel(Technique):
         self.loss_method = check_identifier("pp_loss_method", loss_method, "a method of the LightningModule")
         self.pipeline: LivePipeline | None = None
         self.adapter: PipelineAdapter | None = None
+        self.token_loss: TokenLoss | None = None  # whose ranks a batch's count of tokens spans (setup_environment)
 
     def check(self, dims: ParallelDims) -> None:
         if dims.resolved and dims.pp > 1 and dims.fsdp_enabled and self.schedule in ZERO_BUBBLE:
@@ -60,6 +62,16 @@ class PipelineParallel(Technique):
                 f"zero-bubble schedules compute weight gradients apart from input gradients, which FSDP's sharded "
                 f"parameters do not support (torch 2.13). With data parallelism use pp_schedule='1f1b' or "
                 f"'interleaved_1f1b'; or use dp_shard=1 and dp_replicate=1.")
+
+    def setup_environment(self, dims: ParallelDims) -> None:
+        """A batch's tokens are counted over the cp ranks (a sequence split over them is one sequence); the engine
+        widens that to the data-parallel ranks with ``loss_normalization="tokens"`` (:meth:`count_tokens_with`)."""
+        if dims.pp > 1:
+            self.token_loss = TokenLoss(dims.mesh("cp").get_group() if dims.cp > 1 else None)
+
+    def count_tokens_with(self, token_loss: TokenLoss | None) -> None:
+        if token_loss is not None and self.token_loss is not None:
+            self.token_loss = token_loss
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
         if dims.pp == 1:
@@ -71,7 +83,8 @@ class PipelineParallel(Technique):
             n_microbatches=self.microbatches, group=pp_mesh.get_group(), device=target.device,
             stages_per_rank=self.stages_per_rank, split_points=self.split_points, block_list=target.block_list,
             share=(getattr(module, "_trainer", None), getattr(module, "device_mesh", None)))
-        self.adapter = PipelineAdapter(module, self.pipeline, self.loss_method)
+        assert self.token_loss is not None  # setup_environment ran
+        self.adapter = PipelineAdapter(module, self.pipeline, self.loss_method, self.token_loss)
         materialize_local(module, self.pipeline.plan, self.pipeline.stage_ids, target.device,
                           seed=torch.initial_seed())
         local = [name for owners in self.pipeline.local_owners for name in owners]

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_par.checks import check_bool, check_str_list
+from lightning_par.checks import check_bool, check_choice, check_str_list
 from lightning_par.costs.sheet import CostSheet, Transfer, busiest_sections, per_cut
 from lightning_par.dims import ParallelDims
+from lightning_par.parallel.token_loss import LOSS_NORMALIZATIONS, TokenLoss, TokenMeanScope
 from lightning_par.parallel.unused_parameters import UnusedParameterGuard
 from lightning_par.techniques.sharding.fsdp import apply_fsdp, mark_accumulate_unsharded
 from lightning_par.techniques.technique import Target, Technique
@@ -39,9 +41,11 @@ class FullyShardedOptions:
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     accumulate_unsharded: bool = False
+    loss_normalization: str = "mean"
 
     def build(self) -> FullySharded:
-        return FullySharded(self.shard_units, self.reshard_after_forward, self.cpu_offload, self.accumulate_unsharded)
+        return FullySharded(self.shard_units, self.reshard_after_forward, self.cpu_offload, self.accumulate_unsharded,
+                            self.loss_normalization)
 
 
 class FullySharded(Technique):
@@ -49,10 +53,16 @@ class FullySharded(Technique):
 
     On whenever several ranks hold the same weights (data or context parallel). Under pipeline parallelism every
     module a stage runs is its own root: the LightningModule, whose forward is not what runs the stages, cannot be.
+
+    The loss's normalization across the ranks whose gradients FSDP averages is decided here too
+    (``loss_normalization``): each rank's own mean (``"mean"``, DDP's convention), or with ``"tokens"`` one mean over
+    the counted tokens of every ``dp_cp`` rank and of every micro-batch of a gradient accumulation
+    (``parallel/token_loss``), entered around each step.
     """
 
     def __init__(self, shard_units: list[str] | None = None, reshard_after_forward: bool = True,
-                 cpu_offload: bool = False, accumulate_unsharded: bool = False) -> None:
+                 cpu_offload: bool = False, accumulate_unsharded: bool = False,
+                 loss_normalization: str = "mean") -> None:
         self.shard_units = check_str_list("shard_units", shard_units, "class names or FQN globs",
                                           ["Block", "model.blocks.*"])
         self.reshard_after_forward = check_bool("reshard_after_forward", reshard_after_forward)
@@ -62,7 +72,19 @@ class FullySharded(Technique):
             raise ValueError("accumulate_unsharded=True with cpu_offload=True: keeping every unit gathered and its "
                              "gradients unsharded on the device between micro-batches undoes what offloading saves. "
                              "Choose one: accumulate_unsharded=False to offload, or cpu_offload=False.")
+        self.loss_normalization = check_choice("loss_normalization", loss_normalization, LOSS_NORMALIZATIONS)
         self.unused_parameters: UnusedParameterGuard | None = None  # set by apply
+        self.token_loss: TokenLoss | None = None  # loss_normalization="tokens", set by setup_environment
+
+    def setup_environment(self, dims: ParallelDims) -> None:
+        if self.loss_normalization == "tokens":
+            group = dims.mesh("dp_cp").get_group() if dims.mesh_size("dp_cp") > 1 else None
+            self.token_loss = TokenLoss(group)
+
+    def step_context(self, dims: ParallelDims) -> AbstractContextManager | None:
+        """With ``loss_normalization="tokens"``: every mean cross-entropy inside a step is one over the global
+        count (innermost: it answers before context parallelism's count over the cp ranks)."""
+        return None if self.token_loss is None else TokenMeanScope(self.token_loss)
 
     def apply(self, target: Target, dims: ParallelDims) -> None:
         if not fsdp_casts_parameters(dims, self.cpu_offload):  # one rank: nothing to shard, unless offloading
