@@ -199,8 +199,8 @@ class AutoParallelStrategy(NDParallelStrategy):
 
 _RECIPE_OPTIONS = ("pp_stages_per_rank", "pp_split_points", "pp_loss_method", "tp_plan", "cp_algorithm",
                    "cp_load_balance", "cp_seq_dim", "cp_ulysses_size", "compile", "shard_units",
-                   "reshard_after_forward", "accumulate_unsharded", "ep_plan", "ep_ranks_per_node", "float8", "loss_normalization",
-                   "quantize_base")
+                   "reshard_after_forward", "accumulate_unsharded", "ep_plan", "ep_ranks_per_node", "float8",
+                   "loss_normalization", "quantize_base")
 
 
 def _recipe_options(layout: Layout) -> dict[str, Any]:
