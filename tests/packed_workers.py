@@ -139,6 +139,10 @@ WORLD2 = {
     "cp2_ulysses_padded": (dict(dp_shard=1, cp=2, cp_algorithm="ulysses"), 1, "padded", False, {}),
     "cp2_ring_checkpointed": (dict(dp_shard=1, cp=2, activation_checkpointing=True), 1, "packed_masked", False, {}),
     "fsdp2": (dict(dp_shard=2), 2, "packed", False, {}),
+    # -100 labels over data-parallel ranks: one process's token mean with loss_normalization="tokens"
+    "fsdp2_tokens": (dict(dp_shard=2, loss_normalization="tokens"), 2, "packed_masked", False, {}),
+    "qwen3_moe_ep2_tokens": (dict(dp_shard=2, ep=2, loss_normalization="tokens"), 2, "packed_masked", False,
+                             {"arch": "qwen3_moe"}),
     "tp2": (dict(dp_shard=1, tp=2), 1, "packed_masked", False, {}),
     "gpt_cp2_ring": (dict(dp_shard=1, cp=2), 1, "packed_masked", True, {}),
     "gpt_cp2_ulysses": (dict(dp_shard=1, cp=2, cp_algorithm="ulysses"), 1, "packed_masked", True, {}),
