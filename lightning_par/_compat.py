@@ -128,6 +128,12 @@ def pipeline_stage_class() -> type:
     class Stage(PipelineStage):
         _weight_backwards = 0  # of this step's micro-batches, those whose weight gradients are computed
 
+        def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            # the micro-batch the stage's module runs now, for what it takes beside its inputs (a Hugging Face
+            # stage's row tables: ``pipeline_live.RowTables``)
+            self.submod.chunk_id = fwd_chunk_id
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
         def _get_init_p2p_neighbors_ops(self) -> list:
             me = dist.get_rank(self.group)
             return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != me]

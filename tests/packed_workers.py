@@ -83,12 +83,16 @@ class PackedHFCausalLM(pl.LightningModule):
         # packed documents apart (it finds them from the positions where no cache is made)
         self.model = tiny_hf_model(arch, use_cache=False, **overrides)
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        extra = {k: batch[k] for k in ("position_ids", "attention_mask") if k in batch}
-        return self.model(input_ids=batch["input_ids"], **extra).logits
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask).logits
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
     def training_step(self, batch, batch_idx):
-        loss = F.cross_entropy(self(batch).float().flatten(0, 1), batch["labels"].flatten())
+        rows = {k: batch[k] for k in ("position_ids", "attention_mask") if k in batch}
+        loss = self.loss(self(batch["input_ids"], **rows), batch["labels"])
         self.log("train/loss", loss)
         return loss
 
@@ -144,6 +148,9 @@ WORLD2 = {
     "qwen3_moe_ep2_tokens": (dict(dp_shard=2, ep=2, loss_normalization="tokens"), 2, "packed_masked", False,
                              {"arch": "qwen3_moe"}),
     "tp2": (dict(dp_shard=1, tp=2), 1, "packed_masked", False, {}),
+    # a pipeline's stages each take their micro-batch's positions (or padding mask) from the batch
+    "pp2_1f1b": (dict(dp_shard=1, pp=2, pp_microbatches=4), 1, "packed_masked", False, {}),
+    "pp2_gpipe_padded": (dict(dp_shard=1, pp=2, pp_schedule="gpipe", pp_microbatches=2), 1, "padded", False, {}),
     "gpt_cp2_ring": (dict(dp_shard=1, cp=2), 1, "packed_masked", True, {}),
     "gpt_cp2_ulysses": (dict(dp_shard=1, cp=2, cp_algorithm="ulysses"), 1, "packed_masked", True, {}),
     "gpt_fsdp2_checkpointed": (dict(dp_shard=2, activation_checkpointing=True), 2, "packed", True, {}),
@@ -159,6 +166,9 @@ WORLD4 = {
     "cp4_ulysses": (dict(dp_shard=1, cp=4, cp_algorithm="ulysses"), 1, "packed_masked", False, {}),
     "cp2_ulysses_x_tp2": (dict(dp_shard=1, cp=2, tp=2, cp_algorithm="ulysses"), 1, "packed_masked", False, {}),
     "cp2_x_tp2": (dict(dp_shard=1, cp=2, tp=2), 1, "packed_masked", False, {}),
+    "pp2_x_cp2": (dict(dp_shard=1, pp=2, cp=2, pp_microbatches=2), 1, "packed_masked", False, {}),
+    "pp2_x_dp2_tokens": (dict(dp_shard=2, pp=2, pp_microbatches=2, loss_normalization="tokens"), 2, "packed_masked",
+                         False, {}),
     "gpt_cp4_ring_ulysses2": (dict(dp_shard=1, cp=4, cp_ulysses_size=2), 1, "packed_masked", True, {}),
 }
 

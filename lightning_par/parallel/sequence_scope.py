@@ -28,6 +28,9 @@ class SequenceScope(Protocol):
     def tokens(self, position_ids: torch.Tensor | None,
                attention_mask: torch.Tensor | None) -> AbstractContextManager: ...
 
+    def set_tokens(self, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                   confirm: bool = False) -> None: ...
+
 
 _ACTIVE: list[Any] = []
 

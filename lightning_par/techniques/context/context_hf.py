@@ -211,9 +211,8 @@ def _install_position_hook(model: nn.Module) -> None:
         # transformers finds documents from the positions only where no padding mask is given and no key/value cache
         # is made (``use_cache=False``, as trainers set it for packed rows): the same rows behave as in one process
         packed = given if mask is None and not _makes_cache(_module, bound.arguments, extra) else None
-        scope.set_tokens(packed, mask)
         # kept only if the model's own mask function separates them (``_confirm_documents``, at its first call)
-        scope._documents_to_confirm = packed if scope.documents is not None else None
+        scope.set_tokens(packed, mask, confirm=True)
         if given is None:
             bound.arguments["position_ids"] = context_positions(local.shape[1], local.device).unsqueeze(0)
             return bound.args, bound.kwargs

@@ -79,13 +79,17 @@ class ContextParallelScope(TorchFunctionMode):
     def token_tables(self) -> dict[str, torch.Tensor | None]:
         return {"documents": self.documents, "attendable": self.attendable}
 
-    def set_tokens(self, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
+    def set_tokens(self, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                   confirm: bool = False) -> None:
         """The documents (from this rank's part of ``position_ids``) and padding (this rank's part of a 2-D
-        ``attention_mask``) of the rows about to run, gathered into whole rows (one small all-gather each)."""
+        ``attention_mask``) of the rows about to run, gathered into whole rows (one small all-gather each).
+        ``confirm``: a Hugging Face model's, kept only if its own mask function separates documents
+        (``context_hf._confirm_documents``)."""
         whole_positions = None if position_ids is None else self.unshard(_rows(position_ids), 1)
         whole_mask = None if attention_mask is None else self.unshard(_rows(attention_mask), 1)
         self.documents = None if whole_positions is None else document_ids(whole_positions)
         self.attendable = attendable_tokens(whole_mask)
+        self._documents_to_confirm = position_ids if confirm and self.documents is not None else None
 
     @contextmanager
     def tokens(self, position_ids: torch.Tensor | None,

@@ -31,7 +31,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_par.parallel.token_loss import TokenLoss, cross_entropy_parts, weigh
-from lightning_par.techniques.pipeline.pipeline_live import LivePipeline
+from lightning_par.techniques.pipeline.pipeline_live import ROW_TABLES, LivePipeline
 
 _CONTRACT = ("under pipeline parallelism, training_step must pass what `self(...)` returns straight to "
              "`self.{loss}(outputs, targets)`: the outputs only exist on the last stage, inside the schedule. "
@@ -41,10 +41,11 @@ _CONTRACT = ("under pipeline parallelism, training_step must pass what `self(...
 class PipelineOutputs:
     """What ``forward`` returns inside ``training_step``: the inputs, waiting for the loss method."""
 
-    __slots__ = ("args", "used", "_loss_name")
+    __slots__ = ("args", "tables", "used", "_loss_name")
 
-    def __init__(self, args: tuple[Any, ...], loss_name: str) -> None:
+    def __init__(self, args: tuple[Any, ...], loss_name: str, tables: dict[str, torch.Tensor] | None = None) -> None:
         self.args, self.used, self._loss_name = args, False, loss_name
+        self.tables = tables or {}  # the rows' position_ids / attention_mask (ROW_TABLES)
 
     def __getattr__(self, name: str) -> Any:
         raise TypeError(f"outputs.{name}: " + _CONTRACT.format(loss=self._loss_name))
@@ -129,15 +130,17 @@ class PipelineAdapter:
         return loss if self.grad_scaler is None else self.grad_scaler.scale(loss)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            raise TypeError(f"under pipeline parallelism forward takes positional inputs only; got keywords "
-                            f"{sorted(kwargs)}.")
+        other = sorted(k for k in kwargs if k not in ROW_TABLES)
+        if other:
+            raise TypeError(f"under pipeline parallelism forward takes positional inputs, and the rows' "
+                            f"{' / '.join(ROW_TABLES)} by keyword (packed or padded rows); got keywords {other}.")
+        tables = {k: v for k, v in kwargs.items() if v is not None}
         if self.training_step_active:
             if self.pending is not None:
                 raise RuntimeError("training_step called forward twice: " + _CONTRACT.format(loss=self.loss_method))
-            self.pending = PipelineOutputs(args, self.loss_method)
+            self.pending = PipelineOutputs(args, self.loss_method, tables)
             return self.pending
-        return self.pipeline.forward(args)
+        return self.pipeline.forward(args, tables)
 
     def loss(self, outputs: Any, targets: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not isinstance(outputs, PipelineOutputs):
@@ -149,7 +152,7 @@ class PipelineAdapter:
         counting = counted_tokens(targets) is not None  # alike on every pp rank: each reads the same batch
         status = self._count_batch(targets) if counting else None
         try:
-            loss = self.pipeline.train_step(outputs.args, targets, status=status)
+            loss = self.pipeline.train_step(outputs.args, targets, status=status, tables=outputs.tables)
         finally:
             self._counts = None
         if status is not None and float(status) > 0:  # on every pp rank: the last stage's status was broadcast

@@ -19,12 +19,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_par.parallel.hf import outermost_hf_models
-from lightning_par.parallel.sequence_scope import context_positions
+from lightning_par.parallel.sequence_scope import active_scope, context_positions
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,9 @@ class HFStage(nn.Module):
     """
 
     def __init__(self, module: nn.Module, hf: HFPipelineModel, layer_ids: Sequence[int], first: bool,
-                 last: bool, shared: Sequence[str], seq_len: int | None = None) -> None:
+                 last: bool, shared: Sequence[str], seq_len: int | None = None, tables: Any = None) -> None:
         super().__init__()
+        self._tables = (tables,)  # the pipeline's RowTables (not a module)
         self.first, self.last = first, last
         self.seq_len = seq_len  # of the stage inputs' sequences (the first stage's token ids)
         self._hf_model = (hf.model,)  # a tuple: not registered as a child
@@ -151,8 +153,17 @@ class HFStage(nn.Module):
             # sequence (a broadcast zero, no memory) and the first layer gets the chunk back
             chunk, x = x, x.new_zeros(()).expand(x.shape[0], self.seq_len, *x.shape[2:])
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        # global positions (this rank's tokens under context parallelism; arange otherwise)
-        positions = context_positions(x.shape[1], x.device).unsqueeze(0)
+        rows = self._tables[0].of(self) if self._tables[0] is not None else {}
+        # the rows' own positions (packed documents), else the global ones (this rank's tokens under context
+        # parallelism; arange otherwise)
+        positions = rows.get("position_ids")
+        if positions is None:
+            positions = context_positions(x.shape[1], x.device).unsqueeze(0)
+        scope = active_scope()
+        if scope is not None:  # the model's own pre-hook is not on this path (non-last stages call the base model)
+            scope.set_tokens(rows.get("position_ids"), rows.get("attention_mask"), confirm=True)
+        elif "attention_mask" in rows:
+            inputs["attention_mask"] = rows["attention_mask"]
         with _swapped(base, self._layers_name, self._view), _skip_tail(base, self._base_tail, skip=not self.last), \
                 _first_input(self.layers[str(self.layer_ids[0])] if self.layer_ids else None, chunk):
             if self.last:
@@ -189,11 +200,14 @@ def _skip_tail(base: nn.Module, names: Sequence[str], skip: bool) -> Iterator[No
         yield
 
 
-def check_forward_contract(template: nn.Module, hf: HFPipelineModel, args: tuple[object, ...]) -> None:
+def check_forward_contract(template: nn.Module, hf: HFPipelineModel, args: tuple[object, ...],
+                           tables: dict[str, torch.Tensor] | None = None) -> None:
     """The stages feed the module's input to the transformers model as ``input_ids`` and hand its logits on, in
     place of the user's ``forward``: check, on the meta-device ``template``, that the user's forward does exactly
-    that (one call of the model with the input as ``input_ids``, nothing else that changes its result, the logits
-    returned), so a forward that does more fails here instead of training something else."""
+    that (one call of the model with the input as ``input_ids``, and the rows' ``position_ids`` / ``attention_mask``
+    it was given as those, nothing else that changes its result, the logits returned), so a forward that does more
+    fails here instead of training something else."""
+    tables = tables or {}
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     model = template.get_submodule(hf.fqn) if hf.fqn else template
@@ -211,11 +225,14 @@ def check_forward_contract(template: nn.Module, hf: HFPipelineModel, args: tuple
         return CausalLMOutputWithPast(logits=logits)
 
     contract = (f"under pipeline parallelism a LightningModule holding {name} must have forward(x) return "
-                f"`self.<model>(input_ids=x).logits` (the stages run {name}'s own modules from its pipeline plan)")
+                f"`self.<model>(input_ids=x).logits`, or forward(x, position_ids=p) (packed rows) return "
+                f"`self.<model>(input_ids=x, position_ids=p).logits` (the stages run {name}'s own modules from its "
+                f"pipeline plan)")
+    meta_tables = {k: t.to("meta") for k, t in tables.items()}
     model.forward = record  # the template is this pipeline's own meta copy: patching it touches nothing else
     try:
         with torch.no_grad():
-            out = template(*meta_args)
+            out = template(*meta_args, **meta_tables)
     finally:
         del model.forward
     if len(calls) != 1:
@@ -223,7 +240,8 @@ def check_forward_contract(template: nn.Module, hf: HFPipelineModel, args: tuple
     (call_args, call_kwargs), = calls
     ids = call_kwargs.get("input_ids", call_args[0] if call_args else None)
     extra = [k for k, v in call_kwargs.items() if k != "input_ids" and v is not None
-             and k not in ("use_cache", "return_dict", "output_attentions", "output_hidden_states")]
+             and k not in ("use_cache", "return_dict", "output_attentions", "output_hidden_states")
+             and not (k in meta_tables and v is meta_tables[k])]
     if len(meta_args) != 1 or ids is not meta_args[0] or extra or len(call_args) > 1:
         raise ValueError(f"{contract}; it was called with {sorted(call_kwargs) or 'positional arguments'}"
                          f"{' (' + ', '.join(extra) + ' are not passed on between stages)' if extra else ''}.")

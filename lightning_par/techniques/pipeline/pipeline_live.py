@@ -200,6 +200,9 @@ class LivePipeline:
         self.last_recording: ScheduleRecorder | None = None
         self._cache: dict[tuple, _Compiled] = {}
         self._calls: dict[tuple, dict[str, tuple[int, bool]]] = {}
+        #: the rows' tables of the batch running now (``ROW_TABLES``), one dict per micro-batch: every pp rank reads
+        #: the same batch, so each stage takes its micro-batch's own (no communication)
+        self.row_tables: RowTables = RowTables()
 
     def _check_tied_across_ranks(self) -> None:
         """A parameter used by two stages (tied input and output embeddings) must stay on one rank: torch's
@@ -250,7 +253,8 @@ class LivePipeline:
 
     def _build(self, mb_args: tuple[Any, ...], train: bool) -> _Compiled:
         if self.hf is not None:
-            check_forward_contract(self.template, self.hf, mb_args)
+            check_forward_contract(self.template, self.hf, mb_args, self.row_tables.micro_batches[0]
+                                   if self.row_tables.micro_batches else {})
             stages = self._hf_stages(mb_args[0].shape[1])
         else:
             stages = self._traced_stages(mb_args)
@@ -269,7 +273,7 @@ class LivePipeline:
         for sid in self.stage_ids:
             layer_ids = [index[name] for name in self.plan.owners[sid] if name in index]
             submod = HFStage(self.model, self.hf, layer_ids, first=sid == 0, last=sid == self.plan.num_stages - 1,
-                             shared=self.plan.shared, seq_len=seq_len)
+                             shared=self.plan.shared, seq_len=seq_len, tables=self.row_tables)
             stages.append(_STAGE(submod, sid, self.plan.num_stages, self.device, group=self.group))
         return stages
 
@@ -327,11 +331,14 @@ class LivePipeline:
         return calls
 
     # ---- running -----------------------------------------------------------------------------------------
-    def train_step(self, args: tuple[Any, ...], target: Any, status: torch.Tensor | None = None) -> torch.Tensor:
+    def train_step(self, args: tuple[Any, ...], target: Any, status: torch.Tensor | None = None,
+                   tables: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Forward and backward of one batch through all stages; the mean micro-batch loss on every pp rank.
         ``status``: a 0-dim tensor the last stage's loss function wrote during the step, broadcast with the loss
-        (in place) so every pp rank reads the last stage's."""
+        (in place) so every pp rank reads the last stage's. ``tables``: the batch's ``position_ids`` /
+        ``attention_mask`` (``ROW_TABLES``), handed to every stage of a Hugging Face model per micro-batch."""
         args = _contiguous(args)
+        self._load_tables(tables)
         compiled = self._compiled(args, train=True)
         losses: list[torch.Tensor] = []
         call_args = args if self.has_first_stage else ()
@@ -354,10 +361,18 @@ class LivePipeline:
             loss = loss[0]
         return loss
 
+    def _load_tables(self, tables: dict[str, torch.Tensor] | None) -> None:
+        if tables and self.hf is None:
+            raise ValueError(f"forward got {sorted(tables)}: under pipeline parallelism only a Hugging Face model's "
+                             f"stages take the rows' position_ids or attention_mask (the traced stages of other "
+                             f"models pass the hidden states only). Pass the inputs alone.")
+        self.row_tables.load(tables or {}, self.n_microbatches)
+
     @torch.no_grad()
-    def forward(self, args: tuple[Any, ...]) -> torch.Tensor:
+    def forward(self, args: tuple[Any, ...], tables: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Forward only; the last stage's output (micro-batches concatenated) on every pp rank."""
         args = _contiguous(args)
+        self._load_tables(tables)
         compiled = self._compiled(args, train=False)
         out = compiled.schedule.step(*(args if self.has_first_stage else ()))
         if not isinstance(out, torch.Tensor) and self.has_last_stage:
@@ -370,6 +385,29 @@ class LivePipeline:
                 out = torch.empty(meta[0][0], dtype=meta[0][1], device=self.device)
             dist.broadcast(out, self.last_rank, group=self.group)
         return out
+
+
+#: the per-row tables a pipelined Hugging Face model's forward may pass besides its inputs
+ROW_TABLES = ("position_ids", "attention_mask")
+
+
+class RowTables:
+    """A batch's row tables cut into its micro-batches; each stage's module takes those of the micro-batch it runs
+    (``submod.chunk_id``, which the stage sets: ``_compat.pipeline_stage_class``)."""
+
+    def __init__(self) -> None:
+        self.micro_batches: list[dict[str, torch.Tensor]] = []
+
+    def load(self, tables: dict[str, torch.Tensor], n_microbatches: int) -> None:
+        cut = {name: t.contiguous().tensor_split(n_microbatches) for name, t in tables.items()}
+        self.micro_batches = [{name: parts[i] for name, parts in cut.items()} for i in range(n_microbatches)] \
+            if cut else []
+
+    def of(self, stage: nn.Module) -> dict[str, torch.Tensor]:
+        """The tables of the micro-batch ``stage`` runs now (the first during shape inference; {} without any)."""
+        if not self.micro_batches:
+            return {}
+        return self.micro_batches[getattr(stage, "chunk_id", 0)]
 
 
 def _contiguous(args: tuple[Any, ...]) -> tuple[Any, ...]:
