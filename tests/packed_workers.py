@@ -124,6 +124,17 @@ class PackedGPT(GPTModule):
         return _loader(self, self.rows, self.dp)
 
 
+class PipelinedPackedGPT(PackedGPT):
+    """The example GPT passing the rows' positions to its forward, which a pipeline's traced stages cannot hand
+    on: refused."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(self(batch["input_ids"], position_ids=batch["position_ids"]), batch["labels"])
+
+
 def run(layout: dict[str, Any] | None, devices: int, dp: int, rows: str = "packed", gpt: bool = False,
         **kwargs: Any) -> dict[str, Any]:
     """Train ``STEPS`` steps under ``layout`` (None: one process)."""
@@ -185,6 +196,9 @@ def world(cases: dict[str, tuple]) -> dict[str, Any]:
             # 4 heads, 2 key/value heads: Ulysses over 2 ranks is fine; over 3 heads it is refused
             "heads_not_divisible": error_of(lambda: run(dict(dp_shard=1, cp=2, cp_algorithm="ulysses"), 2, 1,
                                                         num_attention_heads=3, num_key_value_heads=1, head_dim=8)),
+            "rows_through_traced_stages": error_of(lambda: fit(
+                NDParallelStrategy(dp_shard=1, pp=2), devices=2, dp_size=1, max_steps=1, module_cls=PipelinedPackedGPT,
+                module_loader=True, rows="packed", dp=1)),
         }
     return out
 

@@ -65,6 +65,11 @@ def test_ulysses_refuses_heads_it_cannot_split(runs2):
     assert message and "3 query heads" in message and "cp_algorithm='ring'" in message
 
 
+def test_traced_pipeline_stages_refuse_the_rows_tables(runs2):
+    message = runs2["errors"]["rows_through_traced_stages"]
+    assert message and "forward got ['position_ids']" in message and "Hugging Face model's" in message
+
+
 def test_packed_documents_in_one_process_masks_across_documents():
     """One process: ``packed_documents`` gives SDPA the documents' mask (each document alone equals its part of
     the packed row), padding hidden as keys."""
