@@ -169,6 +169,8 @@ WORLD2 = {
     "mistral_cp2_ulysses": (dict(dp_shard=1, cp=2, cp_algorithm="ulysses"), 1, "packed_masked", False,
                             {"arch": "mistral", "num_key_value_heads": 1}),
     "gpt_oss_cp2_ring": (dict(dp_shard=1, cp=2), 1, "packed_masked", False, {"arch": "gpt_oss"}),
+    "gpt_oss_cp2_ulysses": (dict(dp_shard=1, cp=2, cp_algorithm="ulysses"), 1, "packed_masked", False,
+                            {"arch": "gpt_oss"}),
 }
 WORLD4 = {
     "cp4_ring_ulysses2": (dict(dp_shard=1, cp=4, cp_ulysses_size=2), 1, "packed_masked", False, {}),
