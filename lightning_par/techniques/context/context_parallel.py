@@ -20,7 +20,7 @@ from lightning_par.techniques.context import context as cp_attention
 from lightning_par.techniques.context.context import ALGORITHMS
 from lightning_par.techniques.context.context_hf import route_attention
 from lightning_par.techniques.context.context_routing import ContextParallelScope
-from lightning_par.techniques.technique import Target, Technique
+from lightning_par.techniques.technique import Options, Target, Technique
 
 #: the score-sized fp32 tensors a block's backward holds at once (``context._tile_backward``; its fp32
 #: dK/dV accumulators, keys x head size each, are left out: a score tensor is keys x query rows)
@@ -29,7 +29,7 @@ FP32_BYTES = 4
 
 
 @dataclass(frozen=True)
-class ContextParallelOptions:
+class ContextParallelOptions(Options):
     """Context parallelism's options, under the names ``NDParallelStrategy`` takes them (the one source of their
     defaults; ``docs/strategies.md``'s option table names each)."""
 
