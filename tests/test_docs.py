@@ -188,3 +188,17 @@ def test_the_option_table_names_every_technique_option_and_the_strategy_takes_ea
             assert field.name in named, f"{options.__name__}.{field.name} is missing from the option table"
             assert field.name in signature, field.name
             assert signature[field.name].default == field.default, field.name
+
+
+def test_the_planner_table_names_every_weighed_option_with_its_default():
+    """``plan_layouts``' table in ``docs/planner.md`` names each option the techniques let the planner weigh
+    (``planned(..., weigh=...)`` in their options dataclasses) with the values weighed by default."""
+    from lightning_par.planner.search import WEIGH
+
+    text = (DOCS / "planner.md").read_text()
+    table = text[text.index("`plan_layouts` options (keyword-only):"):]
+    rows = {row.split("|")[1].strip().strip("`"): row.split("|")[2].strip().strip("`")
+            for row in table[:table.index("\n\n", table.index("| option |"))].splitlines()[2:]}
+    for name, default in WEIGH.items():
+        assert name in rows, f"{name} is missing from plan_layouts' table"
+        assert rows[name] == repr(default).replace("'", '"'), (name, rows[name])

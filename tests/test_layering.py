@@ -193,3 +193,17 @@ def test_the_old_paths_of_moved_modules_import_the_moved_modules():
     from lightning_par.techniques.pipeline.pipeline_live import LivePipeline as moved
 
     assert LivePipeline is moved
+
+
+def test_the_planner_and_the_cost_model_name_no_technique_option():
+    """An option lives in its technique's options dataclass (with ``NDParallelStrategy``'s flat keyword argument and
+    the code that reads it): the planner's layouts, search, command line and the cost sheet reach the options the
+    planner decides through the dataclasses' hooks (``techniques.technique.Options``), never by name."""
+    import re
+
+    from lightning_par.techniques.recipe import planned_options
+
+    named = sorted(f"{path.relative_to(PACKAGE)}: {name}" for folder in ("planner", "costs")
+                   for path in (PACKAGE / folder).rglob("*.py") for name in planned_options()
+                   if re.search(rf"\b{name}\b", path.read_text()))
+    assert named == []

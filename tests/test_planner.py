@@ -906,19 +906,19 @@ trainer:
       cp: 1
       tp: 1
       pp: 1
+      ep: 1
       pp_schedule: 1f1b
       pp_microbatches: null
       pp_stages_per_rank: null
-      activation_checkpointing: false
+      pp_split_points: null
       sequence_parallel: false
+      loss_parallel: false
       regather_sequence: false
       async_tp: false
-      loss_parallel: false
-      cpu_offload: false
+      activation_checkpointing: false
       reshard_after_forward: true
+      cpu_offload: false
       accumulate_unsharded: false
-      ep: 1
-      pp_split_points: null
   accumulate_grad_batches: 2
 data:
   batch_size: 2

@@ -46,7 +46,7 @@ from lightning_par.techniques.recompute.recompute import SelectivePolicy
 from lightning_par.techniques.tensor.sequence_regather import first_tensor_argument
 from lightning_par.techniques.tensor.tensor_plan import (
     gathers_its_input,
-    resolve_tp_plan,
+    resolve_traced_plan,
     sharded_dims,
     validate_tp_plan,
 )
@@ -68,7 +68,7 @@ class SavedBytes:
     residual: int = 0
     vocab: int = 0  # downstream of a vocabulary-parallel head: split over tp under loss parallelism
     #: a column-parallel layer's input, whole: under sequence parallelism all-gathered from the sequence chunks,
-    #: and saved as this rank's chunk with ``regather_sequence``
+    #: and saved as this rank's chunk where they are gathered again in backward (``inputs_chunked``)
     layer_input: int = 0
 
     def add(self, kind: str, nbytes: int) -> None:
@@ -78,12 +78,13 @@ class SavedBytes:
     def total(self) -> int:
         return self.sharded + self.gathered + self.residual + self.vocab + self.layer_input
 
-    def per_rank(self, tp: int, cp: int, sequence_parallel: bool, loss_parallel: bool, scale: float = 1.0,
-                 regather_sequence: bool = False) -> float:
-        """This rank's share for a layout, ``scale`` times the traced tokens."""
-        residual = self.residual / tp if sequence_parallel else self.residual
-        vocab = self.vocab / tp if loss_parallel else self.vocab
-        layer_input = self.layer_input / tp if sequence_parallel and regather_sequence else self.layer_input
+    def per_rank(self, tp: int, cp: int, sequence_sharded: bool, vocab_sharded: bool, scale: float = 1.0,
+                 inputs_chunked: bool = False) -> float:
+        """This rank's share for a layout, ``scale`` times the traced tokens (``CostSheet``'s ``sequence_sharded``,
+        ``vocab_sharded``, ``inputs_chunked``)."""
+        residual = self.residual / tp if sequence_sharded else self.residual
+        vocab = self.vocab / tp if vocab_sharded else self.vocab
+        layer_input = self.layer_input / tp if sequence_sharded and inputs_chunked else self.layer_input
         return scale * (self.sharded / tp + self.gathered + residual + vocab + layer_input) / cp
 
 
@@ -97,11 +98,14 @@ class Section:
     attention_calls: list[tuple[float, bool, int | None]] = field(default_factory=list)
     saved: SavedBytes = field(default_factory=SavedBytes)
     input_bytes: int = 0  # the block's input (what activation checkpointing keeps)
-    #: saved layer inputs sequence parallelism gathers from chunks: what ``regather_sequence`` gathers again
+    #: saved layer inputs sequence parallelism gathers from chunks: what is gathered again in backward where
+    #: they are saved as chunks
     regathered_inputs: int = 0
     kv_bytes: int = 0  # keys and values entering attention (what context parallelism passes around the ring)
     #: queries entering attention and the outputs leaving it (what Ulysses' all-to-all moves beside keys and values)
     qo_bytes: int = 0
+    #: the most query heads of one attention call (Ulysses splits them over the cp ranks)
+    attention_heads: int = 0
     #: the largest score matrix of one attention call, in elements (batch x heads x queries x keys): what the
     #: context-parallel math path materializes, a block of it at a time (``ContextParallel.account``)
     attention_scores: int = 0
@@ -452,6 +456,7 @@ class _AttentionMarker(TorchFunctionMode):
         section.kv_bytes += key.numel() * key.element_size() + value.numel() * value.element_size()
         query = args[0]
         section.qo_bytes += query.numel() * query.element_size() * (1 + value.size(-1) / query.size(-1))
+        section.attention_heads = max(section.attention_heads, query.size(-3))
         section.attention_scores = max(section.attention_scores, query.numel() // query.size(-1) * key.size(-2))
         counted = section.attention_flops
         self.trace.in_attention = True
@@ -542,7 +547,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
     try:
         # as loss parallelism takes it (a Hugging Face head keeps its logits sharded; without loss parallelism it
         # gathers them, which the accounts price alike): the search then weighs layouts with and without it
-        source_plan = resolve_tp_plan(model, tp_plan, loss_parallel=True)
+        source_plan = resolve_traced_plan(model, tp_plan)
         resolved = validate_tp_plan(model, source_plan, 1)
     except ValueError:
         source_plan, resolved = {}, {}
@@ -578,7 +583,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
         if price.saves_whole_input:
             hooks.append(sub.register_forward_pre_hook(lambda _m, args: _mark(trace.gathered_inputs, args)))
         if gathers_its_input(style, any(name.startswith(g + ".") for g in gathering)):
-            # the input the engine gathers from the sequence chunks (``regather_sequence`` saves the chunk)
+            # the input the engine gathers from the sequence chunks (and again in backward, saving the chunk)
             hooks.append(sub.register_forward_pre_hook(
                 lambda _m, args, kwargs: _mark(trace.regatherable_inputs, (first_tensor_argument(args, kwargs),)),
                 with_kwargs=True))

@@ -66,17 +66,19 @@ class CostSheet:
     tp: int = 1
     cp: int = 1
     shard: int = 1  # FSDP's shard group size (dp_shard x cp); 1: parameters whole on each rank
-    sequence_parallel: bool = False
-    #: sequence parallelism's gathered layer inputs saved as chunks and gathered again in backward (not under
+    #: the residual stream between tensor-parallel regions split over tp along the sequence (sequence parallelism)
+    sequence_sharded: bool = False
+    #: the gathered layer inputs saved as this rank's sequence chunk and gathered again in backward (not under
     #: autocast alone, where the matmuls save autocast's own copy: ``TensorParallel.account`` leaves it False)
-    regather_sequence: bool = False
+    inputs_chunked: bool = False
     #: the blocks' re-gathers in backward, which activation checkpointing removes (a checkpointed block saves only
     #: its input; its recomputation gathers anew)
     regathered_in_blocks: Transfer | None = None
     #: the pipeline schedule runs backward in two passes (input gradients, then weight gradients: zero bubble),
     #: each unpacking what forward saved
     split_backward: bool = False
-    loss_parallel: bool = False
+    #: the logits and what follows them split over tp along the vocabulary (loss parallelism)
+    vocab_sharded: bool = False
     checkpointing: str = "none"  # activation checkpointing: "none", "full" or "selective"
     offload: bool = False  # parameters, gradients and optimizer state in host memory
     transfers: list[Transfer] = field(default_factory=list)

@@ -30,10 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: ``--activation-checkpointing`` names -> the layouts' values
-_CHECKPOINTING: dict[str, bool | str] = {"none": False, "selective": "selective", "full": True}
-
-
 _CHOICES = {"both": (True, False), "on": (True,), "off": (False,)}
 
 
@@ -69,8 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                        "the reserve)")
     where.add_argument("--memory-reserve", type=float, default=0.1, help="share of device memory kept free for "
                        "allocator fragmentation and workspaces (default 0.1)")
-    where.add_argument("--activation-checkpointing", nargs="+", choices=sorted(_CHECKPOINTING),
-                       default=list(_CHECKPOINTING), help="the options to weigh (default: all three)")
+    _weighed_flags(where)
     where.add_argument("--restrict", nargs="*", default=[], metavar="DIM=SIZES",
                        help="allowed sizes, e.g. pp=1 tp=1,2,4")
     where.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULES), default=list(PIPELINE_SCHEDULES),
@@ -80,22 +75,6 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--uneven-stages", choices=("on", "off"), default="on",
                        help="interleaved schedules: also weigh 4, 8 and 16 stages per rank where the blocks cannot be "
                        "cut into equal stages (default on; Megatron-LM needs equal stages: off)")
-    where.add_argument("--sequence-parallel", choices=("both", "on", "off"), default="both",
-                       help="with tp > 1: weigh sequence parallelism on, off or both (default)")
-    where.add_argument("--regather-sequence", choices=("both", "on", "off"), default="both",
-                       help="with sequence parallelism: weigh saving the gathered layer inputs as chunks gathered "
-                       "again in backward on, off or both (default: for the layouts that do not fit without it)")
-    where.add_argument("--async-tp", choices=("both", "on", "off"), nargs="?", const="both", default=None,
-                       help="with sequence parallelism on a GPU, weigh its collectives pipelined with their matmuls "
-                       "(Inductor's async tensor parallelism, which needs 2+ CUDA GPUs and has never run; the layout "
-                       "then needs compile=True): --async-tp (or both) weighs it beside the plain layouts, on forces "
-                       "it, off leaves it out. Default: left out of the ranking, and one line says which layout "
-                       "would win if it worked")
-    where.add_argument("--reshard-after-forward", choices=("both", "on", "off"), default="both",
-                       help="with FSDP: weigh resharding after forward (ZeRO-3) on, off (ZeRO-2-like) or both")
-    where.add_argument("--accumulate-unsharded", choices=("both", "on", "off"), default="both",
-                       help="with FSDP and several micro-batches per step: weigh reducing gradients once per step "
-                       "(units kept gathered, gradients unsharded meanwhile) on, off or both (default)")
     where.add_argument("--gradient-accumulation", choices=("on", "off"), default="on",
                        help="for layouts without a pipeline whose batch does not fit: weigh splitting it into "
                        "micro-batches (the Trainer's accumulate_grad_batches; default on)")
@@ -109,13 +88,52 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _weighed_flags(group: argparse._ArgumentGroup) -> None:
+    """A flag per option the planner weighs (``--name-with-dashes``), its help from the option's field
+    (``techniques.technique.planned``): its named values, several at once (``flag_values``), or on / off / both;
+    an option the engine has never run (``Options.UNTRIED``) is left out of the ranking unless the flag is given
+    (alone: both)."""
+    from lightning_par.planner.search import UNTRIED
+    from lightning_par.techniques.recipe import weighed_options
+
+    for name, f in weighed_options().items():
+        flag, values = "--" + name.replace("_", "-"), f.metadata["flag_values"]
+        if values:
+            group.add_argument(flag, nargs="+", choices=sorted(values), default=list(values), help=f.metadata["flag"])
+        elif name in UNTRIED:
+            group.add_argument(flag, choices=("both", "on", "off"), nargs="?", const="both", default=None,
+                               help=f.metadata["flag"])
+        else:
+            default = "both" if len(f.metadata["weigh"]) == 2 else "on" if f.metadata["weigh"][0] else "off"
+            group.add_argument(flag, choices=("both", "on", "off"), default=default, help=f.metadata["flag"])
+
+
+def _weighed(args: argparse.Namespace) -> dict[str, tuple]:
+    """``plan_layouts``' keyword arguments from the flags of ``_weighed_flags``; an untried option whose flag is
+    not given is weighed (to say what it would change) and left out of the ranking after."""
+    from lightning_par.techniques.recipe import weighed_options
+
+    out = {}
+    for name, f in weighed_options().items():
+        given, values = getattr(args, name), f.metadata["flag_values"]
+        out[name] = tuple(values[v] for v in given) if values else _CHOICES["both" if given is None else given]
+    return out
+
+
+def _left_out(args: argparse.Namespace) -> list[str]:
+    """The untried options whose flag was not given: weighed only to say what they would change."""
+    from lightning_par.planner.search import UNTRIED
+
+    return [name for name in UNTRIED if getattr(args, name, None) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from dataclasses import replace
 
     from lightning_par.costs.profile import profile_model
     from lightning_par.planner.predict import shares_cores, trace_dtype
-    from lightning_par.planner.search import plan_layouts
+    from lightning_par.planner.search import plan_layouts, untried
 
     start = time.perf_counter()
     if bool(args.hf_config) == bool(args.module):
@@ -132,20 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     hardware = _hardware(args, profile)
     restrict = {k: [int(x) for x in v.split(",")] for k, v in (item.split("=", 1) for item in args.restrict)}
     # async TP has never run: by default it is weighed only to say what it would change, and left out of the ranking
-    async_tp = _CHOICES["both" if args.async_tp is None else args.async_tp]
+    left_out = _left_out(args)
     plan = plan_layouts(profile, batch, args.world, hardware, precision=args.precision, batch_is_global=True,
                         memory_budget=args.memory_budget, memory_reserve=args.memory_reserve, restrict=restrict,
-                        activation_checkpointing=[_CHECKPOINTING[c] for c in args.activation_checkpointing],
-                        schedules=args.schedules, sequence_parallel=_CHOICES[args.sequence_parallel],
-                        reshard_after_forward=_CHOICES[args.reshard_after_forward],
-                        accumulate_unsharded=_CHOICES[args.accumulate_unsharded],
-                        regather_sequence=_CHOICES[args.regather_sequence], async_tp=async_tp,
-                        gradient_accumulation=args.gradient_accumulation == "on",
-                        uneven_stages=args.uneven_stages == "on")
+                        schedules=args.schedules, gradient_accumulation=args.gradient_accumulation == "on",
+                        uneven_stages=args.uneven_stages == "on", **_weighed(args))
     untried_winner = None
-    if args.async_tp is None:
-        piped = [p for p in plan.predictions if p.layout.async_tp]
-        plan = replace(plan, predictions=[p for p in plan.predictions if not p.layout.async_tp])
+    if left_out:
+        piped = [p for p in plan.predictions if untried(p.layout)]
+        plan = replace(plan, predictions=[p for p in plan.predictions if not untried(p.layout)])
         if piped and piped[0].fits and plan.predictions and piped[0].tokens_per_s > plan.best.tokens_per_s:
             untried_winner = piped[0]
     seconds = time.perf_counter() - start
@@ -163,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{', '.join(f'{k}={v!r}' for k, v in kwargs.items())}), accumulate_grad_batches="
             f"{best.layout.accumulate_grad_batches}, the data loader's batch size {micro} per rank ({rank_batch} per "
             f"rank and optimizer step){'' if args.yaml else '; --yaml OUT.yaml writes it as a config'}"]
-    if args.async_tp is None and not shares_cores(hardware):  # (CPU ranks never weigh it)
+    if left_out and not shares_cores(hardware):  # (CPU ranks never weigh it)
         if untried_winner is not None:
             gain = untried_winner.tokens_per_s / best.tokens_per_s - 1
             notes.append(f"If async TP worked (never run: it needs 2+ CUDA GPUs; --async-tp weighs it), "
@@ -204,7 +217,7 @@ def _parameters(profile: Any) -> str:
 def _init_args(layout: Any) -> dict[str, Any]:
     """``Layout.strategy_kwargs()``, and ``NDParallelStrategy``'s own default for every other option a layout
     decides: LightningCLI keeps a first config's strategy arguments that the second does not name, even under
-    another class path (a pipeline config's ``pp_microbatches`` would otherwise outlive a plan without a pipeline)."""
+    another class path (a pipeline config's micro-batches would otherwise outlive a plan without a pipeline)."""
     import inspect
 
     from lightning_par import NDParallelStrategy
@@ -212,8 +225,9 @@ def _init_args(layout: Any) -> dict[str, Any]:
 
     kwargs = layout.strategy_kwargs()
     defaults = inspect.signature(NDParallelStrategy.__init__).parameters
-    # pp_split_points name the project's own stage cuts, which fit only the project's pipeline: reset with the rest
-    decided = [*Layout.__dataclass_fields__, "pp_split_points"]
+    # (the planned options include the pipeline's cut, which the planner makes even: the project's own split
+    # points fit only the project's pipeline)
+    decided = Layout.names()
     return {**kwargs, **{name: defaults[name].default for name in decided if name in defaults and name not in kwargs}}
 
 
@@ -264,8 +278,8 @@ def plan_yaml(plan: Any, name: str, global_batch: int, argv: list[str], batch_ar
         f"{global_batch} x {plan.seq_len} tokens, {plan.precision}",
         f"cluster: {plan.world_size} devices, {hw.gpus_per_node} per node ({hw.source}); the Trainer's devices x "
         f"num_nodes must be {plan.world_size}",
-        f"layout: {layout}; activation checkpointing "
-        f"{ {False: 'off', True: 'full'}.get(layout.activation_checkpointing, layout.activation_checkpointing)}",
+        f"layout: {layout}; " + "; ".join(f"{options.COLUMN[2]} {options.column()}"
+                                          for options in layout.technique_options() if options.COLUMN),
         f"predicted: {best.tokens_per_s:,.0f} tokens/s per device, step {best.step_s * 1e3:.1f} ms, "
         f"{_size(best.memory)} per rank ({_size(best.model_state)} model state, {_size(best.activations)} "
         f"activations)" + ("" if best.fits else "; DOES NOT FIT the memory budget"),

@@ -21,18 +21,21 @@ work, not stretched by the bubble.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, astuple, dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from lightning_par.costs.profile import END_SECTIONS, ModelProfile, Section
 from lightning_par.costs.sheet import CostSheet, Transfer, per_cut
 from lightning_par.dims import MESH_DIM_NAMES, ParallelDims
-from lightning_par.techniques import build_recipe
 from lightning_par.techniques.experts.expert_parallel import dispatch_ranks_per_node, dispatched_bytes
-from lightning_par.techniques.sharding.fully_sharded import MIXED_HALF_DTYPES, fsdp_casts_parameters
+from lightning_par.techniques.pipeline.pipeline_parallel import PipelineOptions
+from lightning_par.techniques.recipe import Recipe, build_recipe, options_of, planned_options
+from lightning_par.techniques.sharding.fully_sharded import MIXED_HALF_DTYPES
+from lightning_par.techniques.technique import Options
 
 if TYPE_CHECKING:
     from lightning_par.devices import GroupedMatmulCurve, Hardware
@@ -83,39 +86,60 @@ def check_profile_precision(profile: ModelProfile, precision: str) -> None:
                          f"dtype=trace_dtype({precision!r})), or pass the module itself.")
 
 
-@dataclass(frozen=True)
+#: the options every layout carries, with their defaults: each technique's planned ones
+#: (``techniques.technique.planned``), in the recipe's order
+PLANNED = planned_options()
+SIZES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+
+
+@dataclass(frozen=True, init=False)
 class Layout:
-    """One way to parallelize: the five sizes and the options that change cost. ``strategy_kwargs()`` is what
-    ``NDParallelStrategy`` takes to train it."""
+    """One way to parallelize: the sizes, and the values of the technique options the planner decides, as data
+    (``options``: those that differ from their defaults). ``Layout(tp=4, **{name: value})`` names them as
+    ``NDParallelStrategy`` does, and ``getattr(layout, name)`` reads one back (its default where not set);
+    ``strategy_kwargs()`` is what ``NDParallelStrategy`` takes to train it. Each technique's options say how they
+    show (``str``) and pass on (``strategy_kwargs``): nothing here names one."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
     pp: int = 1
-    pp_schedule: str = "1f1b"
-    pp_microbatches: int | None = None
-    pp_stages_per_rank: int | None = None  # interleaved schedules: None is their default, 2
-    activation_checkpointing: bool | str = False  # True (full) or "selective"
-    sequence_parallel: bool = False
-    #: with sequence parallelism: gathered layer inputs saved as this rank's chunk, gathered again in backward
-    regather_sequence: bool = False
-    #: with sequence parallelism: its all-gathers and reduce-scatters pipelined with their matmuls (Inductor's
-    #: async tensor parallelism: ``compile=True``, CUDA)
-    async_tp: bool = False
-    loss_parallel: bool = False
-    cpu_offload: bool = False
-    #: False: FSDP keeps each unit gathered from its forward through its backward (ZeRO-2-like: no all-gather in
-    #: backward; every unit's whole parameters in memory at the peak)
-    reshard_after_forward: bool = True
-    #: True: FSDP keeps gradients unsharded and units gathered across a step's micro-batches (the pipeline's or the
-    #: accumulation's), reducing once per step; with ``reshard_after_forward=False`` ZeRO-1-like
-    accumulate_unsharded: bool = False
     ep: int = 1  # expert parallelism, within dp_shard x cp
     #: without a pipeline: the Trainer's ``accumulate_grad_batches`` (each step's batch in that many micro-batches,
     #: activations of one at a time; every FSDP collective once per micro-batch, as the engine runs it). A pipeline
-    #: splits its batch into ``pp_microbatches`` instead
+    #: splits its batch into its own micro-batches instead
     accumulate_grad_batches: int = 1
+    #: (name, value) of each planned option that differs from its default, in the recipe's order
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def __init__(self, dp_replicate: int = 1, dp_shard: int = 1, cp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1,
+                 accumulate_grad_batches: int = 1, options: Iterable[tuple[str, Any]] = (), **named: Any) -> None:
+        values = dict(options, **named) if named else dict(options)
+        unknown = values.keys() - PLANNED.keys()
+        if unknown:
+            raise TypeError(f"Layout() got {sorted(unknown)}: a layout carries the sizes {(*SIZES, 'ep')}, "
+                            f"accumulate_grad_batches and the options the planner decides, {list(PLANNED)}.")
+        put = object.__setattr__
+        put(self, "dp_replicate", dp_replicate)
+        put(self, "dp_shard", dp_shard)
+        put(self, "cp", cp)
+        put(self, "tp", tp)
+        put(self, "pp", pp)
+        put(self, "ep", ep)
+        put(self, "accumulate_grad_batches", accumulate_grad_batches)
+        chosen = []
+        for name, default in PLANNED.items():
+            value = values.get(name, default)
+            put(self, name, value)  # read as an attribute
+            if value != default:
+                chosen.append((name, value))
+        put(self, "options", tuple(chosen))
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """What a layout decides: the sizes, ``ep``, ``accumulate_grad_batches`` and the planned options."""
+        return [*SIZES, "ep", "accumulate_grad_batches", *PLANNED]
 
     @property
     def world_size(self) -> int:
@@ -125,27 +149,34 @@ class Layout:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step: the pipeline's, else gradient accumulation's."""
+        return self.of(PipelineOptions).step_microbatches(self.pp) if self.pp > 1 else self.accumulate_grad_batches
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether the blocks' forward runs again in backward (activation checkpointing)."""
+        return any(options.recomputes() for options in self.technique_options())
+
     def dims(self) -> ParallelDims:
         return ParallelDims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.ep)
 
+    def technique_options(self) -> tuple[Options, ...]:
+        """Every technique's options dataclass with this layout's values, in the recipe's order."""
+        return _technique_options(self.options)
+
+    def of(self, cls: type[T]) -> T:
+        """This layout's values of one technique's options (``layout.of(PipelineOptions)``)."""
+        return next(options for options in self.technique_options() if type(options) is cls)
+
     def strategy_kwargs(self) -> dict[str, Any]:
-        out = {k: getattr(self, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
+        out = {k: getattr(self, k) for k in SIZES}
         if self.ep > 1:
             out["ep"] = self.ep
-        if self.pp > 1:
-            out.update(pp_schedule=self.pp_schedule, pp_microbatches=self.pp_microbatches)
-            if self.pp_stages_per_rank is not None:
-                out.update(pp_stages_per_rank=self.pp_stages_per_rank)
-        for flag in ("activation_checkpointing", "sequence_parallel", "regather_sequence", "loss_parallel",
-                     "cpu_offload"):
-            if getattr(self, flag):
-                out[flag] = getattr(self, flag)  # activation_checkpointing: True (full) or "selective"
-        if not self.reshard_after_forward:
-            out["reshard_after_forward"] = False
-        if self.accumulate_unsharded:
-            out["accumulate_unsharded"] = True
-        if self.async_tp:  # a pass of torch.compile's
-            out.update(async_tp=True, compile=True)
+        dims = self._dims()
+        for options in self.technique_options():
+            out.update(options.layout_kwargs(dims))
         return out
 
     def trainer_kwargs(self) -> dict[str, Any]:
@@ -153,27 +184,32 @@ class Layout:
         the step's batch divided by ``accumulate_grad_batches``)."""
         return {"accumulate_grad_batches": self.accumulate_grad_batches} if self.accumulate_grad_batches > 1 else {}
 
-    def __str__(self) -> str:
+    def words(self, columns: bool = False) -> str:
+        """The layout as text: its sizes, then each technique's words (``columns``: less those the planner's table
+        shows in columns of their own, ``Options.COLUMN``)."""
         sizes = " x ".join(f"{n}{getattr(self, n)}" for n in MESH_DIM_NAMES if getattr(self, n) > 1) or "1 rank"
         if self.ep > 1:
             sizes += f" (ep{self.ep})"
-        extras = []
-        if self.pp > 1:
-            stages = f" v{self.pp_stages_per_rank}" if self.pp_stages_per_rank is not None else ""
-            extras.append(f"{self.pp_schedule}{stages} m{self.pp_microbatches}")
-        extras += [name for flag, name in (("sequence_parallel", "SP"), ("regather_sequence", "regather"),
-                                           ("async_tp", "async TP"), ("loss_parallel", "LP"),
-                                           ("activation_checkpointing", "AC"), ("cpu_offload", "offload"))
-                   if getattr(self, flag)]
-        if not self.reshard_after_forward:
-            extras.append("ZeRO-1" if self.accumulate_unsharded else "ZeRO-2")
-        elif self.accumulate_unsharded:
-            extras.append("reduce once")
+        dims = self._dims()
+        extras = [word for options in self.technique_options() if not (columns and options.COLUMN)
+                  for word in options.label(dims)]
         if self.accumulate_grad_batches > 1:
             extras.append(f"accumulate {self.accumulate_grad_batches}")
-        if self.activation_checkpointing == "selective":
-            extras[extras.index("AC")] = "SAC"
         return sizes + (f" ({', '.join(extras)})" if extras else "")
+
+    def __str__(self) -> str:
+        return self.words()
+
+    def _dims(self) -> ParallelDims:
+        return _planning_dims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.ep)
+
+
+T = TypeVar("T")
+
+
+@lru_cache(maxsize=4096)
+def _technique_options(options: tuple[tuple[str, Any], ...]) -> tuple[Options, ...]:
+    return options_of(dict(options))
 
 
 @dataclass
@@ -240,15 +276,12 @@ def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, pre
     half_weights = mixed and profile.dtype == MIXED_HALF_DTYPES[precision]
     act, gather, grad = (1.0, 1.0, 2.0) if half_weights else _PRECISION.get(precision, (1.0, 1.0, 1.0))
     dims = _planning_dims(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.pp, layout.ep)
-    autocast_only = mixed and not half_weights and not fsdp_casts_parameters(dims, layout.cpu_offload)
+    recipe = _planning_recipe(layout.options)
+    autocast_only = mixed and not half_weights and not recipe.fully_sharded.casts_parameters(dims)
     sheet = CostSheet(dims, profile, batch, seq_len, activation_scale=act, autocast_only=autocast_only,
                       gather_scale=gather, grad_scale=grad, reduce_scale=2.0 if half_weights else 1.0,
                       microbatches=layout.accumulate_grad_batches,
                       ranks_per_node=ranks_per_node)
-    recipe = _planning_recipe(layout.pp_schedule, layout.pp_microbatches, layout.pp_stages_per_rank,
-                              layout.sequence_parallel, layout.loss_parallel, layout.activation_checkpointing,
-                              layout.cpu_offload, layout.reshard_after_forward, layout.accumulate_unsharded,
-                              layout.regather_sequence, layout.async_tp)
     for technique in recipe:
         technique.account(sheet)
     return sheet
@@ -262,16 +295,9 @@ def _planning_dims(*sizes: int) -> ParallelDims:
 
 
 @lru_cache(maxsize=4096)
-def _planning_recipe(pp_schedule: str, pp_microbatches: int | None, pp_stages_per_rank: int | None,
-                     sequence_parallel: bool, loss_parallel: bool, activation_checkpointing: bool | str,
-                     cpu_offload: bool, reshard_after_forward: bool, accumulate_unsharded: bool,
-                     regather_sequence: bool, async_tp: bool) -> tuple:
-    return build_recipe(pp_schedule=pp_schedule, pp_microbatches=pp_microbatches,
-                        pp_stages_per_rank=pp_stages_per_rank, sequence_parallel=sequence_parallel,
-                        loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing,
-                        cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
-                        accumulate_unsharded=accumulate_unsharded, regather_sequence=regather_sequence,
-                        async_tp=async_tp, compile=async_tp)
+def _planning_recipe(options: tuple[tuple[str, Any], ...]) -> Recipe:
+    """The recipe of a layout's options (accounting only reads it)."""
+    return build_recipe(**dict(options))
 
 
 def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: int, seq_len: int,
@@ -343,7 +369,7 @@ def _busiest_ranks(sheet: CostSheet, matmul_share: float, grouped_mm: GroupedMat
 
     return per_cut(sheet, ("busiest ranks", tuple(sheet.inflight), sheet.token_scale, sheet.sequence_scale,
                            sheet.activation_scale, sheet.autocast_only, sheet.tp, sheet.cp, sheet.shard,
-                           sheet.sequence_parallel, sheet.regather_sequence, sheet.loss_parallel, sheet.checkpointing,
+                           sheet.sequence_sharded, sheet.inputs_chunked, sheet.vocab_sharded, sheet.checkpointing,
                            sheet.dims.ep, sheet.microbatches, matmul_share, grouped_mm, cp_attention_rate), reduce)
 
 
@@ -375,7 +401,7 @@ def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0, grouped_mm: Grouped
             if state_key not in memo:
                 memo[state_key] = _rank_state(sheet, rank)
             act_key = ("activations", key, scale, sheet.activation_scale, sheet.autocast_only, sheet.tp, sheet.cp,
-                       sheet.sequence_parallel, sheet.regather_sequence, sheet.loss_parallel, sheet.checkpointing,
+                       sheet.sequence_sharded, sheet.inputs_chunked, sheet.vocab_sharded, sheet.checkpointing,
                        sheet.dims.ep)
             if act_key not in memo:
                 memo[act_key] = _rank_activations(sheet, rank)
@@ -463,7 +489,7 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float, float]
     of the weights the matmuls read are saved too, one per weight whatever the micro-batches in flight (autocast's
     cache serves them all), and only for what is not checkpointed."""
     profile, scale = sheet.profile, sheet.token_scale * sheet.activation_scale
-    tp, cp, sp, lp = sheet.tp, sheet.cp, sheet.sequence_parallel, sheet.loss_parallel
+    tp, cp, sp, lp = sheet.tp, sheet.cp, sheet.sequence_sharded, sheet.vocab_sharded
     # under autocast alone a block's input, the residual stream, stays in the traced dtype
     input_scale = sheet.token_scale if sheet.autocast_only else scale
     kept, peak_block, weight_copies = 0.0, 0.0, 0.0
@@ -491,7 +517,7 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float, float]
                     kept += section.reduce_scattered_bytes * scale / tp / cp
             peak_block = max(peak_block, full + copies)  # recomputed in backward, one block at a time
         else:  # (the re-gathered inputs' chunks: only outside checkpointing, which saves nothing else)
-            kept += section.saved.per_rank(tp, cp, sp, lp, scale, True) if sheet.regather_sequence else full
+            kept += section.saved.per_rank(tp, cp, sp, lp, scale, True) if sheet.inputs_chunked else full
             weight_copies += copies
     return kept, peak_block, weight_copies
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cache
 from itertools import product
 from typing import TYPE_CHECKING, Any
@@ -19,6 +19,7 @@ from torch import nn
 from lightning_par.costs.profile import ModelProfile, profile_model
 from lightning_par.planner.predict import (
     RESERVE,
+    SIZES,
     Layout,
     Prediction,
     check_profile_precision,
@@ -26,13 +27,16 @@ from lightning_par.planner.predict import (
     shares_cores,
     trace_dtype,
 )
-from lightning_par.techniques.pipeline.pipeline import SCHEDULES, validate_pipeline
-from lightning_par.techniques.tensor.tensor_plan import validate_tp_plan
+from lightning_par.techniques.pipeline.pipeline import SCHEDULES
+from lightning_par.techniques.pipeline.pipeline_parallel import PipelineOptions
+from lightning_par.techniques.recipe import OPTIONS, weighed_options
+from lightning_par.techniques.recompute.activation_checkpointing import ActivationCheckpointingOptions
+from lightning_par.techniques.sharding.fully_sharded import FullyShardedOptions
+from lightning_par.techniques.tensor.tensor_parallel import TensorParallelOptions, plan_fits
 
 if TYPE_CHECKING:
     from lightning_par.devices import Hardware
 
-SIZES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 #: what ``restrict`` may name: the sizes, and expert parallelism (within dp_shard x cp)
 RESTRICTABLE = (*SIZES, "ep")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "zbv")
@@ -42,8 +46,12 @@ INTERLEAVED = ("interleaved_1f1b", "interleaved_zb")
 #: layers with interleaving 3, Llama 3's 405B 16 stages x 8); beyond that the time model, which prices each stage's
 #: sends but not its scheduling overhead per micro-batch, would favour one block per stage
 MAX_STAGES_PER_RANK = 16
+#: what ``plan_layouts`` weighs of each option it takes (its keyword arguments beyond the sizes): the values each
+#: technique's options dataclass names (``techniques.technique.planned``)
+WEIGH: dict[str, tuple] = {name: f.metadata["weigh"] for name, f in weighed_options().items()}
 #: activation checkpointing options the planner weighs: none, selective, full
-CHECKPOINTING: tuple[bool | str, ...] = (False, "selective", True)
+CHECKPOINTING: tuple[bool | str, ...] = next(f.metadata["weigh"] for f in fields(ActivationCheckpointingOptions)
+                                             if f.metadata.get("weigh"))
 
 
 @dataclass
@@ -70,8 +78,11 @@ class Plan:
 
     def find(self, **options: Any) -> tuple[int, Prediction]:
         """Where the best layout with these options ranks (1 = first) and its prediction, e.g.
-        ``plan.find(pp=16, tp=8)`` or ``plan.find(tp=8, sequence_parallel=False)``: options are ``Layout`` fields."""
-        fields = set(Layout.__dataclass_fields__)
+        ``plan.find(pp=16, tp=8)``, or with the value of any option a layout carries (``Layout.names()``: the
+        sizes and the techniques' planned options; ``vars(layout)`` too, whose ``options`` the names given apart
+        override)."""
+        options = {**dict(options.pop("options", ())), **options}
+        fields = set(Layout.names())
         unknown = sorted(set(options) - fields)
         if unknown:
             raise ValueError(f"Plan.find: {unknown} are not layout options; use {sorted(fields)}.")
@@ -101,8 +112,9 @@ class Plan:
         using a technique never run on the hardware: ``untried``), which the legend explains."""
         marked = marked or (lambda layout: bool(untried(layout, self.hardware)))
         gib = 2**30
+        columns = [cls.COLUMN for cls in OPTIONS if cls.COLUMN]
         head = (f"{'#':>3}  {'tok/s/dev':>9}  {'step ms':>9}  {'GiB/dev':>7}  {'state':>6}  {'act':>6}  "
-                f"{'fits':<4}  {'AC':<9}  layout")
+                f"{'fits':<4}  " + "".join(f"{heading:<{width}}  " for heading, width, _ in columns) + "layout")
         indent = len(head) - len("layout")
         rows, shown = [head], self.predictions[:top]
         for i, p in enumerate(shown, 1):
@@ -110,8 +122,9 @@ class Plan:
             fits = "yes" if p.fits else "no"
             cells = (f"{i:>3}{mark} {p.tokens_per_s:>9,.0f}  {p.step_s * 1e3:>9.1f}  {p.memory / gib:>7.2f}  "
                      f"{p.model_state / gib:>6.2f}  {p.activations / gib:>6.2f}  {fits:<4}  "
-                     f"{_CHECKPOINTING_NAMES[p.layout.activation_checkpointing]:<9}  ")
-            rows += _wrap(cells, _layout_words(p.layout), width, indent)
+                     + "".join(f"{options.column():<{options.COLUMN[1]}}  "
+                               for options in p.layout.technique_options() if options.COLUMN))
+            rows += _wrap(cells, p.layout.words(columns=True), width, indent)
         rows += textwrap.wrap(legend([p.layout for p in shown], any(marked(p.layout) for p in shown)), width,
                               subsequent_indent="  ")
         return "\n".join(rows)
@@ -122,12 +135,8 @@ class Plan:
                 "layouts": [p.as_dict() for p in self.predictions]}
 
 
-#: the table's AC column
-_CHECKPOINTING_NAMES: dict[bool | str, str] = {False: "off", True: "full", "selective": "selective"}
-#: techniques the engine has never run, by ``Layout`` field, with why: the planner weighs them only when asked
-#: (``--async-tp``, ``AutoParallelStrategy(async_tp=True)``) and the table marks the layouts that use them
-UNTRIED = {"async_tp": "async TP needs 2+ CUDA GPUs and has never run"}
-#: the legend: what each abbreviation of a layout means, shown where the table uses it (pattern, meaning)
+#: the legend: what each abbreviation of a layout means, shown where the table uses it (pattern, meaning): the
+#: sizes', each technique's own (``Options.LEGEND``), gradient accumulation's
 _LEGEND = (
     (r"\bdp_replicate\d", "dp_replicateN = N replicas (DDP, HSDP with dp_shard)"),
     (r"\bdp_shard\d", "dp_shardN = FSDP2 (ZeRO-3) over N ranks"),
@@ -135,26 +144,18 @@ _LEGEND = (
     (r"\btp\d", "tpN = tensor parallelism over N ranks"),
     (r"\bpp\d", "ppN = N pipeline stages"),
     (r"\(ep\d", "epN = expert parallelism over N ranks"),
-    (r"\bpp\d", "the name before vN or mM is the pipeline schedule (pp_schedule)"),
-    (r" v\d+ m\d+", "vN mM = N pipeline stages per rank, M micro-batches per step"),
-    (r"(?<! v\d)(?<! v\d\d) m\d+", "mM = M pipeline micro-batches per step (the schedule's own stages per rank: "
-                                    "2 for the interleaved ones)"),
-    (r"\bSP\b", "SP = sequence parallelism"),
-    (r"\bregather\b", "regather = sequence-parallel inputs gathered again in backward"),
-    (r"\basync TP\b", "async TP = tensor-parallel collectives pipelined with their matmuls (compile=True)"),
-    (r"\bLP\b", "LP = loss parallelism (cross-entropy on vocabulary-sharded logits)"),
-    (r"\boffload\b", "offload = FSDP state on the CPU"),
-    (r"\bZeRO-2\b", "ZeRO-2 = FSDP without resharding after forward"),
-    (r"\bZeRO-1\b", "ZeRO-1 = FSDP gathered and reduced once per step (reshard_after_forward=False, "
-                    "accumulate_unsharded=True)"),
-    (r"\breduce once\b", "reduce once = gradients reduced once per step (accumulate_unsharded=True)"),
+    *(entry for cls in OPTIONS for entry in cls.LEGEND),
     (r"\baccumulate \d", "accumulate N = accumulate_grad_batches N (the batch in N micro-batches)"),
 )
+#: techniques the engine has never run, with why (each technique's ``Options.UNTRIED``): the planner weighs them
+#: only when asked (their command-line flag, ``AutoParallelStrategy``'s argument) and the table marks the layouts
+#: that use them
+UNTRIED = {name: why for cls in OPTIONS for name, why in cls.UNTRIED.items()}
 
 
 def untried(layout: Layout, hardware: Hardware | None = None) -> list[str]:
     """What of ``layout`` the engine has never run (on any hardware yet: ``UNTRIED``), as the table names it."""
-    return [why for name, why in UNTRIED.items() if getattr(layout, name)]
+    return [why for options in layout.technique_options() for why in options.untried()]
 
 
 def legend(layouts: Iterable[Layout], marked: bool = False) -> str:
@@ -169,11 +170,6 @@ def legend(layouts: Iterable[Layout], marked: bool = False) -> str:
                "selective")
     marks = ["* = uses a technique never run on this hardware (" + "; ".join(UNTRIED.values()) + ")"] if marked else []
     return "; ".join([columns, *terms, *marks]) + "."
-
-
-def _layout_words(layout: Layout) -> str:
-    """The layout as the table shows it: checkpointing is a column of its own."""
-    return str(replace(layout, activation_checkpointing=False))
 
 
 def _wrap(cells: str, text: str, width: int, indent: int) -> list[str]:
@@ -194,13 +190,9 @@ def _wrap(cells: str, text: str, width: int, indent: int) -> list[str]:
 def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_size: int, hardware: Hardware, *,
                  precision: str = "32-true", batch_is_global: bool = True, memory_budget: float | None = None,
                  restrict: Mapping[str, Iterable[int]] | None = None,
-                 activation_checkpointing: Iterable[bool | str] = CHECKPOINTING,
                  schedules: Iterable[str] = PIPELINE_SCHEDULES, allow_offload: bool = False,
-                 block_list: str | None = None, sequence_parallel: Iterable[bool] = (True, False),
-                 reshard_after_forward: Iterable[bool] = (True, False), memory_reserve: float = RESERVE,
-                 gradient_accumulation: bool = True, accumulate_unsharded: Iterable[bool] = (False, True),
-                 regather_sequence: Iterable[bool] = (False, True), async_tp: Iterable[bool] = (False, True),
-                 uneven_stages: bool = True) -> Plan:
+                 block_list: str | None = None, memory_reserve: float = RESERVE,
+                 gradient_accumulation: bool = True, uneven_stages: bool = True, **weigh: Iterable) -> Plan:
     """Predict and rank every valid layout of ``module`` on ``world_size`` devices of ``hardware``.
 
     Args:
@@ -211,46 +203,25 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
         memory_reserve: the share of device memory kept free for what the model of memory leaves out (allocator
             fragmentation, workspaces; ``planner.predict.RESERVE``, 10 %); each prediction reports its ``margin``.
         restrict: sizes allowed per dimension, e.g. ``{"pp": [1], "tp": [1, 2]}``.
-        activation_checkpointing: the options to weigh: ``False``, ``"selective"``, ``True`` (full).
         schedules: the pipeline schedules to weigh (``PIPELINE_SCHEDULES``); interleaved ones with every stage
             count per rank that cuts the blocks evenly and, with ``uneven_stages``, 4, 8 and 16 where they cannot
             be even (the engine cuts unevenly, as torchtitan and NeMo AutoModel do; Megatron-LM cut evenly only).
         allow_offload: also consider CPU offload (otherwise only when nothing else fits).
-        sequence_parallel: with ``tp > 1``, weigh sequence parallelism on (``True``), off (``False``) or both.
-        reshard_after_forward: with FSDP, weigh resharding after forward (``True``, ZeRO-3), keeping units gathered
-            until their backward (``False``, ZeRO-2-like: no all-gather in backward, more memory) or both (the
-            ZeRO-2-like twins of the layouts that could come near the fastest: ``zero2_twins``; where reducing once
-            is weighed too, the ZeRO-1-like twin of a layout that comes near only without its per-micro-batch
-            reductions as well).
-        accumulate_unsharded: with FSDP and several micro-batches per step (a pipeline's, or accumulation's),
-            weigh reducing the gradients in every micro-batch (``False``), once per step with every unit gathered
-            and its gradients unsharded meanwhile (``True``; ZeRO-1-like without resharding after forward), or both
-            (the twins of the layouts that could come near the fastest: ``reduce_once_twins``, and those
-            ``zero2_twins`` makes).
-        regather_sequence: with sequence parallelism, weigh saving the gathered layer inputs whole (``False``), as
-            this rank's chunk gathered again in backward (``True``: less memory, one more all-gather per input) or
-            both (the twins of the layouts that do not fit but could come near the fastest: ``regather_twins``).
-        async_tp: with sequence parallelism on a GPU (not on CPUs: ``shares_cores``), weigh its collectives exposed
-            (``False``), pipelined with their matmuls (``True``: Inductor's async tensor parallelism, which needs
-            ``compile=True``; the layout's ``strategy_kwargs()`` include it; not with cp > 1 or re-gathered chunks,
-            which are not compiled, nor for the CPU-offload variants) or both (the twins of the layouts that could
-            come near the fastest: ``async_tp_twins``).
         gradient_accumulation: for a layout without a pipeline whose batch does not fit, also weigh splitting each
             rank's batch into micro-batches (the Trainer's ``accumulate_grad_batches``, in the layout's
             ``trainer_kwargs()``; the fewest that fit: ``accumulated_variants``), as Megatron's and DeepSpeed's
             published runs did. ``auto_parallel`` passes ``False``: the Trainer's own setting stands.
+        **weigh: for each technique option the planner weighs (``WEIGH``: the options that
+            ``techniques.technique.planned`` marks with the values it weighs by default, ``docs/planner.md``'s
+            table), the values to weigh, e.g. ``(False,)``: that value only, or both (``(False, True)``; for most of
+            them the twins of the layouts that could come near the fastest, as the technique's options say: e.g.
+            ``FullyShardedOptions.zero2_twins``, ``TensorParallelOptions.regather_twins``).
     """
     profile = module if isinstance(module, ModelProfile) else profile_model(
         module, example_batch, block_list=block_list, dtype=trace_dtype(precision))
     check_profile_precision(profile, precision)
     batch, seq_len = profile.batch, profile.seq_len
-    options = {}
-    for name, given in (("sequence_parallel", sequence_parallel), ("reshard_after_forward", reshard_after_forward),
-                        ("accumulate_unsharded", accumulate_unsharded), ("regather_sequence", regather_sequence),
-                        ("async_tp", async_tp)):
-        options[name] = tuple(dict.fromkeys(bool(x) for x in given))
-        if not options[name]:
-            raise ValueError(f"{name}=() leaves nothing to weigh; pass (True,), (False,) or (True, False).")
+    weigh = _weighed(weigh)
     if isinstance(schedules, str):
         raise TypeError(f"schedules={schedules!r} must be a sequence of schedule names, e.g. ({schedules!r},).")
     schedules = tuple(schedules)
@@ -258,21 +229,17 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
     if unknown:  # (else each pipeline layout would be skipped as one that does not fit)
         raise ValueError(f"schedules={schedules!r}: {unknown} are not pipeline schedules; choose from "
                          f"{sorted(SCHEDULES)}, or restrict={{'pp': [1]}} for no pipeline.")
-    if options["regather_sequence"] == (True,) and options["async_tp"] == (True,):
-        raise ValueError("regather_sequence=(True,) with async_tp=(True,): async tensor parallelism is compiled and "
-                         "re-gathering is not (see NDParallelStrategy). Weigh one of them, or both: (False, True).")
+    TensorParallelOptions.check_weighed(weigh)
     if not isinstance(gradient_accumulation, bool):
         raise TypeError(f"gradient_accumulation={gradient_accumulation!r} must be True (weigh micro-batches for "
                         f"layouts whose batch does not fit) or False.")
     if not isinstance(uneven_stages, bool):
         raise TypeError(f"uneven_stages={uneven_stages!r} must be True (also weigh interleavings whose stages cannot "
                         f"be equal) or False.")
-    twins = len(options["reshard_after_forward"]) == 2  # ZeRO-2 variants weighed where they can matter, below
+    twins, reduce_once = FullyShardedOptions.twins_weighed(weigh)  # ZeRO-2 variants where they can matter, below
     candidates, skipped = enumerate_layouts(profile, world_size, hardware.gpus_per_node, batch, batch_is_global,
-                                            restrict or {}, tuple(activation_checkpointing), schedules,
-                                            options["sequence_parallel"],
-                                            (True,) if twins else options["reshard_after_forward"],
-                                            uneven_stages)
+                                            restrict or {}, schedules=schedules, uneven_stages=uneven_stages,
+                                            weigh=weigh)
     if not candidates:
         raise ValueError(_no_layout_message(profile, world_size, skipped))
 
@@ -286,38 +253,50 @@ def plan_layouts(module: nn.Module | ModelProfile, example_batch: Any, world_siz
         return [predict(layout, profile, hardware, local(layout), seq_len, precision, memory_budget, memory_reserve)
                 for layout in layouts]
 
+    def accumulated(predictions: list[Prediction]) -> list[Prediction]:
+        return accumulated_variants(predictions, local, run) if gradient_accumulation else []
+
+    # each technique's variants, in this order: FSDP's ZeRO-2-like twins, gradient accumulation, FSDP's reducing
+    # once, tensor parallelism's re-gathered chunks and async collectives, FSDP's CPU offload
     predictions = run(candidates)
     if twins:
-        predictions += run(zero2_twins(predictions, reduce_once=True in options["accumulate_unsharded"]))
-    if gradient_accumulation:
-        predictions += accumulated_variants(predictions, local, run)
-    if options["accumulate_unsharded"] == (True,):
-        predictions = run([replace(p.layout, accumulate_unsharded=True) if _accumulates(p.layout) else p.layout
-                           for p in predictions])
-    elif len(options["accumulate_unsharded"]) == 2:
-        predictions += run(reduce_once_twins(predictions))
-    forced_regather = options["regather_sequence"] == (True,)
-    if forced_regather:
-        predictions = run([replace(p.layout, regather_sequence=p.layout.sequence_parallel) for p in predictions])
-    elif len(options["regather_sequence"]) == 2:
-        regathered = run(regather_twins(predictions))
-        predictions += regathered
-        if gradient_accumulation:  # a twin that still does not fit, with its batch in micro-batches
-            predictions += accumulated_variants(regathered, local, run)
-    if options["async_tp"] != (False,) and not shares_cores(hardware):
-        pipelined = async_tp_twins(predictions, everyone=options["async_tp"] == (True,))
-        if options["async_tp"] == (True,):  # every such layout pipelined instead, the others as they are
-            twinned = {replace(layout, async_tp=False) for layout in pipelined}
-            predictions = [p for p in predictions if p.layout not in twinned]
-        predictions += run(pipelined)
+        predictions += run(zero2_twins(predictions, reduce_once=reduce_once))
+    predictions += accumulated(predictions)
+    predictions = FullyShardedOptions.reduce_once(predictions, weigh, Judge, run)
+    predictions = TensorParallelOptions.regather(predictions, weigh, Judge, run, accumulated)
+    if not shares_cores(hardware):
+        predictions = TensorParallelOptions.pipelined(predictions, weigh, Judge, run)
     if allow_offload or not any(p.fits for p in predictions):
-        predictions += run([replace(layout, cpu_offload=True,
-                                    regather_sequence=forced_regather and layout.sequence_parallel)
-                            for layout in candidates if layout.dp_shard * layout.dp_replicate * layout.cp > 1])
+        predictions += run([_forced(layout, weigh) for layout in FullyShardedOptions.offloaded(candidates)])
     # equal speed, within the model's resolution (SPEED_RESOLUTION): the one that moves less first, as it leaves
     # less to what the time model does not see (contention, jitter, per-stage scheduling)
     predictions = rank_predictions(predictions)
     return Plan(predictions, profile, hardware, world_size, batch, seq_len, precision, skipped)
+
+
+def _weighed(given: Mapping[str, Iterable]) -> dict[str, tuple]:
+    """Every weighed option's values (``WEIGH``'s where not given), each once; a name that is none of them, or
+    nothing to weigh, refused."""
+    unknown = sorted(set(given) - set(WEIGH))
+    if unknown:
+        raise TypeError(f"plan_layouts() got unexpected keyword arguments {unknown}; the options it weighs: "
+                        f"{list(WEIGH)}.")
+    out = {}
+    for name, default in WEIGH.items():
+        values = tuple(given.get(name, default))
+        if all(isinstance(v, bool) for v in default):  # on / off: each once
+            values = tuple(dict.fromkeys(bool(x) for x in values))
+            if not values:
+                raise ValueError(f"{name}=() leaves nothing to weigh; pass (True,), (False,) or (True, False).")
+        out[name] = values
+    return out
+
+
+def _forced(layout: Layout, weigh: Mapping[str, tuple]) -> Layout:
+    """``layout`` as what each technique weighs alone makes every layout (``Options.force``)."""
+    for cls in OPTIONS:
+        layout = cls.force(layout, weigh)
+    return layout
 
 
 #: predicted speeds closer than this (relative) rank as equal: the time model is not finer than that (a 0.1 % edge
@@ -348,99 +327,37 @@ ZERO2_WINDOW = 0.8
 
 
 def zero2_twins(predictions: list[Prediction], reduce_once: bool = True) -> list[Layout]:
-    """The ZeRO-2-like twin of every FSDP layout that, with all its exposed all-gather time gone (more than the
-    twin saves: it still gathers before forward; exposed time is the rank's busy time, which a pipeline's bubble
-    stretches by step / busy), would be at least ``ZERO2_WINDOW`` as fast as the fastest fitting layout; the twin
-    keeps every unit gathered until its backward, so it needs more memory. With several
-    micro-batches per step and ``reduce_once`` weighed, a layout that comes near only with its per-micro-batch
-    reductions gone too gets the ZeRO-1-like twin instead (gathered once, reduced once: ``accumulate_unsharded``),
-    where that could fit: else a pipeline whose reduce-scatters cost as much as its gathers would never reach its
-    fastest variant."""
-    floor = _floor(predictions)
-    out = []
-    for p in predictions:
-        if p.layout.dp_shard * p.layout.cp == 1 or p.layout.cpu_offload:
-            continue
-        gathers = p.comm_s.get("fsdp_all_gather", 0.0)
-        reductions = p.comm_s.get("fsdp_reduce_scatter", 0.0)
-        if _could_come_near(p, p.step_s - _stretched(p, gathers), floor):
-            out.append(replace(p.layout, reshard_after_forward=False))
-        elif (reduce_once and _accumulates(p.layout) and _twin_could_fit(p)
-              and _could_come_near(p, p.step_s - _stretched(p, gathers + reductions), floor)):
-            out.append(replace(p.layout, reshard_after_forward=False, accumulate_unsharded=True))
-    return out
+    """FSDP's ZeRO-2-like (and ZeRO-1-like) twins of the layouts that could come near the fastest
+    (``FullyShardedOptions.zero2_twins``)."""
+    return FullyShardedOptions.zero2_twins(predictions, Judge(predictions), reduce_once)
 
 
-def _stretched(p: Prediction, busy_seconds: float) -> float:
-    """``busy_seconds`` of the rank's work as step time: the pipeline's bubble stretches it by step / busy."""
-    return busy_seconds * p.step_s / max(p.step_s - p.bubble_s, 1e-30)
+class Judge:
+    """What a technique's twin of a layout must be able to reach to be planned (the techniques' twins ask it,
+    ``FullyShardedOptions.zero2_twins`` and the others): ``ZERO2_WINDOW`` of the fastest fitting layout's speed
+    among ``predictions``."""
 
+    def __init__(self, predictions: list[Prediction]) -> None:
+        self.floor = ZERO2_WINDOW * max((p.tokens_per_s for p in predictions if p.fits), default=0.0)
 
-def regather_twins(predictions: list[Prediction]) -> list[Layout]:
-    """The ``regather_sequence`` twin of every sequence-parallel layout outside activation checkpointing that does
-    not fit and would be at least ``ZERO2_WINDOW`` as fast as the fastest fitting layout: the twin saves the
-    gathered layer inputs as chunks (it may fit where the layout does not, and run without recomputation where
-    the fitting variants recompute) for one more exposed all-gather per input. A layout that fits gains nothing."""
-    floor = _floor(predictions)
-    return [replace(p.layout, regather_sequence=True) for p in predictions
-            if p.layout.sequence_parallel and not p.layout.regather_sequence and not p.fits
-            and not p.layout.activation_checkpointing and _could_come_near(p, p.step_s, floor)
-            # at most every saved activation shrinks to 1/tp: a layout further over its budget stays over
-            and (p.budget is None or p.memory - p.activations * (1 - 1 / p.layout.tp) <= p.budget)]
+    def near(self, p: Prediction, best_step_s: float) -> bool:
+        """Whether ``p`` would reach the floor at a step of ``best_step_s`` (its step with what the twin saves
+        gone)."""
+        return p.tokens_per_s * p.step_s / max(best_step_s, 1e-30) >= self.floor
 
+    @staticmethod
+    def stretched(p: Prediction, busy_seconds: float) -> float:
+        """``busy_seconds`` of the rank's work as step time: the pipeline's bubble stretches it by step / busy."""
+        return busy_seconds * p.step_s / max(p.step_s - p.bubble_s, 1e-30)
 
-def _twin_could_fit(p: Prediction) -> bool:
-    """Whether a reduce-once twin of ``p`` (the same state and activations, other FSDP buffers) could fit: not if
-    ``p`` is over budget even without its buffers. A plan at thousands of GPUs would otherwise predict some 12,000
-    twins that cannot fit (Llama 3 405B on 8,192 GPUs); ``zero2_twins`` asks it too before making a ZeRO-1-like
-    twin. Not a test for the plain ZeRO-2-like twins: they are weighed before gradient accumulation, whose
-    micro-batches may make them fit."""
-    return p.budget is None or p.memory - p.buffers <= p.budget
-
-
-def async_tp_twins(predictions: list[Prediction], everyone: bool = False) -> list[Layout]:
-    """The async tensor-parallel twin of every sequence-parallel layout (not re-gathering, not context-parallel:
-    neither is compiled yet) that, with all its exposed tensor-parallel time gone (more than the twin saves: what
-    does not fit behind its matmul stays), would be at least ``ZERO2_WINDOW`` as fast as the fastest fitting layout
-    (``everyone``: of each). Same memory, same compute: only the time differs, so only layouts that fit get a twin
-    (``everyone``: all)."""
-    floor = _floor(predictions)
-    return [replace(p.layout, async_tp=True) for p in predictions
-            if p.layout.tp > 1 and p.layout.sequence_parallel and not p.layout.regather_sequence
-            and p.layout.cp == 1 and not p.layout.async_tp
-            and (everyone or (p.fits and _could_come_near(p, p.step_s - p.comm_s.get("tp", 0.0), floor)))]
-
-
-def _floor(predictions: list[Prediction]) -> float:
-    """``ZERO2_WINDOW`` of the fastest fitting layout's speed: what a twin must be able to reach to be planned."""
-    return ZERO2_WINDOW * max((p.tokens_per_s for p in predictions if p.fits), default=0.0)
-
-
-def _could_come_near(p: Prediction, best_step_s: float, floor: float) -> bool:
-    """Whether ``p`` would reach ``floor`` at a step of ``best_step_s`` (its step with what the twin saves gone)."""
-    return p.tokens_per_s * p.step_s / max(best_step_s, 1e-30) >= floor
-
-
-def _accumulates(layout: Layout) -> bool:
-    """Whether FSDP runs several micro-batches per step in this layout (whose reductions it could merge)."""
-    microbatches = (layout.pp_microbatches or layout.pp) if layout.pp > 1 else layout.accumulate_grad_batches
-    return (layout.dp_replicate * layout.dp_shard * layout.cp > 1 and microbatches > 1 and not layout.cpu_offload
-            and not layout.accumulate_unsharded)
-
-
-def reduce_once_twins(predictions: list[Prediction]) -> list[Layout]:
-    """The ``accumulate_unsharded`` twin of every FSDP layout with several micro-batches per step that, with all
-    its exposed FSDP time gone (more than the twin saves: it still gathers and reduces once), would be at least
-    ``ZERO2_WINDOW`` as fast as the fastest fitting layout; the twin holds every unit gathered and its unsharded
-    gradients, so it needs more memory."""
-    floor, out = _floor(predictions), []
-    for p in predictions:
-        if not _accumulates(p.layout) or not _twin_could_fit(p):
-            continue
-        fsdp = p.comm_s.get("fsdp_all_gather", 0.0) + p.comm_s.get("fsdp_reduce_scatter", 0.0)
-        if _could_come_near(p, p.step_s - _stretched(p, fsdp), floor):
-            out.append(replace(p.layout, accumulate_unsharded=True))
-    return out
+    @staticmethod
+    def could_fit_without_buffers(p: Prediction) -> bool:
+        """Whether a twin of ``p`` with the same state and activations and other FSDP buffers (reducing once)
+        could fit: not if ``p`` is over budget even without its buffers. A plan at thousands of GPUs would
+        otherwise predict some 12,000 twins that cannot fit (Llama 3 405B on 8,192 GPUs). Not a test for the plain
+        ZeRO-2-like twins: they are weighed before gradient accumulation, whose micro-batches may make them
+        fit."""
+        return p.budget is None or p.memory - p.buffers <= p.budget
 
 
 def accumulated_variants(predictions: list[Prediction], local_batch: Callable[[Layout], int],
@@ -452,7 +369,7 @@ def accumulated_variants(predictions: list[Prediction], local_batch: Callable[[L
     out = []
     for p in predictions:
         layout = p.layout
-        if p.fits or layout.pp > 1 or layout.cpu_offload or layout.accumulate_grad_batches > 1:
+        if p.fits or layout.pp > 1 or FullyShardedOptions.offloads(layout) or layout.accumulate_grad_batches > 1:
             continue
         for count in _accumulations(local_batch(layout)):
             variant = run([replace(layout, accumulate_grad_batches=count)])[0]
@@ -473,11 +390,13 @@ def _dimensions(layout: Layout) -> int:
 
 
 def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, batch: int, batch_is_global: bool,
-                      restrict: Mapping[str, Iterable[int]], checkpointing: tuple[bool | str, ...],
-                      schedules: tuple[str, ...], sequence_parallel: tuple[bool, ...] = (True, False),
-                      reshard_after_forward: tuple[bool, ...] = (True, False), uneven_stages: bool = True,
+                      restrict: Mapping[str, Iterable[int]], *, schedules: tuple[str, ...] = PIPELINE_SCHEDULES,
+                      uneven_stages: bool = True, weigh: Mapping[str, tuple] | None = None,
                       ) -> tuple[list[Layout], dict[str, int]]:
-    """The layouts the engine would accept; ``skipped`` counts the candidates left out, by reason."""
+    """The layouts the engine would accept; ``skipped`` counts the candidates left out, by reason. Per set of sizes,
+    each technique's choices (``choices`` of its options: tensor parallelism's sequence parallelism, activation
+    checkpointing's modes, FSDP's resharding), each expert split, and under a pipeline each of its shapes."""
+    weigh = _weighed(weigh or {})
     unknown = set(restrict) - set(RESTRICTABLE)
     if unknown:
         raise ValueError(f"restrict={dict(restrict)!r}: {sorted(unknown)} are not layout dimensions; use "
@@ -495,7 +414,6 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
 
     blocks = len(profile.blocks)
     has_attention = any(s.kv_bytes for s in profile.sections.values())
-    vocab_parallel_head = "vocab_parallel_head" in {s for s in profile.tp_plan.values() if isinstance(s, str)}
     out = []
     for sizes in _factorizations(world_size, len(SIZES)):
         dims = dict(zip(SIZES, sizes))
@@ -509,7 +427,7 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
             # `restrict` forbids that dp_shard: plain data parallelism, as Megatron ran it)
             skip("replicas smaller than a node (use dp_shard)")
             continue
-        if dims["tp"] > 1 and (dims["tp"] > per_node or not _tp_ok(profile, dims["tp"], False)):
+        if dims["tp"] > 1 and (dims["tp"] > per_node or not plan_fits(profile, dims["tp"], False)):
             skip("tp does not fit the model or a node")
             continue
         if dims["cp"] > 1 and (not has_attention or profile.seq_len % (2 * dims["cp"])):
@@ -519,35 +437,22 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
             skip("global batch not divisible by dp")
             continue
         local = batch // dp if batch_is_global else batch
-        sp_choices = [sp for sp in sequence_parallel if not sp or _tp_ok(profile, dims["tp"], True)]
-        if dims["tp"] == 1 or not sp_choices:
-            sp_choices = [False]
-        sharded = dims["dp_shard"] * dims["cp"] > 1
-        reshard_choices = reshard_after_forward if sharded else (True,)
         eps = _expert_splits(profile, dims["dp_shard"] * dims["cp"], allowed.get("ep"))
         if not eps:
             skip("restricted")
             continue
-        for sp, ac, reshard, ep in product(sp_choices, checkpointing, reshard_choices, eps):
-            lp = sp and vocab_parallel_head
-            options = dict(dims, activation_checkpointing=ac, sequence_parallel=sp, loss_parallel=lp,
-                           reshard_after_forward=reshard, ep=ep)
+        # (in this order: a layout's neighbours in the list differ in the pipeline's shape first)
+        choices = [cls.choices(dims, weigh, profile) for cls in OPTIONS]
+        for *chosen, ep in product(*choices, eps):
+            options = dict(dims, ep=ep)
+            for part in chosen:
+                options.update(part)
             if dims["pp"] == 1:
                 out.append(Layout(**options))
                 continue
-            for schedule in schedules:
-                if schedule in ("interleaved_zb", "zbv") and dims["dp_shard"] * dims["dp_replicate"] * dims["cp"] > 1:
-                    skip("zero-bubble schedule with FSDP")
-                    continue
-                for v, m in product(_stages_per_rank(schedule, blocks, dims["pp"], uneven_stages),
-                                    _microbatches(dims["pp"], local)):
-                    try:
-                        validate_pipeline(schedule, dims["pp"], m, blocks, v, local)
-                    except ValueError:
-                        skip("pipeline does not fit the blocks or the batch")
-                        continue
-                    # (built directly: ``dataclasses.replace`` costs a third of a second at 8,192 GPUs)
-                    out.append(Layout(**options, pp_schedule=schedule, pp_microbatches=m, pp_stages_per_rank=v))
+            for shape in PipelineOptions.shapes(schedules, blocks, dims["pp"], dp * dims["cp"], local,
+                                                 uneven_stages, _stages_per_rank, _microbatches, skip):
+                out.append(Layout(**options, **shape))
     return out, skipped
 
 
@@ -587,18 +492,6 @@ def _factorizations(n: int, parts: int) -> tuple[tuple[int, ...], ...]:
         return ((n,),)
     divisors = [d for d in range(1, n + 1) if n % d == 0]
     return tuple((d, *rest) for d in divisors for rest in _factorizations(n // d, parts - 1))
-
-
-def _tp_ok(profile: ModelProfile, tp: int, sequence_parallel: bool) -> bool:
-    """Whether the model's plan validates for ``tp`` (the engine's own check), cached on the profile."""
-    key = (tp, sequence_parallel)
-    if key not in profile.tp_checks:
-        try:
-            validate_tp_plan(profile.meta_module, profile.tp_source_plan, tp, sequence_parallel=sequence_parallel)
-            profile.tp_checks[key] = bool(profile.tp_source_plan)
-        except (ValueError, TypeError):
-            profile.tp_checks[key] = False
-    return profile.tp_checks[key]
 
 
 def _no_layout_message(profile: ModelProfile, world_size: int, skipped: dict[str, int]) -> str:

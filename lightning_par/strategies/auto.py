@@ -19,17 +19,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_par._compat import train_dataloader_of
 from lightning_par.checks import check_bool, check_checkpointing
 from lightning_par.planner.predict import Layout
-from lightning_par.planner.search import CHECKPOINTING, RESTRICTABLE, Plan, plan_layouts
+from lightning_par.planner.search import RESTRICTABLE, UNTRIED, WEIGH, Plan, plan_layouts
 from lightning_par.strategies.nd import NDParallelStrategy
 from lightning_par.techniques import build_recipe
-from lightning_par.techniques.tensor.tensor_parallel import (
-    check_async_tp_device,
-    check_async_tp_with_compile,
-    check_regather_with_compile,
-)
+from lightning_par.techniques.recipe import option_names, options_of, planned_options
+from lightning_par.techniques.tensor.tensor_parallel import TensorParallelOptions, check_async_tp_device
 
-_OWN = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "pp_schedule", "pp_microbatches", "loss_parallel",
-        "cpu_offload")
+#: what the planner decides and a user may not fix here: the sizes, and the planned options that ``plan_layouts``
+#: does not weigh as asked (the pipeline's shape, loss parallelism, offload); the weighed ones a user fixes
+_OWN = (*RESTRICTABLE, *(name for name in planned_options() if name not in WEIGH))
 
 
 class AutoParallelStrategy(NDParallelStrategy):
@@ -71,30 +69,22 @@ class AutoParallelStrategy(NDParallelStrategy):
         if unknown:
             raise ValueError(f"restrict={dict(restrict or {})!r}: {sorted(unknown)} are not layout dimensions; use "
                              f"{RESTRICTABLE}.")
+        # the planner's choices fixed here (None: it weighs them), and those given as strategy options
         if activation_checkpointing is not None:
             check_checkpointing("activation_checkpointing", activation_checkpointing)
-        self.force_checkpointing = activation_checkpointing
-        self.force_sequence_parallel = None if sequence_parallel is None else check_bool("sequence_parallel",
-                                                                                          sequence_parallel)
-        self.force_regather = None if regather_sequence is None else check_bool("regather_sequence",
-                                                                                  regather_sequence)
-        if self.force_regather and self.force_sequence_parallel is False:
-            raise ValueError("regather_sequence=True with sequence_parallel=False: only sequence parallelism gathers "
-                             "a layer's input from sequence chunks. Drop sequence_parallel=False (the planner then "
-                             "weighs it), or drop regather_sequence.")
-        check_regather_with_compile(bool(self.force_regather), bool(kwargs.get("compile")))
-        self.force_async_tp = None if async_tp is None else check_bool("async_tp", async_tp)
-        check_async_tp_with_compile(bool(self.force_async_tp), bool(kwargs.get("compile")))
-        if self.force_async_tp and (self.force_sequence_parallel is False or self.force_regather):
-            raise ValueError("async_tp=True with sequence_parallel=False or regather_sequence=True: async tensor "
-                             "parallelism pipelines sequence parallelism's collectives in compiled blocks. Drop one "
-                             "of them.")
+        forced = {name: check_bool(name, value) for name, value in (
+            ("sequence_parallel", sequence_parallel), ("regather_sequence", regather_sequence),
+            ("async_tp", async_tp)) if value is not None}
+        if activation_checkpointing is not None:
+            forced["activation_checkpointing"] = activation_checkpointing
+        TensorParallelOptions.check_forced(forced, bool(kwargs.get("compile")))
+        self.weigh = {name: (value,) for name, value in {**forced, **kwargs}.items() if name in WEIGH}
         if device is not None:
             from lightning_par.devices import lookup_device
 
             lookup_device(device)  # an unknown name fails here, on every rank, before anything is launched
         self.plan_device, self.gpus_per_node, self.plot_dir = device, gpus_per_node, plot_dir
-        self._options = {k: v for k, v in kwargs.items() if k in _RECIPE_OPTIONS}
+        self._options = {k: v for k, v in kwargs.items() if k in option_names()}
         self.plan: Plan | None = None
         super().__init__(dp_shard=-1, **kwargs)
 
@@ -104,7 +94,8 @@ class AutoParallelStrategy(NDParallelStrategy):
 
     def _validate_configuration(self) -> None:
         super()._validate_configuration()
-        check_async_tp_device(bool(self.force_async_tp), self.root_device.type)
+        for name in UNTRIED:  # (async tensor parallelism, on CUDA symmetric memory)
+            check_async_tp_device(any(self.weigh.get(name, (False,))), self.root_device.type)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -120,7 +111,7 @@ class AutoParallelStrategy(NDParallelStrategy):
         layout = self._agree(self.plan.require_fit().layout)
         self.dims = layout.dims().resolve(self.num_nodes * self.num_processes)
         self._use_recipe(build_recipe(**{**self._options, **_recipe_options(layout)}))
-        for technique in self.techniques:  # the chosen layout against every option (ep_ranks_per_node, ...), on
+        for technique in self.techniques:  # the chosen layout against every option (experts per node, ...), on
             technique.check(self.dims)     # every rank alike: the layout is agreed
         self.build_mesh()
         rank_zero_info(self._summary())
@@ -150,29 +141,18 @@ class AutoParallelStrategy(NDParallelStrategy):
             shapes = probe_shapes(profile)
             hardware = probe_hardware(self.root_device, probe_dtype(precision), shapes, per_node,
                                       tp_sizes=tp_degrees(shapes, per_node))
-        checkpointing = CHECKPOINTING if self.force_checkpointing is None else (self.force_checkpointing,)
-        sequence_parallel = (True, False) if self.force_sequence_parallel is None else (self.force_sequence_parallel,)
-        given_reshard = self._options.get("reshard_after_forward")  # the user's choice, else the planner weighs both
-        reshard = (True, False) if given_reshard is None else (bool(given_reshard),)
-        given_once = self._options.get("accumulate_unsharded")
-        once = (False, True) if given_once is None else (bool(given_once),)
-        if self.force_regather is not None:
-            regather = (self.force_regather,)
-        else:  # the hooks that keep the chunks are not traced by torch.compile
-            regather = (False,) if self._options.get("compile") else (False, True)
-        # Inductor's async tensor parallelism (a pass of the compile the user asked for, on CUDA symmetric memory)
-        # has never run: only when asked for
-        async_tp = (bool(self.force_async_tp),)
+        weigh = dict(self.weigh)  # what the user fixed; the planner weighs the rest
+        TensorParallelOptions.auto_weigh(weigh, bool(self.compile.enabled))
+        for name in UNTRIED:  # never run (Inductor's async tensor parallelism): only when asked for
+            weigh.setdefault(name, (False,))
         restrict = dict(self.restrict)
-        if self._options.get("float8") or self._options.get("quantize_base"):  # neither composes with tp yet
-            restrict["tp"] = [1]
+        for options in options_of(self._options):  # what does not compose with tp yet (8-bit layers, 4-bit weights)
+            restrict.update(options.restrict())
         return plan_layouts(module if self.plan_device is not None else profile, batch,
                             self.num_nodes * self.num_processes, hardware, precision=precision,
                             batch_is_global=False, memory_budget=self.memory_budget, restrict=restrict,
-                            activation_checkpointing=checkpointing, block_list=self.block_list,
-                            sequence_parallel=sequence_parallel, reshard_after_forward=reshard,
-                            accumulate_unsharded=once, regather_sequence=regather, async_tp=async_tp,
-                            gradient_accumulation=False)  # each loader batch is one micro-batch already
+                            block_list=self.block_list, gradient_accumulation=False,  # a loader batch: a micro-batch
+                            **weigh)
 
     def _agree(self, layout: Layout) -> Layout:
         """Rank 0's choice on every rank (every rank plans alike, but measured numbers may differ in the last
@@ -195,12 +175,6 @@ class AutoParallelStrategy(NDParallelStrategy):
             lines.append(f"  runner-up: {second.layout}: {second.tokens_per_s:,.0f} tokens/s per device; "
                          f"{second.reason}")
         return "\n".join(lines)
-
-
-_RECIPE_OPTIONS = ("pp_stages_per_rank", "pp_split_points", "pp_loss_method", "tp_plan", "cp_algorithm",
-                   "cp_load_balance", "cp_seq_dim", "cp_ulysses_size", "compile", "shard_units",
-                   "reshard_after_forward", "accumulate_unsharded", "ep_plan", "ep_ranks_per_node", "float8",
-                   "loss_normalization", "quantize_base")
 
 
 def _recipe_options(layout: Layout) -> dict[str, Any]:

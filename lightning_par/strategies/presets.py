@@ -25,8 +25,9 @@ def _refuse_other_sizes(preset: str, kwargs: dict[str, Any], *allowed: str) -> N
 
 
 class FSDP2Strategy(NDParallelStrategy):
-    """Fully sharded data parallelism (FSDP2, ZeRO-3; ZeRO-2-like with ``reshard_after_forward=False``; HSDP with
-    ``dp_replicate > 1``). Registered as ``"fsdp2"``."""
+    """Fully sharded data parallelism (FSDP2, ZeRO-3; ZeRO-2-like without resharding after forward; HSDP with
+    ``dp_replicate > 1``). Registered as ``"fsdp2"``. Its options are ``NDParallelStrategy``'s (FSDP2's:
+    ``techniques/sharding/fully_sharded.FullyShardedOptions``)."""
 
     def __init__(self, dp_replicate: int = 1, dp_shard: int = -1, **kwargs: Any) -> None:
         _refuse_other_sizes("FSDP2Strategy", kwargs, "dp_replicate", "dp_shard")
@@ -36,7 +37,8 @@ class FSDP2Strategy(NDParallelStrategy):
 class TensorParallelStrategy(NDParallelStrategy):
     """Tensor parallelism (DTensor ``parallelize_module`` from a plan), optionally with sequence parallelism and
     loss parallelism; composes with FSDP2 over ``dp_shard``. Registered as ``"tensor_parallel"``. The plan defaults
-    to the LightningModule's ``tp_plan`` attribute, else a Hugging Face model's own plan."""
+    to the LightningModule's plan attribute, else a Hugging Face model's own plan (the options:
+    ``techniques/tensor/tensor_parallel.TensorParallelOptions``)."""
 
     def __init__(self, tp: int = -1, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Any) -> None:
         _refuse_other_sizes("TensorParallelStrategy", kwargs, "tp", "dp_shard", "dp_replicate")
@@ -56,9 +58,10 @@ class ContextParallelStrategy(NDParallelStrategy):
 
 class PipelineParallelStrategy(NDParallelStrategy):
     """Pipeline parallelism: the block list cut into ``pp`` stages (more per rank for interleaved schedules), run
-    by a torch.distributed.pipelining schedule (``pp_schedule``, ``pp_microbatches``; ``pp_microbatches=1`` is
-    plain layer-split model parallelism); composes with FSDP2 over ``dp_shard`` and HSDP. Registered as
-    ``"pipeline_parallel"``. The LightningModule's contract is in ``docs/strategies.md`` ("Pipeline parallelism")."""
+    by a torch.distributed.pipelining schedule (its options: ``PipelineOptions`` in
+    ``techniques/pipeline/pipeline_parallel.py``; GPipe over one micro-batch is plain layer-split model
+    parallelism); composes with FSDP2 over ``dp_shard`` and HSDP. Registered as ``"pipeline_parallel"``. The
+    LightningModule's contract is in ``docs/strategies.md`` ("Pipeline parallelism")."""
 
     def __init__(self, pp: int = -1, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Any) -> None:
         _refuse_other_sizes("PipelineParallelStrategy", kwargs, "pp", "dp_shard", "dp_replicate")

@@ -7,8 +7,8 @@ builds the techniques from those names into a :class:`Recipe`, whose fields name
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from collections.abc import Iterator, Mapping
+from dataclasses import Field, dataclass, fields
 from typing import Any
 
 from lightning_par.techniques.context.context_parallel import ContextParallel, ContextParallelOptions
@@ -23,7 +23,7 @@ from lightning_par.techniques.recompute.activation_checkpointing import (
     CompileOptions,
 )
 from lightning_par.techniques.sharding.fully_sharded import FullySharded, FullyShardedOptions
-from lightning_par.techniques.technique import Technique
+from lightning_par.techniques.technique import Options, Technique
 from lightning_par.techniques.tensor.tensor_parallel import TensorParallel, TensorParallelOptions
 
 #: every technique's options dataclass, in the order of application
@@ -34,6 +34,24 @@ OPTIONS = (PipelineOptions, QuantizeOptions, Float8Options, TensorParallelOption
 def option_names() -> list[str]:
     """Every technique option's name, as ``NDParallelStrategy`` and :func:`build_recipe` take it."""
     return [f.name for options in OPTIONS for f in fields(options)]
+
+
+def planned_options() -> dict[str, Any]:
+    """The options the planner decides (``techniques.technique.planned``), with their defaults, in the recipe's
+    order: what every layout carries."""
+    return {f.name: f.default for options in OPTIONS for f in fields(options) if f.metadata.get("planned")}
+
+
+def weighed_options() -> dict[str, Field]:
+    """The planned options whose values ``plan_layouts`` weighs as asked (its keyword arguments; the planner's
+    command-line flags), each with its field (``metadata``: the values weighed by default, the flag's help)."""
+    return {f.name: f for options in OPTIONS for f in fields(options) if f.metadata.get("weigh") is not None}
+
+
+def options_of(values: Mapping[str, Any]) -> tuple[Options, ...]:
+    """Every technique's options dataclass, in the recipe's order, from ``values`` by name (the others keep their
+    defaults)."""
+    return tuple(cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values}) for cls in OPTIONS)
 
 
 @dataclass

@@ -10,9 +10,10 @@ for a layout (its size is 1, its flag False) does nothing in every hook.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -103,3 +104,74 @@ class Technique:
     def account(self, sheet: CostSheet) -> None:
         """For the planner: write what this technique does to memory and communication into ``sheet`` (called in
         the engine's order, with the layout's resolved sizes in ``sheet.dims``)."""
+
+
+def planned(default: Any, *, weigh: tuple | None = None, flag: str | None = None,
+            flag_values: Mapping[str, Any] | None = None) -> Any:
+    """A field of an options dataclass that the planner decides, so that every layout carries its value
+    (``planner.predict.Layout``), shows it (``Options.label``) and passes it on (``Options.layout_kwargs``).
+
+    ``weigh``: the values ``plan_layouts`` weighs by default; the option is then one of its keyword arguments (the
+    values to weigh), and ``flag`` the help text of the planner's command-line flag for it (``--name-with-dashes``;
+    ``flag_values`` names the values there, default ``both`` / ``on`` / ``off``)."""
+    return field(default=default, metadata={"planned": True, "weigh": weigh, "flag": flag,
+                                            "flag_values": flag_values})
+
+
+class Options:
+    """Base of every technique's options dataclass (``techniques/recipe.OPTIONS``): the one place an option is
+    named, with its default, beside the technique that reads it. Besides ``build`` (the technique object), it
+    says how a layout of the planner shows and passes on its values: the planner asks these hooks and names no
+    option itself."""
+
+    #: the planner table's legend entries for this technique's words (``label``): (regex over a layout's text,
+    #: meaning), shown where a row matches
+    LEGEND: ClassVar[tuple[tuple[str, str], ...]] = ()
+    #: options the engine has never run, with why: the planner weighs them only when asked, and its table marks
+    #: the layouts that turn them on
+    UNTRIED: ClassVar[dict[str, str]] = {}
+    #: a column of the planner's table instead of words in the layout: (heading, width, what it stands for)
+    COLUMN: ClassVar[tuple[str, int, str] | None] = None
+
+    def build(self) -> Technique:
+        raise NotImplementedError
+
+    def label(self, dims: ParallelDims) -> list[str]:
+        """The words a layout of these options shows after its sizes (``planner.predict.Layout.__str__``)."""
+        return []
+
+    def column(self) -> str:
+        """This layout's cell of the table's column (``COLUMN``)."""
+        return ""
+
+    def layout_kwargs(self, dims: ParallelDims) -> dict[str, Any]:
+        """What a layout of these options passes ``NDParallelStrategy`` (``Layout.strategy_kwargs``): by default
+        every planned option whose value is not its default."""
+        return {f.name: getattr(self, f.name) for f in fields(self)  # type: ignore[arg-type]
+                if f.metadata.get("planned") and getattr(self, f.name) != f.default}
+
+    def recomputes(self) -> bool:
+        """Whether the blocks' forward runs again in backward (activation checkpointing)."""
+        return False
+
+    def restrict(self) -> dict[str, list[int]]:
+        """Sizes the planner must keep to with these options (``AutoParallelStrategy``): what they do not combine
+        with yet."""
+        return {}
+
+    @staticmethod
+    def choices(sizes: Mapping[str, int], weighed: Mapping[str, tuple], profile: Any) -> list[dict[str, Any]]:
+        """The values of these options the planner enumerates for a set of ``sizes`` (``planner.search``:
+        ``weighed``, what it was asked to weigh, by option; ``profile``, the model's ``ModelProfile``): one dict
+        of option values per choice."""
+        return [{}]
+
+    @staticmethod
+    def force(layout: Any, weighed: Mapping[str, tuple]) -> Any:
+        """``layout`` as what is weighed alone makes every layout (e.g. re-gathered chunks wherever sequence
+        parallelism is, when only they are weighed)."""
+        return layout
+
+    def untried(self) -> list[str]:
+        """Why, for each option set here that the engine has never run (``UNTRIED``)."""
+        return [why for name, why in self.UNTRIED.items() if getattr(self, name)]

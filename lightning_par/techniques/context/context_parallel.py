@@ -6,6 +6,7 @@ functions through transformers' own interfaces, and their positions filled in (`
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ from lightning_par.techniques.context import context as cp_attention
 from lightning_par.techniques.context.context import ALGORITHMS
 from lightning_par.techniques.context.context_hf import route_attention
 from lightning_par.techniques.context.context_routing import ContextParallelScope
-from lightning_par.techniques.technique import Target, Technique
+from lightning_par.techniques.technique import Options, Target, Technique, planned
 
 #: the score-sized fp32 tensors a block's backward holds at once (``context._tile_backward``; its fp32
 #: dK/dV accumulators, keys x head size each, are left out: a score tensor is keys x query rows)
@@ -29,17 +30,41 @@ FP32_BYTES = 4
 
 
 @dataclass(frozen=True)
-class ContextParallelOptions:
+class ContextParallelOptions(Options):
     """Context parallelism's options, under the names ``NDParallelStrategy`` takes them (the one source of their
     defaults; ``docs/strategies.md``'s option table names each)."""
 
-    cp_algorithm: str = "ring"
+    cp_algorithm: str = planned(
+        "ring", weigh=("ring", "ulysses"), flag="with cp > 1: the attention algorithms to weigh: the ring, "
+        "Ulysses (all-to-all; where cp divides the heads after tp), the all-gather (default: ring and ulysses)",
+        flag_values={"ring": "ring", "ulysses": "ulysses", "allgather": "allgather"})
     cp_load_balance: bool = True
     cp_seq_dim: int = 1
     cp_ulysses_size: int | None = None
 
+    LEGEND = ((r"\bUlysses\b", "Ulysses = context parallelism by all-to-all (cp_algorithm='ulysses')"),
+              (r"\ball-gather\b", "all-gather = context parallelism gathering keys and values (cp_algorithm="
+                                   "'allgather')"))
+
     def build(self) -> ContextParallel:
         return ContextParallel(self.cp_algorithm, self.cp_load_balance, self.cp_seq_dim, self.cp_ulysses_size)
+
+    def label(self, dims: ParallelDims) -> list[str]:
+        if dims.cp == 1:
+            return []
+        return {"ulysses": ["Ulysses"], "allgather": ["all-gather"]}.get(self.cp_algorithm, [])
+
+    @staticmethod
+    def choices(sizes: Mapping[str, int], weighed: Mapping[str, tuple], profile: Any) -> list[dict[str, Any]]:
+        """The algorithms weighed, with cp > 1: Ulysses only where cp divides every attention's query heads left
+        after tensor parallelism (``ulysses.check_heads``)."""
+        cp, tp = sizes["cp"], sizes["tp"]
+        if cp == 1:
+            return [{}]
+        heads = [s.attention_heads for s in profile.sections.values() if s.attention_heads]
+        splits = bool(heads) and all(h % tp == 0 and (h // tp) % cp == 0 for h in heads)
+        algorithms = [a for a in weighed["cp_algorithm"] if a != "ulysses" or splits] or ["ring"]
+        return [{"cp_algorithm": a} for a in algorithms]
 
 
 class ContextParallel(Technique):

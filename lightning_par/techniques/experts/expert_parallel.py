@@ -24,14 +24,14 @@ from lightning_par.techniques.experts.experts import (
     node_groups,
     num_experts_of,
 )
-from lightning_par.techniques.technique import Target, Technique
+from lightning_par.techniques.technique import Options, Target, Technique
 
 #: an int64 count (the dispatch's split sizes)
 COUNT_BYTES = 8
 
 
 @dataclass(frozen=True)
-class ExpertParallelOptions:
+class ExpertParallelOptions(Options):
     """Expert parallelism's options, under the names ``NDParallelStrategy`` takes them (the one source of their
     defaults; ``docs/strategies.md``'s option table names each)."""
 

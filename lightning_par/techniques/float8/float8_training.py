@@ -12,14 +12,17 @@ from torch import nn
 
 from lightning_par.dims import ParallelDims
 from lightning_par.techniques.float8.float8_layers import ALIGNMENT, check_float8, convert_to_float8
-from lightning_par.techniques.technique import Target, Technique
+from lightning_par.techniques.technique import Options, Target, Technique
 
 
 @dataclass(frozen=True)
-class Float8Options:
+class Float8Options(Options):
     """float8's option, under the name ``NDParallelStrategy`` takes it: ``"tensorwise"``, ``"rowwise"`` or None."""
 
     float8: str | None = None
+
+    def restrict(self) -> dict[str, list[int]]:
+        return {"tp": [1]} if self.float8 else {}  # not with tensor parallelism yet
 
     def build(self) -> Float8Training:
         return Float8Training(self.float8)

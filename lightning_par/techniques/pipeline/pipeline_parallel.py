@@ -4,10 +4,12 @@ narrows what every later technique acts on; while training, a step's forward and
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import product
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,24 +18,73 @@ from lightning_par.checks import check_identifier, check_positive_int, check_str
 from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.token_loss import TokenLoss
-from lightning_par.techniques.pipeline.pipeline import SCHEDULES, even_cut, stage_ids
+from lightning_par.techniques.pipeline.pipeline import SCHEDULES, even_cut, stage_ids, validate_pipeline
 from lightning_par.techniques.pipeline.pipeline_adapter import PipelineAdapter
 from lightning_par.techniques.pipeline.pipeline_live import LivePipeline, materialize_local
-from lightning_par.techniques.technique import Target, Technique
+from lightning_par.techniques.technique import Options, Target, Technique, planned
 
 ZERO_BUBBLE = ("interleaved_zb", "zbv")
 
 
 @dataclass(frozen=True)
-class PipelineOptions:
+class PipelineOptions(Options):
     """Pipeline parallelism's options, under the names ``NDParallelStrategy`` takes them (the one source of their
     defaults; ``docs/strategies.md``'s option table names each)."""
 
-    pp_schedule: str = "1f1b"
-    pp_microbatches: int | None = None
-    pp_stages_per_rank: int | None = None
-    pp_split_points: list[str] | None = None
+    # the planner decides the schedule, its micro-batches and stages per rank, and cuts the blocks evenly
+    pp_schedule: str = planned("1f1b")
+    pp_microbatches: int | None = planned(None)
+    pp_stages_per_rank: int | None = planned(None)
+    pp_split_points: list[str] | None = planned(None)
     pp_loss_method: str = "loss"
+
+    LEGEND = (
+        (r"\bpp\d", "the name before vN or mM is the pipeline schedule (pp_schedule)"),
+        (r" v\d+ m\d+", "vN mM = N pipeline stages per rank, M micro-batches per step"),
+        (r"(?<! v\d)(?<! v\d\d) m\d+", "mM = M pipeline micro-batches per step (the schedule's own stages per rank: "
+                                        "2 for the interleaved ones)"),
+    )
+
+    def label(self, dims: ParallelDims) -> list[str]:
+        if dims.pp == 1:
+            return []
+        stages = f" v{self.pp_stages_per_rank}" if self.pp_stages_per_rank is not None else ""
+        return [f"{self.pp_schedule}{stages} m{self.pp_microbatches}"]
+
+    def layout_kwargs(self, dims: ParallelDims) -> dict[str, Any]:
+        """Under a pipeline, its schedule and micro-batches, whatever their values (and the stages per rank where
+        not the schedule's own); nothing without one."""
+        if dims.pp == 1:
+            return {}
+        out = {"pp_schedule": self.pp_schedule, "pp_microbatches": self.pp_microbatches}
+        if self.pp_stages_per_rank is not None:
+            out["pp_stages_per_rank"] = self.pp_stages_per_rank
+        return out
+
+    def step_microbatches(self, pp: int) -> int:
+        """Micro-batches per step under a pipeline of ``pp`` stages (without ``pp_microbatches``: one per stage)."""
+        return self.pp_microbatches or pp
+
+    @staticmethod
+    def shapes(schedules: tuple[str, ...], blocks: int, pp: int, data_ranks: int, local_batch: int,
+                uneven: bool, stages_per_rank: Callable, microbatches: Callable,
+                skip: Callable[[str], None]) -> list[dict[str, Any]]:
+        """The pipeline options the planner weighs for ``pp`` stages: each schedule with the stages per rank and
+        micro-batch counts ``stages_per_rank`` and ``microbatches`` give, those the engine accepts (``skip``
+        counts the others, by reason)."""
+        out = []
+        for schedule in schedules:
+            if schedule in ZERO_BUBBLE and data_ranks > 1:
+                skip("zero-bubble schedule with FSDP")
+                continue
+            for v, m in product(stages_per_rank(schedule, blocks, pp, uneven), microbatches(pp, local_batch)):
+                try:
+                    validate_pipeline(schedule, pp, m, blocks, v, local_batch)
+                except ValueError:
+                    skip("pipeline does not fit the blocks or the batch")
+                    continue
+                out.append({"pp_schedule": schedule, "pp_microbatches": m, "pp_stages_per_rank": v})
+        return out
 
     def build(self) -> PipelineParallel:
         return PipelineParallel(self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank,

@@ -17,14 +17,17 @@ from lightning_par.techniques.quantize.nf4_weights import (
     quantize_base_weights,
     refuse_bitsandbytes,
 )
-from lightning_par.techniques.technique import Target, Technique
+from lightning_par.techniques.technique import Options, Target, Technique
 
 
 @dataclass(frozen=True)
-class QuantizeOptions:
+class QuantizeOptions(Options):
     """QLoRA's option, under the name ``NDParallelStrategy`` takes it: ``"nf4"`` or None."""
 
     quantize_base: str | None = None
+
+    def restrict(self) -> dict[str, list[int]]:
+        return {"tp": [1]} if self.quantize_base else {}  # not with tensor parallelism yet
 
     def build(self) -> QuantizeBase:
         return QuantizeBase(self.quantize_base)

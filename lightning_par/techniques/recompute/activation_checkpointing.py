@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_par.checks import check_bool, check_checkpointing
 from lightning_par.costs.sheet import CostSheet
@@ -15,22 +17,43 @@ from lightning_par.techniques.recompute.recompute import (
     combine_contexts,
     selective_checkpoint_contexts,
 )
-from lightning_par.techniques.technique import Target, Technique
+from lightning_par.techniques.technique import Options, Target, Technique, planned
 
 
 @dataclass(frozen=True)
-class ActivationCheckpointingOptions:
+class ActivationCheckpointingOptions(Options):
     """Activation checkpointing's option, under the name ``NDParallelStrategy`` takes it (the one source of its
     default; ``docs/strategies.md``'s option table names it)."""
 
-    activation_checkpointing: bool | str = False
+    activation_checkpointing: bool | str = planned(
+        False, weigh=(False, "selective", True), flag="the options to weigh (default: all three)",
+        flag_values={"none": False, "selective": "selective", "full": True})
+
+    COLUMN = ("AC", 9, "activation checkpointing")
+
+    def label(self, dims: ParallelDims) -> list[str]:
+        return {"none": [], "full": ["AC"], "selective": ["SAC"]}[self._mode()]
+
+    def column(self) -> str:
+        return {"none": "off", "full": "full", "selective": "selective"}[self._mode()]
+
+    def recomputes(self) -> bool:
+        return self._mode() != "none"
+
+    @staticmethod
+    def choices(sizes: Mapping[str, int], weighed: Mapping[str, tuple], profile: Any) -> list[dict[str, Any]]:
+        return [{"activation_checkpointing": mode} for mode in weighed["activation_checkpointing"]]
+
+    def _mode(self) -> str:
+        value = self.activation_checkpointing
+        return "selective" if value == "selective" else "full" if value else "none"
 
     def build(self) -> ActivationCheckpointing:
         return ActivationCheckpointing(self.activation_checkpointing)
 
 
 @dataclass(frozen=True)
-class CompileOptions:
+class CompileOptions(Options):
     """``torch.compile``'s option, under the name ``NDParallelStrategy`` takes it."""
 
     compile: bool = False

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from lightning_par.dims import ParallelDims
 from lightning_par.parallel.token_loss import LOSS_NORMALIZATIONS, TokenLoss, TokenMeanScope
 from lightning_par.parallel.unused_parameters import UnusedParameterGuard
 from lightning_par.techniques.sharding.fsdp import apply_fsdp, mark_accumulate_unsharded
-from lightning_par.techniques.technique import Target, Technique
+from lightning_par.techniques.technique import Options, Target, Technique, planned
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
@@ -33,19 +34,122 @@ def fsdp_casts_parameters(dims: ParallelDims, cpu_offload: bool) -> bool:
 
 
 @dataclass(frozen=True)
-class FullyShardedOptions:
+class FullyShardedOptions(Options):
     """FSDP2's options, under the names ``NDParallelStrategy`` takes them (the one source of their defaults;
     ``docs/strategies.md``'s option table names each)."""
 
     shard_units: list[str] | None = None
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    accumulate_unsharded: bool = False
+    reshard_after_forward: bool = planned(
+        True, weigh=(True, False), flag="with FSDP: weigh resharding after forward (ZeRO-3) on, off (ZeRO-2-like) or "
+        "both")
+    #: the planner offloads where asked (``allow_offload``) or where nothing else fits
+    cpu_offload: bool = planned(False)
+    accumulate_unsharded: bool = planned(
+        False, weigh=(False, True), flag="with FSDP and several micro-batches per step: weigh reducing gradients "
+        "once per step (units kept gathered, gradients unsharded meanwhile) on, off or both (default)")
     loss_normalization: str = "mean"
+
+    LEGEND = (
+        (r"\boffload\b", "offload = FSDP state on the CPU"),
+        (r"\bZeRO-2\b", "ZeRO-2 = FSDP without resharding after forward"),
+        (r"\bZeRO-1\b", "ZeRO-1 = FSDP gathered and reduced once per step (reshard_after_forward=False, "
+                        "accumulate_unsharded=True)"),
+        (r"\breduce once\b", "reduce once = gradients reduced once per step (accumulate_unsharded=True)"),
+    )
 
     def build(self) -> FullySharded:
         return FullySharded(self.shard_units, self.reshard_after_forward, self.cpu_offload, self.accumulate_unsharded,
                             self.loss_normalization)
+
+    def label(self, dims: ParallelDims) -> list[str]:
+        words = ["offload"] if self.cpu_offload else []
+        if not self.reshard_after_forward:
+            words.append("ZeRO-1" if self.accumulate_unsharded else "ZeRO-2")
+        elif self.accumulate_unsharded:
+            words.append("reduce once")
+        return words
+
+    # ---- what the planner weighs (``planner/search.py`` calls these in its order; ``judge(predictions)`` says
+    # whether a twin could come near the fastest of them) ----
+    @staticmethod
+    def choices(sizes: Mapping[str, int], weighed: Mapping[str, tuple], profile: Any) -> list[dict[str, Any]]:
+        """Resharding after forward as weighed where FSDP shards; where both are weighed, only on: the ZeRO-2-like
+        layouts are the twins of those that could come near the fastest (``zero2_twins``)."""
+        if sizes["dp_shard"] * sizes["cp"] == 1:
+            return [{"reshard_after_forward": True}]
+        given = weighed["reshard_after_forward"]
+        return [{"reshard_after_forward": reshard} for reshard in ((True,) if len(given) == 2 else given)]
+
+    @staticmethod
+    def twins_weighed(weigh: Mapping[str, tuple]) -> tuple[bool, bool]:
+        """Whether the ZeRO-2-like twins are weighed, and with them the ZeRO-1-like ones (reducing once is)."""
+        return len(weigh["reshard_after_forward"]) == 2, True in weigh["accumulate_unsharded"]
+
+    @staticmethod
+    def zero2_twins(predictions: list, judge: Any, reduce_once: bool = True) -> list:
+        """The ZeRO-2-like twin of every FSDP layout that, with all its exposed all-gather time gone (more than the
+        twin saves: it still gathers before forward; exposed time is the rank's busy time, which a pipeline's
+        bubble stretches by step / busy: ``judge.stretched``), could come near the fastest (``judge.near``); the
+        twin keeps every unit gathered until its backward, so it needs more memory. With several micro-batches per
+        step and ``reduce_once`` weighed, a layout that comes near only with its per-micro-batch reductions gone
+        too gets the ZeRO-1-like twin instead (gathered once, reduced once: ``accumulate_unsharded``), where that
+        could fit: else a pipeline whose reduce-scatters cost as much as its gathers would never reach its fastest
+        variant."""
+        out = []
+        for p in predictions:
+            if p.layout.dp_shard * p.layout.cp == 1 or p.layout.cpu_offload:
+                continue
+            gathers = p.comm_s.get("fsdp_all_gather", 0.0)
+            reductions = p.comm_s.get("fsdp_reduce_scatter", 0.0)
+            if judge.near(p, p.step_s - judge.stretched(p, gathers)):
+                out.append(replace(p.layout, reshard_after_forward=False))
+            elif (reduce_once and FullyShardedOptions.accumulates(p.layout) and judge.could_fit_without_buffers(p)
+                  and judge.near(p, p.step_s - judge.stretched(p, gathers + reductions))):
+                out.append(replace(p.layout, reshard_after_forward=False, accumulate_unsharded=True))
+        return out
+
+    @staticmethod
+    def accumulates(layout: Any) -> bool:
+        """Whether FSDP runs several micro-batches per step in this layout (whose reductions it could merge)."""
+        return (layout.dp_replicate * layout.dp_shard * layout.cp > 1 and layout.microbatches > 1
+                and not layout.cpu_offload and not layout.accumulate_unsharded)
+
+    @staticmethod
+    def reduce_once(predictions: list, weigh: Mapping[str, tuple], judge: Callable, run: Callable) -> list:
+        """Reducing once per step: everywhere FSDP accumulates (weighed ``(True,)``), or the twins of the layouts
+        that could come near the fastest (``reduce_once_twins``)."""
+        if weigh["accumulate_unsharded"] == (True,):
+            return run([replace(p.layout, accumulate_unsharded=True) if FullyShardedOptions.accumulates(p.layout)
+                        else p.layout for p in predictions])
+        if len(weigh["accumulate_unsharded"]) == 2:
+            return predictions + run(FullyShardedOptions.reduce_once_twins(predictions, judge(predictions)))
+        return predictions
+
+    @staticmethod
+    def reduce_once_twins(predictions: list, judge: Any) -> list:
+        """The ``accumulate_unsharded`` twin of every FSDP layout with several micro-batches per step that, with
+        all its exposed FSDP time gone (more than the twin saves: it still gathers and reduces once), could come
+        near the fastest; the twin holds every unit gathered and its unsharded gradients, so it needs more
+        memory."""
+        out = []
+        for p in predictions:
+            if not FullyShardedOptions.accumulates(p.layout) or not judge.could_fit_without_buffers(p):
+                continue
+            fsdp = p.comm_s.get("fsdp_all_gather", 0.0) + p.comm_s.get("fsdp_reduce_scatter", 0.0)
+            if judge.near(p, p.step_s - judge.stretched(p, fsdp)):
+                out.append(replace(p.layout, accumulate_unsharded=True))
+        return out
+
+    @staticmethod
+    def offloads(layout: Any) -> bool:
+        """Whether the layout keeps FSDP's state on the CPU (the planner weighs no other variants of it)."""
+        return layout.cpu_offload
+
+    @staticmethod
+    def offloaded(layouts: list) -> list:
+        """The CPU-offload variant of every layout that shards or replicates its state."""
+        return [replace(layout, cpu_offload=True) for layout in layouts
+                if layout.dp_shard * layout.dp_replicate * layout.cp > 1]
 
 
 class FullySharded(Technique):
@@ -110,6 +214,10 @@ class FullySharded(Technique):
             register_step_methods(target.fsdp_root)
         if self.accumulate_unsharded:
             mark_accumulate_unsharded(target.module)
+
+    def casts_parameters(self, dims: ParallelDims) -> bool:
+        """Whether this technique wraps the model in ``dims`` (``fsdp_casts_parameters``)."""
+        return fsdp_casts_parameters(dims, self.cpu_offload)
 
     def _units(self, target: Target) -> list[str]:
         """The shard units; a model without a list of blocks (and no ``shard_units``) is one unit, the root, as

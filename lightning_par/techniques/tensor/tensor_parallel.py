@@ -3,9 +3,9 @@ runs; loss parallelism while a step runs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -16,7 +16,7 @@ from lightning_par.checks import check_bool
 from lightning_par.costs.profile import END_SECTIONS, ModelProfile
 from lightning_par.costs.sheet import CostSheet, Transfer, busiest_sections, params_by_planned_module, per_cut
 from lightning_par.dims import ParallelDims
-from lightning_par.techniques.technique import Target, Technique
+from lightning_par.techniques.technique import Options, Target, Technique, planned
 from lightning_par.techniques.tensor.sequence_regather import regathered_sequence
 from lightning_par.techniques.tensor.tensor import apply_tp, broadcast_replicated_parameters
 from lightning_par.techniques.tensor.tensor_plan import resolve_tp_plan, validate_tp_plan
@@ -48,19 +48,159 @@ def check_async_tp_device(async_tp: bool, device_type: str) -> None:
 
 
 @dataclass(frozen=True)
-class TensorParallelOptions:
+class TensorParallelOptions(Options):
     """Tensor parallelism's options, under the names ``NDParallelStrategy`` takes them (the one source of their
     defaults; ``docs/strategies.md``'s option table names each)."""
 
     tp_plan: Mapping[str, Any] | None = None
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
-    regather_sequence: bool = False
-    async_tp: bool = False
+    sequence_parallel: bool = planned(False, weigh=(True, False),
+                                      flag="with tp > 1: weigh sequence parallelism on, off or both (default)")
+    #: the planner turns it on with sequence parallelism where the model's head is vocabulary-parallel
+    loss_parallel: bool = planned(False)
+    regather_sequence: bool = planned(
+        False, weigh=(False, True), flag="with sequence parallelism: weigh saving the gathered layer inputs as "
+        "chunks gathered again in backward on, off or both (default: for the layouts that do not fit without it)")
+    async_tp: bool = planned(
+        False, weigh=(False, True), flag="with sequence parallelism on a GPU, weigh its collectives pipelined with "
+        "their matmuls (Inductor's async tensor parallelism, which needs 2+ CUDA GPUs and has never run; the layout "
+        "then needs compile=True): --async-tp (or both) weighs it beside the plain layouts, on forces it, off leaves "
+        "it out. Default: left out of the ranking, and one line says which layout would win if it worked")
+
+    UNTRIED = {"async_tp": "async TP needs 2+ CUDA GPUs and has never run"}
+    LEGEND = (
+        (r"\bSP\b", "SP = sequence parallelism"),
+        (r"\bregather\b", "regather = sequence-parallel inputs gathered again in backward"),
+        (r"\basync TP\b", "async TP = tensor-parallel collectives pipelined with their matmuls (compile=True)"),
+        (r"\bLP\b", "LP = loss parallelism (cross-entropy on vocabulary-sharded logits)"),
+    )
 
     def build(self) -> TensorParallel:
         return TensorParallel(self.tp_plan, self.sequence_parallel, self.loss_parallel, self.regather_sequence,
                               self.async_tp)
+
+    def label(self, dims: ParallelDims) -> list[str]:
+        return [word for on, word in ((self.sequence_parallel, "SP"), (self.regather_sequence, "regather"),
+                                      (self.async_tp, "async TP"), (self.loss_parallel, "LP")) if on]
+
+    def layout_kwargs(self, dims: ParallelDims) -> dict[str, Any]:
+        out = super().layout_kwargs(dims)
+        if self.async_tp:  # a pass of torch.compile's
+            out["compile"] = True
+        return out
+
+    # ---- what the planner weighs (``planner/search.py`` calls these in its order; ``judge(predictions)`` says
+    # whether a twin could come near the fastest of them) ----
+    @staticmethod
+    def check_weighed(weigh: Mapping[str, tuple]) -> None:
+        """Refuse weighing only what cannot be: re-gathered chunks everywhere with async tp everywhere."""
+        if weigh["regather_sequence"] == (True,) and weigh["async_tp"] == (True,):
+            raise ValueError("regather_sequence=(True,) with async_tp=(True,): async tensor parallelism is compiled "
+                             "and re-gathering is not (see NDParallelStrategy). Weigh one of them, or both: "
+                             "(False, True).")
+
+    @staticmethod
+    def check_forced(forced: Mapping[str, Any], compile: bool) -> None:
+        """``AutoParallelStrategy``'s fixed choices (None: the planner's), refused before any planning."""
+        sequence_parallel, regather = forced.get("sequence_parallel"), forced.get("regather_sequence")
+        async_tp = forced.get("async_tp")
+        if regather and sequence_parallel is False:
+            raise ValueError("regather_sequence=True with sequence_parallel=False: only sequence parallelism gathers "
+                             "a layer's input from sequence chunks. Drop sequence_parallel=False (the planner then "
+                             "weighs it), or drop regather_sequence.")
+        check_regather_with_compile(bool(regather), compile)
+        check_async_tp_with_compile(bool(async_tp), compile)
+        if async_tp and (sequence_parallel is False or regather):
+            raise ValueError("async_tp=True with sequence_parallel=False or regather_sequence=True: async tensor "
+                             "parallelism pipelines sequence parallelism's collectives in compiled blocks. Drop one "
+                             "of them.")
+
+    @staticmethod
+    def auto_weigh(weigh: dict[str, tuple], compile: bool) -> None:
+        """What ``AutoParallelStrategy`` weighs unless told: no re-gathered chunks with ``compile`` (the hooks that
+        keep the chunks are not traced by torch.compile)."""
+        if compile and "regather_sequence" not in weigh:
+            weigh["regather_sequence"] = (False,)
+
+    @staticmethod
+    def choices(sizes: Mapping[str, int], weighed: Mapping[str, tuple], profile: ModelProfile) -> list[dict[str, Any]]:
+        """Sequence parallelism on and off as weighed, where the model's plan allows it at this tp (loss
+        parallelism with it where the head is vocabulary-parallel)."""
+        tp = sizes["tp"]
+        sp_choices = [sp for sp in weighed["sequence_parallel"] if not sp or plan_fits(profile, tp, True)]
+        if tp == 1 or not sp_choices:
+            sp_choices = [False]
+        head = "vocab_parallel_head" in {s for s in profile.tp_plan.values() if isinstance(s, str)}
+        return [{"sequence_parallel": sp, "loss_parallel": sp and head} for sp in sp_choices]
+
+    @staticmethod
+    def regather(predictions: list, weigh: Mapping[str, tuple], judge: Callable, run: Callable,
+                 after: Callable[[list], list]) -> list:
+        """Re-gathered chunks: everywhere sequence parallelism is (weighed ``(True,)``), or the twins of the
+        layouts that do not fit but could come near the fastest (``regather_twins``), each also as ``after``
+        gives it (gradient accumulation's variants of a twin that still does not fit)."""
+        if weigh["regather_sequence"] == (True,):
+            return run([TensorParallelOptions.force(p.layout, weigh) for p in predictions])
+        if len(weigh["regather_sequence"]) == 2:
+            regathered = run(TensorParallelOptions.regather_twins(predictions, judge(predictions)))
+            predictions = predictions + regathered + after(regathered)
+        return predictions
+
+    @staticmethod
+    def force(layout: Any, weigh: Mapping[str, tuple]) -> Any:
+        """``layout`` as the choices weighed alone make every layout (re-gathered chunks wherever sequence
+        parallelism is)."""
+        if weigh["regather_sequence"] == (True,):
+            return replace(layout, regather_sequence=layout.sequence_parallel)
+        return layout
+
+    @staticmethod
+    def regather_twins(predictions: list, judge: Any) -> list:
+        """The ``regather_sequence`` twin of every sequence-parallel layout outside activation checkpointing that
+        does not fit and could come near the fastest (``judge``): the twin saves the gathered layer inputs as
+        chunks (it may fit where the layout does not, and run without recomputation where the fitting variants
+        recompute) for one more exposed all-gather per input. A layout that fits gains nothing."""
+        return [replace(p.layout, regather_sequence=True) for p in predictions
+                if p.layout.sequence_parallel and not p.layout.regather_sequence and not p.fits
+                and not p.layout.recomputes and judge.near(p, p.step_s)
+                # at most every saved activation shrinks to 1/tp: a layout further over its budget stays over
+                and (p.budget is None or p.memory - p.activations * (1 - 1 / p.layout.tp) <= p.budget)]
+
+    @staticmethod
+    def pipelined(predictions: list, weigh: Mapping[str, tuple], judge: Callable, run: Callable) -> list:
+        """Async tensor parallelism: the twins of the layouts that could come near the fastest
+        (``async_tp_twins``), or with ``(True,)`` every such layout pipelined instead."""
+        if weigh["async_tp"] == (False,):
+            return predictions
+        forced = weigh["async_tp"] == (True,)
+        pipelined = TensorParallelOptions.async_tp_twins(predictions, judge(predictions), everyone=forced)
+        if forced:  # every such layout pipelined instead, the others as they are
+            twinned = {replace(layout, async_tp=False) for layout in pipelined}
+            predictions = [p for p in predictions if p.layout not in twinned]
+        return predictions + run(pipelined)
+
+    @staticmethod
+    def async_tp_twins(predictions: list, judge: Any, everyone: bool = False) -> list:
+        """The async tensor-parallel twin of every sequence-parallel layout (not re-gathering, not
+        context-parallel: neither is compiled yet) that, with all its exposed tensor-parallel time gone (more than
+        the twin saves: what does not fit behind its matmul stays), could come near the fastest (``judge``;
+        ``everyone``: of each). Same memory, same compute: only the time differs, so only layouts that fit get a
+        twin (``everyone``: all)."""
+        return [replace(p.layout, async_tp=True) for p in predictions
+                if p.layout.tp > 1 and p.layout.sequence_parallel and not p.layout.regather_sequence
+                and p.layout.cp == 1 and not p.layout.async_tp
+                and (everyone or (p.fits and judge.near(p, p.step_s - p.comm_s.get("tp", 0.0))))]
+
+
+def plan_fits(profile: ModelProfile, tp: int, sequence_parallel: bool) -> bool:
+    """Whether the model's plan validates for ``tp`` (the engine's own check), cached on the profile."""
+    key = (tp, sequence_parallel)
+    if key not in profile.tp_checks:
+        try:
+            validate_tp_plan(profile.meta_module, profile.tp_source_plan, tp, sequence_parallel=sequence_parallel)
+            profile.tp_checks[key] = bool(profile.tp_source_plan)
+        except (ValueError, TypeError):
+            profile.tp_checks[key] = False
+    return profile.tp_checks[key]
 
 
 class TensorParallel(Technique):
@@ -162,8 +302,8 @@ class TensorParallel(Technique):
         tp = sheet.dims.tp
         if tp == 1:
             return
-        sheet.tp, sheet.sequence_parallel, sheet.loss_parallel = tp, self.sequence_parallel, self.loss_parallel
-        sheet.regather_sequence = self.regather_sequence and not sheet.autocast_only
+        sheet.tp, sheet.sequence_sharded, sheet.vocab_sharded = tp, self.sequence_parallel, self.loss_parallel
+        sheet.inputs_chunked = self.regather_sequence and not sheet.autocast_only
         sections, blocks = per_cut(sheet, ("tp_sections",), lambda: (
             frozenset(busiest_sections(sheet)),
             max(sum(s not in END_SECTIONS for s in r) for r in sheet.rank_sections)))
@@ -202,7 +342,7 @@ class TensorParallel(Technique):
         if head_norms:  # each rank normalized only its own heads
             sheet.transfers.append(
                 Transfer("tp", "tp", "all_reduce", sum(head_norms) / len(head_norms), len(head_norms), False))
-        if sheet.regather_sequence:  # backward gathers the saved layer inputs again (e.g. attention's and MLP's)
+        if sheet.inputs_chunked:  # backward gathers the saved layer inputs again (e.g. attention's and MLP's)
             in_blocks, at_ends = (n * (2 if sheet.split_backward else 1)
                                   for n in _regathered_inputs(sheet.profile, sections))
             sheet.regathered_in_blocks = Transfer("tp", "tp", "all_gather", residual, in_blocks * m, False)

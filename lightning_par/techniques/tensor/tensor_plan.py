@@ -72,6 +72,12 @@ def check_tp_size(tp: int, world_size: int) -> None:
 
 
 # ---- where a plan comes from ----------------------------------------------------------------------------------
+def resolve_traced_plan(module: nn.Module, plan: TPPlan | None) -> dict[str, str | ParallelStyle]:
+    """The plan the planner's profile traces (``costs.profile.profile_model``): ``resolve_tp_plan`` with the head
+    vocabulary-parallel where the model's own plan allows it (loss parallelism then keeps its logits split)."""
+    return resolve_tp_plan(module, plan, loss_parallel=True)
+
+
 def resolve_tp_plan(module: nn.Module, plan: TPPlan | None, *,
                     loss_parallel: bool = False) -> dict[str, str | ParallelStyle]:
     """The plan to apply to ``module``: ``plan`` if given; else ``module.tp_plan`` (a LightningModule's attribute,
