@@ -915,6 +915,7 @@ trainer:
       loss_parallel: false
       regather_sequence: false
       async_tp: false
+      cp_algorithm: ring
       activation_checkpointing: false
       reshard_after_forward: true
       cpu_offload: false

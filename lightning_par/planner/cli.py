@@ -99,7 +99,8 @@ def _weighed_flags(group: argparse._ArgumentGroup) -> None:
     for name, f in weighed_options().items():
         flag, values = "--" + name.replace("_", "-"), f.metadata["flag_values"]
         if values:
-            group.add_argument(flag, nargs="+", choices=sorted(values), default=list(values), help=f.metadata["flag"])
+            weighed = [v for v, value in values.items() if value in f.metadata["weigh"]]
+            group.add_argument(flag, nargs="+", choices=sorted(values), default=weighed, help=f.metadata["flag"])
         elif name in UNTRIED:
             group.add_argument(flag, choices=("both", "on", "off"), nargs="?", const="both", default=None,
                                help=f.metadata["flag"])
