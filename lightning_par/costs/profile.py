@@ -104,8 +104,9 @@ class Section:
     kv_bytes: int = 0  # keys and values entering attention (what context parallelism passes around the ring)
     #: queries entering attention and the outputs leaving it (what Ulysses' all-to-all moves beside keys and values)
     qo_bytes: int = 0
-    #: the most query heads of one attention call (Ulysses splits them over the cp ranks)
+    #: the most query heads of one attention call (Ulysses splits them over the cp ranks), and its key/value heads
     attention_heads: int = 0
+    attention_kv_heads: int = 0
     #: the largest score matrix of one attention call, in elements (batch x heads x queries x keys): what the
     #: context-parallel math path materializes, a block of it at a time (``ContextParallel.account``)
     attention_scores: int = 0
@@ -456,7 +457,8 @@ class _AttentionMarker(TorchFunctionMode):
         section.kv_bytes += key.numel() * key.element_size() + value.numel() * value.element_size()
         query = args[0]
         section.qo_bytes += query.numel() * query.element_size() * (1 + value.size(-1) / query.size(-1))
-        section.attention_heads = max(section.attention_heads, query.size(-3))
+        if query.size(-3) > section.attention_heads:
+            section.attention_heads, section.attention_kv_heads = query.size(-3), key.size(-3)
         section.attention_scores = max(section.attention_scores, query.numel() // query.size(-1) * key.size(-2))
         counted = section.attention_flops
         self.trace.in_attention = True

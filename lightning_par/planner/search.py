@@ -30,7 +30,6 @@ from lightning_par.planner.predict import (
 from lightning_par.techniques.pipeline.pipeline import SCHEDULES
 from lightning_par.techniques.pipeline.pipeline_parallel import PipelineOptions
 from lightning_par.techniques.recipe import OPTIONS, weighed_options
-from lightning_par.techniques.recompute.activation_checkpointing import ActivationCheckpointingOptions
 from lightning_par.techniques.sharding.fully_sharded import FullyShardedOptions
 from lightning_par.techniques.tensor.tensor_parallel import TensorParallelOptions, plan_fits
 
@@ -49,9 +48,10 @@ MAX_STAGES_PER_RANK = 16
 #: what ``plan_layouts`` weighs of each option it takes (its keyword arguments beyond the sizes): the values each
 #: technique's options dataclass names (``techniques.technique.planned``)
 WEIGH: dict[str, tuple] = {name: f.metadata["weigh"] for name, f in weighed_options().items()}
-#: activation checkpointing options the planner weighs: none, selective, full
-CHECKPOINTING: tuple[bool | str, ...] = next(f.metadata["weigh"] for f in fields(ActivationCheckpointingOptions)
-                                             if f.metadata.get("weigh"))
+#: activation checkpointing options the planner weighs: none, selective, full (the option its table shows as a
+#: column)
+CHECKPOINTING: tuple[bool | str, ...] = next(f.metadata["weigh"] for options in OPTIONS if options.COLUMN
+                                             for f in fields(options) if f.metadata.get("weigh"))
 
 
 @dataclass

@@ -650,6 +650,13 @@ def context_parallel_attention(
         if sinks is not None:
             sinks = sinks[a2a.head_slice(ulysses, member, q.size(1))]
         q, k, v = a2a.to_heads(q, k, v, ulysses_group, comm_counter)
+    if ulysses > 1 and size == 1 and sinks is None and window is None and documents is None and attendable is None \
+            and CUDA_KERNELS == "auto":
+        # whole rows on this rank, nothing to merge and no mask beyond causality: torch's own kernel (flash or the
+        # memory-efficient one on a GPU, which skip the masked half; the blocked math path would not)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=bool(is_causal), scale=scale,
+                                             enable_gqa=q.size(1) != k.size(1))
+        return a2a.to_sequence(out, ulysses_group, comm_counter)
     setup = _Setup(group, rank, size, bool(is_causal), balanced, scale, "ring" if size == 1 else algorithm,
                    comm_counter, window, documents, attendable)
     out, lse = _ContextParallelAttention.apply(q, k, v, setup)

@@ -21,6 +21,7 @@ from lightning_par.techniques.context import context as cp_attention
 from lightning_par.techniques.context.context import ALGORITHMS
 from lightning_par.techniques.context.context_hf import route_attention
 from lightning_par.techniques.context.context_routing import ContextParallelScope
+from lightning_par.techniques.context.ulysses import kv_repeats
 from lightning_par.techniques.technique import Options, Target, Technique, planned
 
 #: the score-sized fp32 tensors a block's backward holds at once (``context._tile_backward``; its fp32
@@ -135,44 +136,57 @@ class ContextParallel(Technique):
         if cp == 1:
             return
         sheet.cp = cp
-        if self.ulysses(cp) == cp:
-            self._account_ulysses(sheet)
+        ulysses = self.ulysses(cp)
+        ring = cp // ulysses
+        m = sheet.microbatches
+        grad = sheet.grad_scale  # dK/dV travel in fp32
+        scale = sheet.token_scale * sheet.activation_scale / cp / sheet.tp
+        repeats = 1
+        if ulysses > 1:
+            repeats = self._account_all_to_all(sheet, ulysses, scale)
+        if ring == 1:
             return
         sheet.buffer_bytes += SCORE_TENSORS * per_cut(
             sheet, ("cp_scores", sheet.token_scale, sheet.sequence_scale, cp, sheet.tp, cp_attention.SCORE_TILE_BYTES),
             lambda: _score_tile_bytes(sheet))
-        m = sheet.microbatches
-        grad = sheet.grad_scale  # dK/dV travel in fp32
-        # attentions of one size (the blocks) are one Transfer with their message counts summed
-        scale = sheet.token_scale * sheet.activation_scale / cp / sheet.tp
+        # attentions of one size (the blocks) are one Transfer with their message counts summed; after a Ulysses
+        # group's all-to-all each ring rank holds the group's tokens for its heads: as many key/value elements as
+        # one rank's own (repeated where fewer heads than the group), passed around a ring of cp / ulysses
         attentions = per_cut(sheet, ("cp_attentions",), lambda: tuple(Counter(
             sheet.profile.sections[name].kv_bytes for name in busiest_sections(sheet)).items()))
         for traced_kv, k in attentions:
-            kv = traced_kv * scale
+            kv = traced_kv * scale * repeats
             if not kv:
                 continue
             # a recomputed forward sends the forward's messages again (no checkpointing policy keeps them)
-            if self.algorithm == "ring":  # forward: cp-1 hops of K/V; backward: again, plus cp hops of dK/dV
-                forward = (cp - 1) * m * k
-                sheet.transfers.append(Transfer("cp", "cp", "send_recv", kv, (2 * (cp - 1) + cp * grad) * m * k, True,
-                                                forward, forward, hides_behind="attention"))
-            else:
-                sheet.transfers.append(Transfer("cp", "cp", "all_gather", kv * cp, 2 * m * k, False, m * k, m * k))
-                sheet.transfers.append(Transfer("cp", "cp", "reduce_scatter", grad * kv * cp, m * k, False))
+            if self.algorithm == "ring":  # forward: ring-1 hops of K/V; backward: again, plus ring hops of dK/dV
+                forward = (ring - 1) * m * k
+                sheet.transfers.append(Transfer("cp", "cp", "send_recv", kv, (2 * (ring - 1) + ring * grad) * m * k,
+                                                True, forward, forward, hides_behind="attention"))
+            else:  # collectives over the ring of `ring` ranks, written over the cp group: (cp - 1) / cp of nbytes
+                whole = kv * (ring - 1) * cp / (cp - 1)
+                sheet.transfers.append(Transfer("cp", "cp", "all_gather", whole, 2 * m * k, False, m * k, m * k))
+                sheet.transfers.append(Transfer("cp", "cp", "reduce_scatter", grad * whole, m * k, False))
 
-    def _account_ulysses(self, sheet: CostSheet) -> None:
-        """All-to-all over the cp group (``ulysses.py``): per attention and micro-batch, queries, keys, values and the
-        output in forward, their gradients in backward, each rank sending ``(cp - 1) / cp`` of its part, exposed
-        (the attention waits for its inputs). The attention then runs over whole rows for ``heads / cp`` of the
-        heads: the same compute as one rank's share of the ring's blocks, the fused kernels' memory (no score
-        tiles). Key/value heads fewer than cp are repeated first (priced as traced: a lower bound there)."""
+    def _account_all_to_all(self, sheet: CostSheet, ulysses: int, scale: float) -> int:
+        """All-to-all inside each Ulysses group (``ulysses.py``): per attention and micro-batch, queries, keys,
+        values and the output in forward, their gradients in backward, each rank sending ``(ulysses - 1) /
+        ulysses`` of its part, exposed (the attention waits for its inputs); key/value heads fewer than the group
+        repeated first (``kv_repeats``). The attention then runs over the group's tokens for ``heads / ulysses``
+        of the heads: the same compute as the ring's blocks. Returns the key/value repetition. A group smaller than
+        cp is priced over the cp group's links with its own share of the bytes."""
         cp, m = sheet.dims.cp, sheet.microbatches
-        scale = sheet.token_scale * sheet.activation_scale / cp / sheet.tp
+        repeats = 1
         for name in busiest_sections(sheet):
             section = sheet.profile.sections[name]
-            moved = (section.qo_bytes + section.kv_bytes) * scale
+            heads, kv_heads = section.attention_heads // sheet.tp, section.attention_kv_heads // sheet.tp
+            repeats = kv_repeats(heads, kv_heads, ulysses) if heads and kv_heads else 1
+            moved = (section.qo_bytes + section.kv_bytes * repeats) * scale
             if moved:
-                sheet.transfers.append(Transfer("cp", "cp", "all_to_all", moved / 4, 8 * m, False, 4 * m, 4 * m))
+                share = (ulysses - 1) / ulysses * cp / (cp - 1)  # of nbytes, over cp: the group's own
+                sheet.transfers.append(Transfer("cp", "cp", "all_to_all", moved / 4 * share, 8 * m, False, 4 * m,
+                                                4 * m))
+        return repeats
 
     def describe(self, dims: ParallelDims) -> str | None:
         if dims.cp == 1:
