@@ -41,9 +41,14 @@ class ContextParallelOptions(Options):
         flag_values={"ring": "ring", "ulysses": "ulysses", "allgather": "allgather"})
     cp_load_balance: bool = True
     cp_seq_dim: int = 1
-    cp_ulysses_size: int | None = None
+    cp_ulysses_size: int | None = planned(
+        None, weigh=(None, 2, 4, 8), flag="with cp > 2: the hybrids to weigh, all-to-all inside groups of that many "
+        "cp ranks then the ring over the groups (none: no hybrid; default: none 2 4 8, each where it divides cp "
+        "and the heads)", flag_values={"none": None, "2": 2, "4": 4, "8": 8})
 
-    LEGEND = ((r"\bUlysses\b", "Ulysses = context parallelism by all-to-all (cp_algorithm='ulysses')"),
+    LEGEND = ((r"\bUlysses\b(?! \d)", "Ulysses = context parallelism by all-to-all (cp_algorithm='ulysses')"),
+              (r"\bUlysses \d+ x\b", "Ulysses k x ring = all-to-all inside groups of k cp ranks, then the ring (or the "
+                                   "all-gather) over the groups (cp_ulysses_size=k)"),
               (r"\ball-gather\b", "all-gather = context parallelism gathering keys and values (cp_algorithm="
                                    "'allgather')"))
 
@@ -53,6 +58,9 @@ class ContextParallelOptions(Options):
     def label(self, dims: ParallelDims) -> list[str]:
         if dims.cp == 1:
             return []
+        k = self.cp_ulysses_size or 1
+        if self.cp_algorithm != "ulysses" and 1 < k < dims.cp:
+            return [f"Ulysses {k} x {'all-gather' if self.cp_algorithm == 'allgather' else 'ring'}"]
         return {"ulysses": ["Ulysses"], "allgather": ["all-gather"]}.get(self.cp_algorithm, [])
 
     @staticmethod
@@ -63,9 +71,17 @@ class ContextParallelOptions(Options):
         if cp == 1:
             return [{}]
         heads = [s.attention_heads for s in profile.sections.values() if s.attention_heads]
-        splits = bool(heads) and all(h % tp == 0 and (h // tp) % cp == 0 for h in heads)
-        algorithms = [a for a in weighed["cp_algorithm"] if a != "ulysses" or splits] or ["ring"]
-        return [{"cp_algorithm": a} for a in algorithms]
+
+        def splits(k: int) -> bool:
+            return bool(heads) and all(h % tp == 0 and (h // tp) % k == 0 for h in heads)
+
+        algorithms = [a for a in weighed["cp_algorithm"] if a != "ulysses" or splits(cp)] or ["ring"]
+        out: list[dict[str, Any]] = [{"cp_algorithm": a} for a in algorithms]
+        # the hybrids: all-to-all inside groups of k, then the weighed ring or all-gather over cp / k groups
+        for k in weighed["cp_ulysses_size"]:
+            if k is not None and 1 < k < cp and cp % k == 0 and splits(k):
+                out += [{"cp_algorithm": a, "cp_ulysses_size": k} for a in algorithms if a != "ulysses"]
+        return out
 
 
 class ContextParallel(Technique):
