@@ -21,49 +21,38 @@ from transformers import AutoConfig, PretrainedConfig
 
 from example_projects.hf_lm.lit import HFCausalLMModule
 from lightning_par import BaseParallelStrategy, save_hf_pretrained
+from lightning_par.lm import LoRA
 from lightning_par.pretrained import check_hf_checkpoint, load_hf_weights
 
 #: every projection of a Llama/Qwen2/Mistral decoder layer (attention and MLP); the embedding and lm_head stay frozen
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def _lora(r: int = 8, alpha: float = 16.0, dropout: float = 0.0, target_modules: list[str] | None = None) -> LoRA:
+    return LoRA(r=r, alpha=alpha, dropout=dropout,
+                target_modules=list(target_modules) if isinstance(target_modules, (list, tuple)) else target_modules)
+
+
 def check_lora_options(r: int, alpha: float, dropout: float, target_modules: list[str]) -> None:
     """Raise a clear error for LoRA options PEFT would accept but that make no sense (or fail much later)."""
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ValueError(f"lora_r={r!r} must be a positive int (the adapters' rank, e.g. 8).")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
-        raise ValueError(f"lora_alpha={alpha!r} must be a positive number (the update is scaled by alpha / r; "
-                         f"e.g. 2 * lora_r).")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"lora_dropout={dropout!r} must be a probability in [0, 1), e.g. 0.05.")
-    if (not isinstance(target_modules, (list, tuple)) or not target_modules
-            or not all(isinstance(t, str) and t for t in target_modules)):
+    if not isinstance(target_modules, (list, tuple)):
         raise ValueError(f"lora_target_modules={target_modules!r} must be a non-empty list of module names, e.g. "
                          f"{DEFAULT_TARGETS}.")
+    _lora(r, alpha, dropout, target_modules).check(prefix="lora_")
 
 
 def check_lora_targets(model: nn.Module, target_modules: list[str]) -> None:
     """Every target must name some module of ``model`` (PEFT's rule: the module's name, or its last dotted segments);
     raises naming the targets that match nothing and the Linear layers there are. Works on the meta device, so a
-    typo fails when the LightningModule is constructed, before any process starts (PEFT itself would refuse it later,
-    in ``configure_model`` on every rank)."""
-    names = [name for name, _ in model.named_modules() if name]
-    unmatched = [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in names)]
-    if unmatched:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(f"lora_target_modules: {unmatched} match no module of {type(model).__name__}. Its Linear "
-                         f"layers are named {linear}; pick from those (e.g. {DEFAULT_TARGETS[:4]}).")
+    typo fails when the LightningModule is constructed, before any process starts."""
+    _lora(target_modules=target_modules).check_targets(model, prefix="lora_")
 
 
 def add_lora(model: nn.Module, r: int, alpha: float, dropout: float, target_modules: list[str]) -> nn.Module:
     """``model`` wrapped by PEFT ``get_peft_model``: LoRA adapters on ``target_modules``, everything else frozen.
     On the meta device too (lightning_par initializes the adapters by PEFT's rule once they have memory)."""
-    from peft import LoraConfig, get_peft_model
-
     check_lora_options(r, alpha, dropout, target_modules)
-    check_lora_targets(model, target_modules)
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules))
-    return get_peft_model(model, config)
+    return _lora(r, alpha, dropout, target_modules).apply(model)
 
 
 class LoRAFineTuneModule(HFCausalLMModule):
