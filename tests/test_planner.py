@@ -916,6 +916,7 @@ trainer:
       regather_sequence: false
       async_tp: false
       cp_algorithm: ring
+      cp_ulysses_size: null
       activation_checkpointing: false
       reshard_after_forward: true
       cpu_offload: false
