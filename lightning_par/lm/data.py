@@ -174,8 +174,7 @@ class TextDataModule(pl.LightningDataModule):
             row with an ``attention_mask`` (False).
         separate_documents: with ``packing``, give the rows' ``position_ids`` so that attention stays inside each
             document (True); False gives ``input_ids`` and ``labels`` only (attention spans the row's documents, as
-            in classic concatenated pre-training): what a pipeline, which passes only ``input_ids`` between stages,
-            takes.
+            in classic concatenated pre-training).
         add_eos: end every document with the tokenizer's end-of-sequence token (where it has one).
         batch_size: rows per batch on each data-parallel rank.
         shuffle: shuffle the training rows each epoch.

@@ -181,13 +181,8 @@ class CausalLM(pl.LightningModule):
             if missing:
                 raise ValueError(f"{type(self).__name__}: the batch has no {missing} (keys: {sorted(batch)}). Give "
                                  f"dicts of input_ids, labels and position_ids or attention_mask (TextDataModule's).")
+            # (under a pipeline every stage takes its micro-batch's position_ids / attention_mask from the batch)
             extra = {k: batch[k] for k in MODEL_INPUTS if batch.get(k) is not None}
-            pipelined = getattr(getattr(self.trainer.strategy, "dims", None), "pp", 1) > 1 if self._trainer else False
-            if extra and pipelined:
-                raise ValueError(f"{sorted(extra)} in the batch: a pipeline passes only input_ids between stages. Use "
-                                 f"rows without them under pipeline parallelism (TextDataModule(packing=True, "
-                                 f"separate_documents=False): attention then spans a row's documents), or a layout "
-                                 f"without pp.")
             return batch["input_ids"], batch["labels"], extra
         input_ids, labels = batch
         return input_ids, labels, {}
