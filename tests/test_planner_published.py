@@ -81,6 +81,10 @@ class PublishedCase:
     sequence_parallel: tuple[bool, ...] = (True, False)
     reshard_after_forward: tuple[bool, ...] = (True, False)
     accumulate_unsharded: tuple[bool, ...] = (False, True)
+    #: context parallelism as the runs' software had it: the ring (torchtitan's torch CP; Llama 3's own stack
+    #: gathered keys and values, priced alike at these sizes), no Ulysses all-to-all or hybrid
+    cp_algorithm: tuple[str, ...] = ("ring",)
+    cp_ulysses_size: tuple[int | None, ...] = (None,)
     #: whether its pipeline could cut the blocks into unequal interleaved stages (torch's pipelining, which
     #: torchtitan and NeMo AutoModel use, can; Megatron-LM's interleaved schedule needed equal ones)
     uneven_stages: bool = True
@@ -403,7 +407,8 @@ def plan(case: PublishedCase) -> Plan:
                         schedules=case.schedules, sequence_parallel=case.sequence_parallel,
                         reshard_after_forward=case.reshard_after_forward,
                         accumulate_unsharded=case.accumulate_unsharded,
-                        async_tp=(True,) if case.async_tp else (False,), uneven_stages=case.uneven_stages)
+                        async_tp=(True,) if case.async_tp else (False,), uneven_stages=case.uneven_stages,
+                        cp_algorithm=case.cp_algorithm, cp_ulysses_size=case.cp_ulysses_size)
 
 
 def plan_case(case: PublishedCase) -> dict[str, Any]:
