@@ -20,30 +20,18 @@ from torch.profiler import record_function
 
 
 class _AllToAll(torch.autograd.Function):
-    """``(B, H, n, D)`` sequence pieces -> ``(B, H / k, k n, D)``: each rank keeps its head slice of every rank's
-    piece, in rank order. Backward is the inverse exchange."""
+    """``to_heads``: ``(B, H, n, D)`` sequence pieces -> ``(B, H / k, k n, D)``, each rank keeping its head slice of
+    every rank's piece, in rank order; else the inverse. Backward is the other direction."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, counter, phase: str) -> torch.Tensor:
-        ctx.group, ctx.counter = group, counter
-        return _heads_to_sequence(x, group, counter, f"{phase}/all_to_all")
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _sequence_to_heads(grad.contiguous(), ctx.group, ctx.counter, "backward/all_to_all"), None, None, None
-
-
-class _AllToAllBack(torch.autograd.Function):
-    """The inverse of :class:`_AllToAll`: the attention's output back to the sequence split."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, counter, phase: str) -> torch.Tensor:
-        ctx.group, ctx.counter = group, counter
-        return _sequence_to_heads(x, group, counter, f"{phase}/all_to_all")
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, counter, phase: str, to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.counter, ctx.to_heads = group, counter, to_heads
+        return (_heads_to_sequence if to_heads else _sequence_to_heads)(x, group, counter, f"{phase}/all_to_all")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _heads_to_sequence(grad.contiguous(), ctx.group, ctx.counter, "backward/all_to_all"), None, None, None
+        back = _sequence_to_heads if ctx.to_heads else _heads_to_sequence
+        return back(grad.contiguous(), ctx.group, ctx.counter, "backward/all_to_all"), None, None, None, None
 
 
 def _exchange(send: torch.Tensor, group: dist.ProcessGroup, counter, key: str) -> torch.Tensor:
@@ -97,12 +85,12 @@ def to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.Proc
     repeats = kv_repeats(q.size(1), k.size(1), size)
     if repeats > 1:
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-    return tuple(_AllToAll.apply(t.contiguous(), group, counter, phase) for t in (q, k, v))
+    return tuple(_AllToAll.apply(t.contiguous(), group, counter, phase, True) for t in (q, k, v))
 
 
 def to_sequence(out: torch.Tensor, group: dist.ProcessGroup, counter=None, phase: str = "forward") -> torch.Tensor:
     """The attention's output ``(B, H / k, k n, D)`` back to this rank's piece of every head ``(B, H, n, D)``."""
-    return _AllToAllBack.apply(out.contiguous(), group, counter, phase)
+    return _AllToAll.apply(out.contiguous(), group, counter, phase, False)
 
 
 def head_slice(size: int, rank: int, heads: int) -> slice:
