@@ -3,7 +3,7 @@
 # H100). Each step has its own time limit and its own log, so that one failure or hang costs only its share; steps
 # run in the order given (default: all, most important first):
 #   cp          the context-parallel fused kernels' exactness (tests/test_gpu.py -k cp) and their speed at 32k
-#               tokens against one fused SDPA call (benchmarks/bench_cp_kernels.py)
+#               tokens against one fused SDPA call (benchmarks/bench_cp_kernels.py, bench_context.py --world 1)
 #   titan       lightning_par against torchtitan's Llama 3 code on the same model (benchmarks/bench_vs_torchtitan.py;
 #               its wheels travel in .whl/ and are installed by the caller, see docs/benchmarks.md)
 #   fsdp        FSDP2Strategy against a hand-written loop, eager and compiled, and float8 (benchmarks/bench_gpu.py)
@@ -54,6 +54,9 @@ run_cp() {
         -p no:cacheprovider
     step cp_kernels 60 "$py" benchmarks/bench_cp_kernels.py --repeats 3 --cps 2 8 --math-seq 4096 \
         --out "$out/cp_kernels.json"
+    # our attention engine at world 1 (ring, all-gather, Ulysses blocks) against one fused SDPA call at 32k tokens
+    step context_world1 60 "$py" benchmarks/bench_context.py --device cuda --world 1 --seq 32768 --iters 3 \
+        --out "$out/context_world1.json"
 }
 run_titan() {
     # 6 of Llama-3.1-8B's layers: what an 80 GB H100 holds with AdamW at seq 2,048 x 2 (the same on an H200)

@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -389,7 +389,8 @@ def check_hf_directory(path: str | os.PathLike) -> Path:
     return check_hf_checkpoint(path, name="pretrained")
 
 
-def load_pretrained(module: torch.nn.Module, path: str | os.PathLike | None) -> None:
+def load_pretrained(module: torch.nn.Module, path: str | os.PathLike | None,
+                    fill_quantized: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
     """A strategy's setup step after materializing the model: load the Hugging Face checkpoint at ``path`` (the
     strategy's ``pretrained`` option) into the sharded model, if set. Resuming (``trainer.fit(ckpt_path=...)``)
     restores the checkpoint afterwards, over these weights: the checkpoint wins."""
@@ -397,4 +398,4 @@ def load_pretrained(module: torch.nn.Module, path: str | os.PathLike | None) -> 
         return
     from lightning_par.pretrained import check_hf_checkpoint, load_hf_weights  # only when asked for
 
-    load_hf_weights(module, check_hf_checkpoint(path, name="pretrained"))
+    load_hf_weights(module, check_hf_checkpoint(path, name="pretrained"), fill_quantized=fill_quantized)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from copy import deepcopy
 from pathlib import Path
 from typing import Any
@@ -171,7 +172,24 @@ def _plan_pieces(fqn: str, tensor: Tensor, converted: tuple[list[Piece], list[st
             reads[piece.key] = view
 
 
-def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | None = None) -> list[str]:
+def _is_quantized(tensor: Tensor) -> bool:
+    """A quantized weight (QLoRA's NF4: a tensor subclass with ``get_original_weight``), plain or a DTensor's local
+    shard: its codes depend on the whole weight, so it is read whole and quantized, not read slice by slice."""
+    return hasattr(getattr(tensor, "_local_tensor", tensor), "get_original_weight")
+
+
+def _read_whole(reader: HuggingFaceStorageReader, key: str, like: Tensor) -> Tensor:
+    """One checkpoint tensor, whole, in ``like``'s dtype on its device: a local read (no collective), through the
+    same storage reader as the sharded reads (only the tensor's bytes are read)."""
+    local = getattr(like, "_local_tensor", like)
+    device = getattr(local, "quantized_data", local).device
+    whole = torch.empty(like.shape, dtype=like.dtype, device=device)
+    dcp.load({key: whole}, storage_reader=reader, no_dist=True)
+    return whole
+
+
+def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | None = None,
+                    fill_quantized: Callable[[Tensor, Tensor], None] | None = None) -> list[str]:
     """Collective (every rank of the default group): load a Hugging Face safetensors checkpoint into ``module``.
 
     Args:
@@ -180,6 +198,11 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | No
         path: the directory ``save_pretrained`` wrote.
         prefix: the FQN prefix of the Hugging Face model inside ``module`` (``"model."`` for ``self.model``);
             default: found automatically. Parameters outside it are left as they are.
+        fill_quantized: how a quantized weight (QLoRA's NF4 placeholders, ``quantize_base="nf4"``) is filled from
+            the checkpoint's whole tensor, e.g. ``lightning_par.techniques.quantize.nf4_weights.fill_nf4``. Each
+            such weight is read whole, one at a time, quantized and cut to this rank's shard: no rank holds more
+            than one unquantized weight at a time. Local reads, no collective: pipeline stages may hold different
+            numbers of them.
 
     Every parameter and persistent buffer of the Hugging Face model that this rank holds must be in the checkpoint
     with its global shape (tied weights are read from the key they are tied to); otherwise a ``ValueError`` lists
@@ -206,6 +229,7 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | No
     naming = stored_names(hf_model)  # renamed keys, per-expert checkpoint tensors stacked in the model
     state = get_model_state_dict(module)
     reads: dict[str, Tensor] = {}  # checkpoint key -> this rank's tensor to fill
+    whole: list[tuple[str, str, Tensor]] = []  # quantized weights: (FQN, checkpoint key, tensor), read whole
     copies: list[tuple[Tensor, Tensor]] = []  # tied in the checkpoint, separate tensors here: (copy, source)
     planned: set[int] = set()
     outside, missing, mismatched = [], [], []
@@ -236,7 +260,9 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | No
             mismatched.append(f"{source}: checkpoint {found} vs model {tuple(tensor.shape)}")
             continue
         planned.add(id(tensor))
-        if source in reads:
+        if _is_quantized(tensor):
+            whole.append((fqn, source, tensor))
+        elif source in reads:
             copies.append((tensor, reads[source]))
         else:
             reads[source] = tensor
@@ -251,6 +277,10 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | No
             f"{sorted(mismatched)[:8]}{'...' if len(mismatched) > 8 else ''} ({len(mismatched)}). Build the model "
             f"from the checkpoint's own config (`AutoConfig.from_pretrained(path)`), or pass the prefix under which "
             f"the checkpoint's keys sit in your module (prefix=...).")
+    if whole and fill_quantized is None:
+        problems.append(f"{len(whole)} weights of {_class_name(module)} are quantized ({whole[0][0]!r}, ...): their "
+                        f"codes are computed from the whole weight. Pass fill_quantized= (for QLoRA's NF4: "
+                        f"lightning_par.techniques.quantize.nf4_weights.fill_nf4), as quantize_base= does.")
     raise_on_every_rank(problems)
 
     recompute_non_persistent_buffers(hf_model if hf_model is not None else module)  # before: may re-init params
@@ -258,6 +288,10 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | No
     with torch.no_grad():
         for tensor, source in copies:
             tensor.copy_(source)
+    reader = HuggingFaceStorageReader(str(directory))
+    for fqn, key, tensor in whole:  # one whole weight at a time, filled in place (the state dict's tensor aliases it)
+        fill_quantized(tensor, _read_whole(reader, key, tensor))
+        del state[fqn]
     set_model_state_dict(module, state, options=StateDictOptions(strict=False))
     return outside
 

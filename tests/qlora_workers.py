@@ -10,10 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from finetune_workers import LoRALM, MergeAtEnd
+from hf_models import HFCausalLM
 from lightning.pytorch.callbacks import Callback
-from workers import error_of, fit
+from workers import SEED, error_of, fit
 
 from lightning_par import NDParallelStrategy
 from lightning_par.techniques.quantize.nf4_weights import dequantized, is_nf4, nf4_bytes, quantize_base_weights
@@ -90,6 +92,13 @@ def run(strategy: NDParallelStrategy, world: int, dp: int, callbacks: list[Callb
     return out
 
 
+def save_base(directory: str) -> None:
+    """The Hugging Face model the LoRA modules start from (built at the runs' seed, before PEFT wraps it), written
+    as a ``save_pretrained`` checkpoint."""
+    pl.seed_everything(SEED, verbose=False)
+    HFCausalLM(**WIDE).model.save_pretrained(directory)
+
+
 def nd(**kw: Any) -> NDParallelStrategy:
     kw.setdefault("dp_shard", 1)
     return NDParallelStrategy(quantize_base="nf4", **kw)
@@ -111,6 +120,7 @@ def world2(tmp: str) -> dict[str, Any]:
     out["pp2"] = run(nd(pp=2, pp_microbatches=2), 2, 1)
     out["fsdp2_ac"] = run(nd(dp_shard=2, activation_checkpointing=True), 2, 2)
     out["fsdp2_offload"] = run(nd(dp_shard=2, cpu_offload=True), 2, 2)
+    out["cp2"] = run(nd(cp=2), 2, 1)  # the sequence over 2 ranks, FSDP over them (NF4 shards over cp)
     # bf16 weights (quantized from bf16) and bf16 adapters
     out["fsdp2_bf16"] = run(nd(dp_shard=2), 2, 2, max_steps=BF16_STEPS, precision="bf16-true")
     # adapters-only checkpoints: written at step 3 under FSDP2, resumed under the pipeline; the NF4 base weights are
@@ -120,4 +130,49 @@ def world2(tmp: str) -> dict[str, Any]:
     out["adapters_resumed_pp2"] = run(nd(pp=2, pp_microbatches=2), 2, 1,
                                       resume_from=str(Path(adapters) / "step=3.ckpt"))
     out["adapter_checkpoint"] = str(Path(adapters) / "step=3.ckpt")
+    # pretrained=: the model on the meta device, its NF4 placeholders filled from the Hugging Face checkpoint of the
+    # same base model (FSDP2: each rank quantizes one whole weight at a time and keeps its rows; a pipeline stage:
+    # its own weights whole); the adapters and their optimizer state resumed from step 3, as a user resumes
+    base = str(Path(tmp) / "base")  # written by the test before the launch (save_base)
+    for name, strategy, dp in (("pretrained_fsdp2", nd(dp_shard=2, pretrained=base), 2),
+                               ("pretrained_pp2", nd(pp=2, pp_microbatches=2, pretrained=base), 1)):
+        out[name] = run(strategy, 2, dp, empty_init=True, resume_from=str(Path(adapters) / "step=3.ckpt"))
     return out
+
+
+# ---- memory while a pretrained checkpoint is loaded into NF4 shards -------------------------------------------------
+
+#: a Llama whose weights dominate a process's memory (about 185 MiB in fp32), every block weight NF4-able at 2 shards
+BIG = dict(arch="llama", vocab_size=8192, hidden_size=1024, intermediate_size=2048, num_hidden_layers=3,
+           num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64)
+
+
+class SetupPeak(Callback):
+    """This rank's peak private memory from the strategy's setup (model built on the meta device, sharded, given
+    memory, the checkpoint read and quantized) to the start of training."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        from test_pretrained import PeakMemory
+
+        self.peak = PeakMemory().__enter__()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.peak.__exit__()
+        self.nf4 = sum(is_nf4(p) for p in pl_module.parameters())
+
+
+def pretrained_memory(directory: str) -> dict[str, Any]:
+    measure = SetupPeak()
+    out = fit(nd(dp_shard=2, pretrained=directory), devices=2, dp_size=2, module_cls=LoRALM, callbacks=[measure],
+              empty_init=True, max_steps=1, **BIG)
+    # torchao's quantizer works through a weight in chunks of 2**20 values, with 16 distances per value: a workspace
+    # of the same size whatever the weight's, measured here on this run's largest weight alone
+    from test_pretrained import PeakMemory
+
+    from lightning_par.techniques.quantize.nf4_weights import BLOCK_SIZE, SCALER_BLOCK_SIZE, _nf4
+
+    largest = torch.randn(BIG["intermediate_size"], BIG["hidden_size"])
+    with PeakMemory() as workspace:
+        _nf4().to_nf4(largest, BLOCK_SIZE, SCALER_BLOCK_SIZE)
+    return {"anon_bytes": measure.peak.anon_bytes, "workspace_bytes": workspace.anon_bytes, "nf4": measure.nf4,
+            "losses": out["losses"]}

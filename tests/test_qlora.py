@@ -1,14 +1,18 @@
 """QLoRA (``quantize_base="nf4"``, torchao's NF4Tensor) on CPU: a tiny Llama (wide enough for NF4's blocks) with
 PEFT LoRA adapters, its frozen block weights in NF4.
 
-- Parity: FSDP2 over 2 ranks, a pipeline over 2 stages, FSDP2 with activation checkpointing and with CPU offload
-  equal one QLoRA process (the torch-level ``quantize_base_weights`` applied by hand, plain Lightning) on the same
-  data: losses at every step and final weights within 1e-5 (fp32 adapters; the NF4 codes are the same bits:
-  quantization is deterministic and happens on the whole weight before FSDP cuts it).
+- Parity: FSDP2 over 2 ranks, a pipeline over 2 stages, FSDP2 with activation checkpointing and with CPU offload,
+  context parallelism over 2 ranks (FSDP over them) equal one QLoRA process (the torch-level
+  ``quantize_base_weights`` applied by hand, plain Lightning) on the same data: losses at every step and final
+  weights within 1e-5 (fp32 adapters; the NF4 codes are the same bits: quantization is deterministic and happens
+  on the whole weight before FSDP cuts it).
 - bf16-true: in step with one bf16 QLoRA process within bf16 rounding.
 - Memory: the NF4 base weights each rank holds under FSDP2 (codes, int8 scales, scale factors) measured against
   bf16's bytes for the same elements: <= 0.30 (0.258 measured); the gathered weight a layer runs with is NF4 too.
 - Quality: the losses of a short fine-tune within a stated tolerance of LoRA over the unquantized weights.
+- From a pretrained checkpoint (``pretrained=``, the model on the meta device): quantized shard by shard as it is
+  read, under FSDP2 and a pipeline, in parity with one process that quantized the same model; peak memory measured.
+- The planner: NF4 bytes in the profile and the predictions; the command line's ``--quantize-base``.
 - Checkpoints and export: adapter-only checkpoints (no NF4 in them) resumed under another layout; the merged model
   (adapters folded into the dequantized weights) loaded by ``from_pretrained``.
 - Refused on every rank: tp, a value that is not a format, float8 with it, a model on the meta device; a model
@@ -18,6 +22,7 @@ PEFT LoRA adapters, its frozen block weights in NF4.
 from __future__ import annotations
 
 import functools
+import math
 
 import lightning.pytorch as pl
 import pytest
@@ -39,7 +44,19 @@ pytest.importorskip("peft", reason="needs peft (the dev extra)")
 pytest.importorskip("torchao", reason="quantize_base needs torchao")
 
 from finetune_workers import LoRALM  # noqa: E402
-from qlora_workers import BF16_STEPS, PROBE, STEPS, WIDE, QLoRAByHand, plain_weights, world2  # noqa: E402
+from hf_models import tiny_hf_model  # noqa: E402
+from qlora_workers import (  # noqa: E402
+    BF16_STEPS,
+    BIG,
+    PROBE,
+    STEPS,
+    WIDE,
+    QLoRAByHand,
+    plain_weights,
+    pretrained_memory,
+    save_base,
+    world2,
+)
 
 BLOCK_WEIGHTS = 4 * 7  # q, k, v, o, gate, up, down of each of the 4 blocks
 
@@ -63,6 +80,7 @@ def reference(module_cls: type = QLoRAByHand, precision: str = "32-true", steps:
 @pytest.fixture(scope="module")
 def w2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("qlora")
+    save_base(str(tmp / "base"))  # the runs' base model as a Hugging Face checkpoint, for pretrained=
     ranks = launch(2, world2, str(tmp), timeout=900)
     ranks[0]["merged"] = tmp / "merged"
     return ranks
@@ -123,7 +141,7 @@ def test_refused_on_every_rank(w2, case, pattern):
     assert_raised_on_every_rank([r["errors"] for r in w2], case, pattern)
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "pp2", "fsdp2_ac", "fsdp2_offload"])
+@pytest.mark.parametrize("layout", ["fsdp2", "pp2", "fsdp2_ac", "fsdp2_offload", "cp2"])
 def test_qlora_layouts_equal_one_qlora_process(w2, layout):
     assert_parity(w2[0][layout], reference(), steps=STEPS)
     held = [n for r in w2 for n in r[layout]["base"]["nf4_names"]]
@@ -187,6 +205,46 @@ def test_adapter_only_checkpoint_resumes_under_another_layout(w2):
     stored = stored_shapes(w2[0]["adapter_checkpoint"], "state_dict.")
     assert stored and all("lora_" in k for k in stored), sorted(stored)[:4]
     assert_parity(w2[0]["adapters_resumed_pp2"], reference(), steps=STEPS - 3)
+
+
+@pytest.mark.parametrize("layout", ["pretrained_fsdp2", "pretrained_pp2"])
+def test_pretrained_checkpoint_quantized_shard_by_shard_resumes_like_one_qlora_process(w2, layout):
+    """``pretrained=`` with the model on the meta device: the blocks' frozen weights become NF4 placeholders before
+    FSDP cuts them; each rank then reads one whole weight at a time from the Hugging Face checkpoint, quantizes it
+    as one process does and keeps its rows (FSDP2) or the whole weight (its pipeline stage). Resumed from the
+    adapters of step 3, the run continues exactly as one QLoRA process that quantized the same base model in
+    memory (losses and final weights within 1e-5; the dequantized base weights bit-equal)."""
+    result = w2[0][layout]
+    assert_parity(result, reference(), steps=STEPS - 3)
+    base = [k for k in result["weights"] if ".base_layer." in k and "layers." in k]
+    assert base and all(torch.equal(result["weights"][k], reference()["weights"][k]) for k in base)
+    held = [n for r in w2 for n in r[layout]["base"]["nf4_names"]]
+    assert len(set(held)) == BLOCK_WEIGHTS
+
+
+def test_pretrained_load_never_holds_the_model_unquantized(tmp_path, monkeypatch):
+    """Measured on each of 2 ranks: the peak private memory from setup to the first step while a 184 MiB (fp32)
+    Llama is built on the meta device, sharded and read from its checkpoint into NF4 shards. This rank's share:
+    half of the unquantized embeddings and head (64 MiB over 2), NF4 shards of the block weights (about 8 MiB), and
+    one whole weight in flight (8 MiB, with its NF4 copy): about 0.25 x the checkpoint; the whole model in fp32 on
+    one rank would be 1 x, its fp32 shard 0.5 x. Besides it, torchao's quantizer needs a workspace of fixed size
+    (2**20 values at a time, 16 distances each: about 140 MiB here, whatever the weight), measured alone on the
+    same rank and counted apart."""
+    torch.manual_seed(0)
+    tiny_hf_model(**BIG).save_pretrained(tmp_path / "big")
+    model_bytes = (tmp_path / "big" / "model.safetensors").stat().st_size
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed blocks go back to the system (see test_pretrained)
+    results = launch(2, pretrained_memory, str(tmp_path / "big"), fresh_interpreter=True)
+    for rank, r in enumerate(results):
+        held = r["anon_bytes"] - r["workspace_bytes"]
+        print(f"rank {rank}: checkpoint {model_bytes / 2**20:.1f} MiB, setup peak private memory "
+              f"{r['anon_bytes'] / 2**20:.1f} MiB, of which the quantizer's workspace "
+              f"{r['workspace_bytes'] / 2**20:.1f} MiB; the rest {held / 2**20:.1f} MiB ({held / model_bytes:.2f} x), "
+              f"{r['nf4']} NF4 weights")
+        assert r["nf4"] == 3 * 7
+        assert 0 < r["workspace_bytes"] < 0.25 * 2**30  # a fixed workspace, not a copy of the model
+        assert held <= 0.35 * model_bytes
+    assert results[0]["losses"] == results[1]["losses"] and all(map(math.isfinite, results[0]["losses"]))
 
 
 def test_merged_model_loads_with_from_pretrained(w2):
@@ -257,3 +315,78 @@ def test_a_model_with_nothing_frozen_trains_unquantized_with_a_warning():
         technique.apply(Target(model, torch.device("cpu"), "32-true", block_list="blocks"), ParallelDims(dp_shard=1))
     assert technique.layers == ["blocks.0.weight"] and is_nf4(model.blocks[0].weight)
     assert technique.describe(ParallelDims(dp_shard=1)) == "nf4 base weights (1 frozen linear weights)"
+
+
+# ---- the planner prices the 4-bit weights ---------------------------------------------------------------------------
+
+
+def _qlora_profile(quantized: bool):
+    from lightning_par.costs.profile import profile_model
+    from lightning_par.techniques.quantize.quantize_base import QuantizeOptions
+
+    pl.seed_everything(SEED, verbose=False)
+    module = LoRALM(**WIDE)
+    batch = (torch.zeros(4, 16, dtype=torch.long),) * 2
+    options = QuantizeOptions("nf4" if quantized else None)
+    return module, profile_model(module, batch, prepare=options.before_trace)
+
+
+def test_the_planner_counts_the_bytes_nf4_weights_hold():
+    """``profile_model`` with the quantize options' ``before_trace``: each frozen block weight counted at the bytes
+    its NF4 tensor holds (codes, scales, factors, mean, table), exactly those of the weights ``quantize_base``
+    makes from the real model; everything else as before."""
+    module, profile = _qlora_profile(quantized=True)
+    _, plain = _qlora_profile(quantized=False)
+    quantize_base_weights(module, [f"model.base_model.model.model.layers.{i}" for i in range(4)])
+    real = {n: p for n, p in module.named_parameters() if is_nf4(p)}
+    assert len(real) == BLOCK_WEIGHTS
+    stored = {info.fqn: info.numel * info.itemsize for info in profile.params}
+    for name, p in real.items():
+        inner = p.__tensor_flatten__()[0]
+        assert stored[name] == sum(getattr(p, k).numel() * getattr(p, k).element_size() for k in inner)
+        # 4-bit codes, an int8 scale per 64, an fp32 factor per 64 x 256, the fp32 mean and the 16-value table
+        assert stored[name] == p.numel() * (0.5 + 1 / 64 + 4 / 16384) + 4 + 64
+    unchanged = [(i.fqn, i.itemsize) for i in profile.params if i.fqn not in real]
+    assert unchanged == [(i.fqn, i.itemsize) for i in plain.params if i.fqn not in real]
+
+
+def test_the_planner_predicts_qlora_parameters_at_their_nf4_bytes():
+    """The same layout (FSDP over 2) predicted for LoRA over fp32 weights and for QLoRA: the parameters per rank
+    differ by the block weights' fp32 bytes less their NF4 bytes, over 2; gradients and optimizer state (the
+    adapters') are the same."""
+    from lightning_par.devices import known_hardware
+    from lightning_par.planner.predict import Layout, predict
+
+    _, q = _qlora_profile(quantized=True)
+    _, lora = _qlora_profile(quantized=False)
+    hardware = known_hardware("H100")
+    qp, lp = (predict(Layout(dp_shard=2), profile, hardware, 2, 16) for profile in (q, lora))
+    frozen = [(a, b) for a, b in zip(q.params, lora.params) if a.itemsize != b.itemsize]
+    assert len(frozen) == BLOCK_WEIGHTS
+    saved = sum(b.numel * (b.itemsize - a.itemsize) for a, b in frozen) / 2
+    assert lp.params - qp.params == pytest.approx(saved, rel=1e-9)
+    assert (qp.grads, qp.optimizer) == (lp.grads, lp.optimizer)
+
+
+def test_the_planner_command_line_plans_and_writes_a_qlora_run(tmp_path):
+    """``python -m lightning_par.plan --lora-rank 8 --quantize-base nf4``: no layout with tensor parallelism (not
+    with 4-bit weights), the model named as fine-tuned, and the written config sets ``quantize_base: nf4``."""
+    import json
+
+    import yaml
+
+    from lightning_par.planner.cli import main
+
+    argv = ["--hf-config", "llama", "--hf-override", "hidden_size=256", "intermediate_size=512",
+            "num_hidden_layers=2", "num_attention_heads=4", "num_key_value_heads=2", "vocab_size=512", "--world", "4",
+            "--device", "H100", "--seq-len", "128", "--batch", "8", "--lora-rank", "8", "--quantize-base", "nf4",
+            "--yaml", str(tmp_path / "plan.yaml"), "--json", str(tmp_path / "plan.json")]
+    assert main(argv) == 0
+    written = yaml.safe_load((tmp_path / "plan.yaml").read_text())["trainer"]["strategy"]["init_args"]
+    assert written["quantize_base"] == "nf4" and written["tp"] == 1
+    layouts = json.loads((tmp_path / "plan.json").read_text())["layouts"]
+    assert layouts and all(row["strategy_kwargs"]["tp"] == 1 for row in layouts)
+    assert "LoRA r=8, nf4 base weights" in (tmp_path / "plan.yaml").read_text()
+    with pytest.raises(SystemExit, match="--lora-rank"):
+        main(argv[:argv.index("--lora-rank")] + ["--quantize-base", "nf4"])
+

@@ -178,7 +178,7 @@ _WINDOW: ContextVar[int | None] = ContextVar("lightning_par_attention_window", d
 class ParamInfo:
     fqn: str
     shape: tuple[int, ...]
-    itemsize: int
+    itemsize: float  # bytes per element as stored (not whole for 4-bit weights: ``stored_itemsize``)
     trainable: bool
     section: str  # the block it belongs to, or "first" / "last" (registered before / after the block list)
     tp_dim: int | None  # the dimension tensor parallelism splits (None: whole on every tp rank)
@@ -530,13 +530,17 @@ def _set_layout(trace: _Trace, out: Any, layout: str | None) -> None:
 
 def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = None,
                   tp_plan: dict[str, Any] | None = None, step: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-                  share: tuple[Any, ...] = (), dtype: torch.dtype | None = None) -> ModelProfile:
+                  share: tuple[Any, ...] = (), dtype: torch.dtype | None = None,
+                  prepare: Callable[[nn.Module, list[str]], None] | None = None) -> ModelProfile:
     """Trace ``module`` (real or meta; it is copied to meta) on one ``batch`` (one micro-batch's worth; its tensors
     are only looked at for shapes). ``step(module, batch)`` returns the loss; default: the module's
     ``training_step``, else ``loss(forward(x), y)``, else cross-entropy of ``forward(x)`` against ``y``.
     ``dtype``: the copy's floating-point weights cast to it first, as a precision that stores them so (Lightning's
     ``"bf16-true"`` converts the module before training) will have them: weights, gradients, optimizer state and
-    activations are then traced at that size (``planner.predict.trace_dtype``)."""
+    activations are then traced at that size (``planner.predict.trace_dtype``). ``prepare(copy, blocks)``: what the
+    techniques do to the parameters before training, done to the copy first (each technique's
+    ``Options.before_trace``: QLoRA's 4-bit weights); a parameter stored as a tensor subclass is counted at the
+    bytes of what it holds."""
     from lightning_par.techniques.pipeline.pipeline import meta_clone
 
     model = meta_clone(module, share=share)
@@ -546,6 +550,8 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
     _plan_attention(model)
     block_fqn, container = find_block_list(model, block_list)
     blocks = [f"{block_fqn}.{n}" for n in container._modules]
+    if prepare is not None:
+        prepare(model, blocks)
     try:
         # as loss parallelism takes it (a Hugging Face head keeps its logits sharded; without loss parallelism it
         # gathers them, which the accounts price alike): the search then weighs layouts with and without it
@@ -630,7 +636,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
     expert_prefixes = tuple(name + "." for name, _ in experts)
     return ModelProfile(
         name=type(module).__name__,
-        params=[ParamInfo(n, tuple(p.shape), p.element_size(), p.requires_grad,
+        params=[ParamInfo(n, tuple(p.shape), stored_itemsize(p), p.requires_grad,
                           _section(n, blocks, "first" if i < first_block else "last"), tp_dims.get(clean_name(n)),
                           clean_name(n).startswith(expert_prefixes) if expert_prefixes else False)
                 for i, (n, p) in enumerate(named)],
@@ -641,6 +647,18 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
         tp_source_plan=source_plan, num_experts=min((num_experts_of(m, n) for n, m in experts), default=0),
         expert_groups=_expert_groups(model) if experts else None, dtype=weights_dtype,
         hidden_itemsize=hidden_itemsize)
+
+
+def stored_itemsize(tensor: torch.Tensor) -> float:
+    """Bytes per element of what a parameter holds: its element size, or for a tensor subclass that stores other
+    tensors (QLoRA's NF4: 4-bit codes, int8 scales, their factors; 0.516 bytes per weight) their bytes over its
+    elements."""
+    tensor = getattr(tensor, "_local_tensor", tensor)  # a DTensor: what its local shard holds
+    if not hasattr(tensor, "__tensor_flatten__") or tensor.numel() == 0:
+        return tensor.element_size()
+    names, _ = tensor.__tensor_flatten__()
+    inner = [getattr(tensor, name) for name in names]
+    return sum(t.numel() * t.element_size() for t in inner) / tensor.numel()
 
 
 def _floating_dtype(model: nn.Module) -> torch.dtype:

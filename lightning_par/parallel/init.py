@@ -9,8 +9,8 @@ PEFT LoRA adapters, which get PEFT's own initialization (B at zero, so the adapt
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -45,7 +45,7 @@ def initialize(root: nn.Module, modules: Sequence[str] | None = None, seed: int 
     missing: set[str] = set()
     for fqn in modules:
         module = root.get_submodule(fqn) if fqn else root
-        with torch.random.fork_rng(devices=[]) if seed is not None else nullcontext():
+        with torch.random.fork_rng(devices=[]) if seed is not None else nullcontext(), _quantized_set_aside(module):
             if seed is not None:
                 torch.manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
             if fqn in adapters:
@@ -57,6 +57,38 @@ def initialize(root: nn.Module, modules: Sequence[str] | None = None, seed: int 
             else:
                 missing.add(type(module).__name__)
     return sorted(missing)
+
+
+def _is_quantized(tensor: torch.Tensor) -> bool:
+    """A quantized weight (QLoRA's NF4: any tensor subclass with ``get_original_weight``), plain or a DTensor's
+    local shard: its values are codes computed from a whole weight, filled from a checkpoint, never initialized."""
+    return hasattr(getattr(tensor, "_local_tensor", tensor), "get_original_weight")
+
+
+@contextmanager
+def _quantized_set_aside(module: nn.Module) -> Iterator[None]:
+    """While a module is initialized, its quantized weights are replaced by meta tensors of their shape (init
+    functions on them do nothing); they are put back after. Their values come from the checkpoint."""
+    held = {name: p for name, p in module._parameters.items() if p is not None and _is_quantized(p)}
+    for name, p in held.items():
+        module._parameters[name] = nn.Parameter(torch.empty(p.shape, device="meta"), requires_grad=False)
+    try:
+        yield
+    finally:
+        module._parameters.update(held)
+
+
+def _inner_tensors_to(module: nn.Module, device: torch.device) -> None:
+    """Give memory to the inner tensors ``to_empty`` left on the meta device: torchao's NF4 ``empty_like`` keeps
+    its scale mean and 16-value table where they were (the codes and scales it does allocate)."""
+    for p in module.parameters(recurse=False):
+        local = getattr(p, "_local_tensor", p)
+        if not _is_quantized(local):
+            continue
+        for name in local.__tensor_flatten__()[0]:
+            inner = getattr(local, name)
+            if inner.is_meta:
+                setattr(local, name, torch.empty_like(inner, device=device))
 
 
 def materialize(root: nn.Module, device: torch.device, subtrees: Sequence[str] = ("",),
@@ -72,5 +104,6 @@ def materialize(root: nn.Module, device: torch.device, subtrees: Sequence[str] =
             # torchmetrics Metric below it (Metric._apply maps its states and reset values) and leave them garbage
             if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
                 module.to_empty(device=device, recurse=False)
+                _inner_tensors_to(module, device)
                 modules.append(".".join(p for p in (top, name) if p))
     return initialize(root, modules, seed) if modules else []

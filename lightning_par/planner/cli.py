@@ -48,6 +48,17 @@ def _parser() -> argparse.ArgumentParser:
                        "order, as LightningCLI merges repeated --config)")
     model.add_argument("--batch-arg", metavar="NAME", help="the data module's per-rank batch-size argument, which "
                        "--yaml sets (default: batch_size where the data module takes one)")
+    tune = p.add_argument_group("fine-tuning (frozen weights have no gradients nor optimizer state)")
+    tune.add_argument("--lora-rank", type=int, metavar="R", help="Hugging Face models: LoRA adapters of rank R "
+                      "(PEFT) on --lora-targets; every other parameter frozen")
+    tune.add_argument("--lora-targets", nargs="+", default=["all-linear"], metavar="NAME",
+                      help="the modules LoRA adapts (PEFT's target_modules; default all-linear: every linear layer "
+                      "but the head)")
+    tune.add_argument("--freeze", nargs="+", default=[], metavar="GLOB", help="parameters to freeze, by name "
+                      "globs as the Hugging Face model names them, e.g. 'model.embed_tokens.*' 'model.layers.[0-7].*'")
+    tune.add_argument("--quantize-base", choices=("nf4",), help="QLoRA: the blocks' frozen linear weights in 4 "
+                      "bits (NF4: 0.516 bytes per weight), as NDParallelStrategy(quantize_base='nf4') stores them; "
+                      "with --lora-rank or --freeze; tensor parallelism is then left out (not with 4-bit weights)")
     data = p.add_argument_group("the batch")
     data.add_argument("--seq-len", type=int, help="tokens per sequence (Hugging Face models; default 4096)")
     data.add_argument("--batch", type=int, help="sequences per step, the global batch (default: 1 per device)")
@@ -135,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_par.costs.profile import profile_model
     from lightning_par.planner.predict import shares_cores, trace_dtype
     from lightning_par.planner.search import plan_layouts, untried
+    from lightning_par.techniques.recipe import options_of
 
     start = time.perf_counter()
     if bool(args.hf_config) == bool(args.module):
@@ -146,10 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         module, batch = _lightning_project(args)
         batch_arg = args.batch_arg or _batch_argument(args.datamodule)
     global_batch = int(batch[0].shape[0])
-    profile = profile_model(module, batch, dtype=trace_dtype(args.precision))
+    fixed = _fixed_options(args)  # what the user sets and the planner keeps (QLoRA's 4-bit weights)
+    options = options_of(fixed)
+    profile = profile_model(module, batch, dtype=trace_dtype(args.precision),
+                            prepare=lambda copy, blocks: [o.before_trace(copy, blocks) for o in options])
     name = getattr(module, "planner_name", profile.name)
     hardware = _hardware(args, profile)
     restrict = {k: [int(x) for x in v.split(",")] for k, v in (item.split("=", 1) for item in args.restrict)}
+    for o in options:  # what does not compose with tensor parallelism yet
+        restrict.update(o.restrict())
     # async TP has never run: by default it is weighed only to say what it would change, and left out of the ranking
     left_out = _left_out(args)
     plan = plan_layouts(profile, batch, args.world, hardware, precision=args.precision, batch_is_global=True,
@@ -171,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     notes = []
     best = plan.best
     rank_batch, micro = _batches(best.layout, global_batch)
-    kwargs = best.layout.strategy_kwargs()
+    kwargs = {**best.layout.strategy_kwargs(), **fixed}
     notes += [f"#1 {best.layout}: {best.reason}",
             f"To train it: strategy lightning_par.NDParallelStrategy("
             f"{', '.join(f'{k}={v!r}' for k, v in kwargs.items())}), accumulate_grad_batches="
@@ -189,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(out + [line for text in notes for line in _wrapped(text)]))
     if args.yaml:
         Path(args.yaml).write_text(plan_yaml(plan, name, global_batch, argv if argv is not None else sys.argv[1:],
-                                             batch_arg))
+                                             batch_arg, fixed=fixed))
         print(f"Wrote {args.yaml}: pass it as a second --config after the project's own.")
     if args.json:
         Path(args.json).write_text(json.dumps({**plan.as_dict(), "seconds": seconds}, indent=1, default=str))
@@ -258,11 +275,12 @@ def _batch_argument(datamodule: str | None) -> str | None:
 
 
 def plan_yaml(plan: Any, name: str, global_batch: int, argv: list[str], batch_arg: str | None,
-              now: str | None = None) -> str:
+              now: str | None = None, fixed: dict[str, Any] | None = None) -> str:
     """The plan's first layout as a LightningCLI config: ``trainer.strategy`` (``Layout.strategy_kwargs()``),
     ``trainer.accumulate_grad_batches`` (``Layout.trainer_kwargs()``) and, where the data module's batch-size
     argument is known (``batch_arg``), ``data.<batch_arg>``: the batch of one rank's loader step. A header comment
-    names the model, the cluster, the prediction and the date."""
+    names the model, the cluster, the prediction and the date. ``fixed``: strategy options the user set
+    (``--quantize-base``), written beside the layout's."""
     import datetime
     import shlex
 
@@ -288,7 +306,8 @@ def plan_yaml(plan: Any, name: str, global_batch: int, argv: list[str], batch_ar
         "decides is written, defaults included, so that the project's own values for them do not carry over; its "
         "other strategy options, such as compile or tp_plan, do)",
     ]
-    trainer = {"strategy": {"class_path": "lightning_par.NDParallelStrategy", "init_args": _init_args(layout)},
+    trainer = {"strategy": {"class_path": "lightning_par.NDParallelStrategy",
+                            "init_args": {**_init_args(layout), **(fixed or {})}},
                "accumulate_grad_batches": layout.trainer_kwargs().get("accumulate_grad_batches", 1)}
     body = {"trainer": trainer}
     split = (f"the global batch {global_batch} / dp {layout.dp}"
@@ -345,6 +364,37 @@ class _CausalLM(nn.Module):
         return torch.optim.AdamW(self.parameters())
 
 
+def _fixed_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The strategy options the fine-tuning flags set (the planner prices them, never changes them)."""
+    if args.quantize_base and not (args.lora_rank or args.freeze):
+        raise SystemExit("--quantize-base stores frozen weights in 4 bits: pass --lora-rank (QLoRA) or --freeze too")
+    if args.module and (args.lora_rank or args.freeze):
+        raise SystemExit("--lora-rank and --freeze are for --hf-config; a LightningCLI project's module sets its own "
+                         "adapters and frozen weights (configure_model)")
+    return {"quantize_base": args.quantize_base} if args.quantize_base else {}
+
+
+def _fine_tuned(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    """The Hugging Face model as ``--lora-rank`` / ``--freeze`` fine-tune it: PEFT's LoRA (on the meta device
+    too) and frozen parameters by name."""
+    from fnmatch import fnmatch
+
+    frozen = [name for name, p in model.named_parameters() if any(fnmatch(name, g) for g in args.freeze)]
+    if args.freeze and not frozen:
+        raise SystemExit(f"--freeze {' '.join(args.freeze)} matches no parameter; names look like "
+                         f"{next(n for n, _ in model.named_parameters())!r}")
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
+    if args.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        targets = args.lora_targets if args.lora_targets != ["all-linear"] else "all-linear"
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                                 target_modules=targets))
+    return model
+
+
 def _hf_model(args: argparse.Namespace) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -364,9 +414,11 @@ def _hf_model(args: argparse.Namespace) -> tuple[nn.Module, tuple[torch.Tensor, 
     seq = args.seq_len or 4096
     batch = args.batch or args.world
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    causal = _CausalLM(model)
+    name = f"{type(model).__name__} ({config.model_type})"
+    causal = _CausalLM(_fine_tuned(model, args))
     # the table and the config's header name the model as its config does (LlamaForCausalLM), not this wrapper
-    causal.planner_name = f"{type(model).__name__} ({config.model_type})"
+    causal.planner_name = name + (f", LoRA r={args.lora_rank}" if args.lora_rank else "") + (
+        f", {args.quantize_base} base weights" if args.quantize_base else "")
     return causal, (ids, ids)
 
 

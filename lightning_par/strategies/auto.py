@@ -130,14 +130,16 @@ class AutoParallelStrategy(NDParallelStrategy):
         batch = next(iter(train_dataloader_of(trainer)))
         per_node = self.gpus_per_node or self.num_processes
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        from lightning_par.costs.profile import profile_model
+        from lightning_par.planner.predict import trace_dtype
+
+        fixed = options_of(self._options)  # what the user set: its effect on the parameters is traced (4-bit weights)
+        profile = profile_model(module, batch, block_list=self.block_list, share=(trainer,),
+                                dtype=trace_dtype(precision),
+                                prepare=lambda copy, blocks: [o.before_trace(copy, blocks) for o in fixed])
         if self.plan_device is not None:
             hardware = known_hardware(self.plan_device, precision=precision_family(precision), gpus_per_node=per_node)
         else:
-            from lightning_par.costs.profile import profile_model
-            from lightning_par.planner.predict import trace_dtype
-
-            profile = profile_model(module, batch, block_list=self.block_list, share=(trainer,),
-                                    dtype=trace_dtype(precision))
             shapes = probe_shapes(profile)
             hardware = probe_hardware(self.root_device, probe_dtype(precision), shapes, per_node,
                                       tp_sizes=tp_degrees(shapes, per_node))
@@ -146,9 +148,9 @@ class AutoParallelStrategy(NDParallelStrategy):
         for name in UNTRIED:  # never run (Inductor's async tensor parallelism): only when asked for
             weigh.setdefault(name, (False,))
         restrict = dict(self.restrict)
-        for options in options_of(self._options):  # what does not compose with tp yet (8-bit layers, 4-bit weights)
+        for options in fixed:  # what does not compose with tp yet (8-bit layers, 4-bit weights)
             restrict.update(options.restrict())
-        return plan_layouts(module if self.plan_device is not None else profile, batch,
+        return plan_layouts(profile, batch,
                             self.num_nodes * self.num_processes, hardware, precision=precision,
                             batch_is_global=False, memory_budget=self.memory_budget, restrict=restrict,
                             block_list=self.block_list, gradient_accumulation=False,  # a loader batch: a micro-batch

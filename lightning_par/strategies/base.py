@@ -12,7 +12,7 @@ import atexit
 import os
 import shutil
 import sys
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -322,7 +322,7 @@ class BaseParallelStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.parallelize(self.model)
         self._materialize(self.model)
-        ckpt.load_pretrained(self.model, self.pretrained)
+        ckpt.load_pretrained(self.model, self.pretrained, fill_quantized=self.fill_quantized)
         self._check_data_parallel_consistency(self.model)
         summary = layout_summary(self.dims, self.model, str(self._process_group_backend), self.describe(),
                                  self.describe_rank())
@@ -338,6 +338,10 @@ class BaseParallelStrategy(ParallelStrategy):
 
     def parallelize(self, module: pl.LightningModule) -> None:
         """Apply the strategy's techniques to ``module`` in place. The base class applies none."""
+
+    #: how ``pretrained=`` fills a quantized base weight from the checkpoint's whole tensor (QLoRA's NF4 under the
+    #: engine); None: the model holds none
+    fill_quantized: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def describe(self) -> str:
         """One line on what :meth:`parallelize` applied, for the start-up summary."""

@@ -21,7 +21,7 @@ The recipe, in the order it is applied (each step wraps what the earlier ones pr
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any
@@ -238,6 +238,11 @@ class NDParallelStrategy(BaseParallelStrategy):
         self.quantize_base.check_with_float8(self.float8.recipe)
 
     @property
+    def fill_quantized(self) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+        """How ``pretrained=`` fills the NF4 base weights (``quantize_base``) from the checkpoint's whole tensors."""
+        return self.quantize_base.fill
+
+    @property
     def pipeline(self) -> LivePipeline | None:
         """This rank's pipeline stages and schedules (``pp > 1``, after setup), e.g. for the timeline monitor."""
         return self.pipeline_parallel.pipeline
@@ -267,7 +272,7 @@ class NDParallelStrategy(BaseParallelStrategy):
             register_step_methods(module)
             return
         target = Target(module, self._materialization_device(), str(getattr(self.precision_plugin, "precision", "")),
-                        block_list=self.block_list)
+                        block_list=self.block_list, pretrained=self.pretrained)
         for technique in self.techniques:
             technique.apply(target, self.dims)
         self.float8.warn_if_slow(self.root_device, self.compile.enabled)

@@ -43,6 +43,7 @@ class Target:
     keep: list[str] | None = None  # FQNs of the modules this rank runs; None: all of them
     fsdp_root: nn.Module | None = None  # set in __post_init__ to ``module`` unless a pipeline cleared it
     experts: list[str] = field(default_factory=list)  # FQNs of the expert-parallel modules (FSDP: their own mesh)
+    pretrained: str | None = None  # a checkpoint the weights are read from once the shards have memory
     _blocks: list[str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -153,6 +154,10 @@ class Options:
     def recomputes(self) -> bool:
         """Whether the blocks' forward runs again in backward (activation checkpointing)."""
         return False
+
+    def before_trace(self, module: nn.Module, blocks: list[str]) -> None:
+        """What these options do to the model's parameters before training, done to the planner's meta copy of it
+        before it is traced, so the profile holds the bytes training will hold (QLoRA's 4-bit base weights)."""
 
     def restrict(self) -> dict[str, list[int]]:
         """Sizes the planner must keep to with these options (``AutoParallelStrategy``): what they do not combine

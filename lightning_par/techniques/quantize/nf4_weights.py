@@ -21,8 +21,12 @@ blocks of scales too (``numel % (16384 * shards) == 0``, the rows divisible by t
 Refused, naming why: tensor parallelism (torchao's NF4 has no DTensor sharding rule but FSDP's dim-0 split: a
 column- or row-parallel NF4 weight would need the scales re-cut along the other dimension), float8 (the NF4 weight
 is dequantized to the compute dtype; float8 would cast a weight it cannot own), and a model whose weights are still
-on the meta device (``empty_init=True``, ``pretrained=``): NF4 codes are computed from the values, which do not
-exist yet there.
+on the meta device (``empty_init=True``) with no checkpoint to read them from: NF4 codes are computed from values.
+
+With ``pretrained=`` the weights become NF4 placeholders on the meta device before FSDP shards them; once the shards
+have memory each rank reads one whole weight at a time from the checkpoint, quantizes it exactly as one process
+does and keeps its rows (:func:`fill_nf4`): no rank ever holds the model unquantized, nor more than one whole
+weight beside its own NF4 shards.
 """
 
 from __future__ import annotations
@@ -64,11 +68,12 @@ def is_nf4(tensor: Any) -> bool:
 
 
 def why_not_quantizable(weight: torch.Tensor, shards: int = 1, block_size: int = BLOCK_SIZE,
-                        scaler_block_size: int = SCALER_BLOCK_SIZE) -> str | None:
-    """Why ``to_nf4`` cannot take ``weight`` (or FSDP could not cut it into ``shards`` NF4 shards); None if it can."""
+                        scaler_block_size: int = SCALER_BLOCK_SIZE, need_values: bool = True) -> str | None:
+    """Why ``to_nf4`` cannot take ``weight`` (or FSDP could not cut it into ``shards`` NF4 shards); None if it can.
+    ``need_values=False``: its values come later (:func:`fill_nf4`), so a meta weight is fine."""
     if weight.dim() != 2:
         return f"{weight.dim()}-D weight (NF4 weights are 2-D)"
-    if weight.is_meta:
+    if need_values and weight.is_meta:
         return "on the meta device (no values to quantize)"
     if not weight.is_floating_point():
         return f"dtype {weight.dtype}"
@@ -80,12 +85,16 @@ def why_not_quantizable(weight: torch.Tensor, shards: int = 1, block_size: int =
 
 
 def quantize_base_weights(module: nn.Module, blocks: list[str], skip: list[str] = (), shards: int = 1,
-                          block_size: int = BLOCK_SIZE,
-                          scaler_block_size: int = SCALER_BLOCK_SIZE) -> tuple[list[str], dict[str, str]]:
+                          block_size: int = BLOCK_SIZE, scaler_block_size: int = SCALER_BLOCK_SIZE,
+                          values_later: bool = False) -> tuple[list[str], dict[str, str]]:
     """Replace, in place, every frozen weight of an ``nn.Linear`` inside ``blocks`` (FQN prefixes; not under
     ``skip``) by an NF4 parameter (torchao ``to_nf4``, double quantization). Returns the FQNs of the weights
     quantized and ``{FQN: why}`` of the frozen linear weights left as they were. Plain torch + torchao: usable
-    without Lightning (quantize a model once, then train its adapters in any loop)."""
+    without Lightning (quantize a model once, then train its adapters in any loop).
+
+    ``values_later``: the weights' values come from a checkpoint read after the model is sharded (``pretrained=``):
+    each becomes an NF4 placeholder on the meta device, of its shape and dtype (its own values, if any, are freed),
+    which :func:`fill_nf4` fills from the checkpoint's whole weight once the shards have memory."""
     to_nf4 = _nf4().to_nf4
     done: list[str] = []
     left: dict[str, str] = {}
@@ -95,15 +104,51 @@ def quantize_base_weights(module: nn.Module, blocks: list[str], skip: list[str] 
         weight = layer.weight
         if weight.requires_grad or is_nf4(weight):
             continue  # trainable (an adapter, a layer the user trains): stays; already NF4: once is enough
-        why = why_not_quantizable(weight, shards, block_size, scaler_block_size)
+        source = torch.empty_like(weight, device="meta") if values_later else weight
+        why = why_not_quantizable(weight, shards, block_size, scaler_block_size, need_values=not values_later)
         if why is not None:
             left[f"{fqn}.weight"] = why
             continue
         with torch.no_grad():
-            nf4 = to_nf4(weight.detach().contiguous(), block_size, scaler_block_size)
+            nf4 = to_nf4(source.detach().contiguous(), block_size, scaler_block_size)
         layer.weight = nn.Parameter(nf4, requires_grad=False)
         done.append(f"{fqn}.weight")
     return done, left
+
+
+def fill_nf4(tensor: torch.Tensor, whole: torch.Tensor) -> None:
+    """Fill an NF4 weight (a placeholder of :func:`quantize_base_weights`, plain or this rank's FSDP shard as a
+    DTensor) from the whole weight ``whole``: quantized whole, exactly as one process quantizes it (the double
+    quantization's mean is over every block of the weight), then this rank's rows taken as FSDP2 cuts them
+    (``torch.chunk`` along dim 0, each chunk whole blocks of scales) and written into the shard's codes, scales,
+    factors and mean in place. Only ``whole`` and its NF4 copy are ever held in full, one weight at a time."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    with torch.no_grad():
+        source = whole.to(device=local.quantized_data.device, dtype=local.dtype).contiguous()
+        quantized = _nf4().to_nf4(source, local.block_size, local.scaler_block_size)
+        chunks, index = _row_chunk(tensor)
+        mine = torch.chunk(quantized, chunks, dim=0)[index] if chunks > 1 else quantized
+        if tuple(mine.shape) != tuple(local.shape):
+            raise ValueError(f"fill_nf4: this rank's rows of the whole weight {tuple(whole.shape)} are "
+                             f"{tuple(mine.shape)}, its shard is {tuple(local.shape)}.")
+        for name in local.__tensor_flatten__()[0]:  # codes, scales, factors, mean, the 16-value table
+            getattr(local, name).copy_(getattr(mine, name))
+
+
+def _row_chunk(tensor: torch.Tensor) -> tuple[int, int]:
+    """How many row chunks a DTensor weight is cut into and which one this rank holds (1, 0 for a plain tensor):
+    FSDP2 shards along dim 0 over one mesh dimension (replicated over the others under HSDP)."""
+    placements = getattr(tensor, "placements", None)
+    if placements is None:
+        return 1, 0
+    sharded = [i for i, p in enumerate(placements) if p.is_shard()]
+    if not sharded:
+        return 1, 0
+    if len(sharded) > 1 or placements[sharded[0]].dim != 0:
+        raise ValueError(f"fill_nf4: an NF4 weight sharded as {placements}; only FSDP2's rows over one mesh "
+                         f"dimension are supported.")
+    mesh = tensor.device_mesh
+    return mesh.size(sharded[0]), mesh.get_local_rank(sharded[0])
 
 
 def nf4_bytes(tensor: torch.Tensor) -> int:

@@ -1,19 +1,22 @@
 """QLoRA's 4-bit base weights as a technique of the engine: its option (:class:`QuantizeOptions`), its checks
-(not with tensor parallelism or float8, not on meta weights), and its place in the recipe (first after the pipeline
-split, so FSDP shards and gathers the NF4 weights). The quantization itself: ``nf4_weights``."""
+(not with tensor parallelism or float8; meta weights only with a ``pretrained=`` checkpoint), and its place in the
+recipe (first after the pipeline split, so FSDP shards and gathers the NF4 weights). The quantization itself:
+``nf4_weights``."""
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_par.collectives import raise_on_every_rank
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.modules import inside_any
 from lightning_par.techniques.quantize.nf4_weights import (
     check_quantize_base,
+    fill_nf4,
     quantize_base_weights,
     refuse_bitsandbytes,
 )
@@ -32,6 +35,10 @@ class QuantizeOptions(Options):
     def build(self) -> QuantizeBase:
         return QuantizeBase(self.quantize_base)
 
+    def before_trace(self, module: nn.Module, blocks: list[str]) -> None:
+        if self.quantize_base:  # NF4 placeholders of the frozen block weights: the profile counts their bytes
+            quantize_base_weights(module, blocks, values_later=True)
+
 
 class QuantizeBase(Technique):
     """``quantize_base``: the blocks' frozen linear weights as NF4, before tensor parallelism and FSDP wrap them."""
@@ -40,6 +47,11 @@ class QuantizeBase(Technique):
         self.format = check_quantize_base(value)
         self.layers: list[str] = []
         self.left: dict[str, str] = {}
+
+    @property
+    def fill(self) -> Callable[[Tensor, Tensor], None] | None:
+        """How a checkpoint's whole tensor fills one NF4 placeholder (``pretrained=``); None without NF4."""
+        return fill_nf4 if self.format is not None else None
 
     def check_with_float8(self, float8: str | None) -> None:
         """Not with float8 (the recipe asks, as it builds both)."""
@@ -69,15 +81,18 @@ class QuantizeBase(Technique):
             problems.append(str(e))
         meta = [f"{fqn}.weight" for fqn, m in target.module.named_modules() if isinstance(m, nn.Linear)
                 and inside_any(fqn, target.blocks) and m.weight.is_meta and not m.weight.requires_grad]
-        if meta:
+        if meta and target.pretrained is None:
             problems.append(
                 f"quantize_base={self.format!r}: the frozen linear weights of the blocks are on the meta device "
-                f"({meta[0]!r} and {len(meta) - 1} more): empty_init=True or pretrained= give them values only after "
-                f"the model is sharded, and NF4 codes are computed from the values. Create the model with real "
+                f"({meta[0]!r} and {len(meta) - 1} more) and no pretrained= checkpoint gives them values; NF4 codes "
+                f"are computed from the values. Pass pretrained=<the Hugging Face checkpoint directory> (each rank "
+                f"then quantizes one whole weight at a time and keeps its shard), or create the model with real "
                 f"weights (trainer.init_module(empty_init=False)) and load them before fit, or quantize_base=None.")
         raise_on_every_rank(problems)
         shards = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
-        self.layers, self.left = quantize_base_weights(target.module, target.blocks, target.experts, shards)
+        # with a checkpoint to read, the weights become NF4 placeholders now, filled from it shard by shard later
+        self.layers, self.left = quantize_base_weights(target.module, target.blocks, target.experts, shards,
+                                                       values_later=target.pretrained is not None)
         if self.left:
             some = ", ".join(f"{k} ({v})" for k, v in list(self.left.items())[:3])
             warnings.warn(f"quantize_base={self.format!r} left {len(self.left)} frozen linear weights unquantized: "
