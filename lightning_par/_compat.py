@@ -20,7 +20,7 @@ __all__ = ["all_to_all_single_autograd", "async_tensor_parallel_enabled", "check
            "enable_async_tensor_parallel", "fused_attention_backward", "fused_attention_forward",
            "ignore_profiler_ranges_in_selective_checkpointing",
            "in_backward", "is_transformers_experts", "live_process_groups", "local_chunk",
-           "move_graph_to_device", "pipeline_stage_class", "set_device_mesh", "symmetric_memory_enabled",
+           "meta_nf4", "move_graph_to_device", "pipeline_stage_class", "set_device_mesh", "symmetric_memory_enabled",
            "torch_dispatch_mode", "transformers_experts_gate", "transformers_experts_implementation",
            "train_dataloader_of", "tree_leaves", "tree_map", "without_function_modes"]
 
@@ -344,3 +344,22 @@ def fused_attention_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k
     tiles[..., :rows] = lse
     return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, None, out, tiles, no_rng, no_rng, 0.0, [True, True, True, False], causal, scale=scale)[:3]
+
+
+def meta_nf4(shape: tuple[int, ...], dtype: torch.dtype, block_size: int, scaler_block_size: int) -> torch.Tensor:
+    """An NF4 weight of ``shape`` on the meta device (its codes, scales and factors of the sizes the values will
+    need), made by torchao's own ``to_nf4``. torchao quantizes in chunks of ``CHUNK_SIZE`` (2**20) values to bound
+    its workspace; on the meta device there is no workspace, but the loop still costs some 2 ms a chunk (half a
+    second for one of Llama-70B's MLP weights, minutes for the model): the module's constant is raised for the one
+    call. torchao 0.18 (``torchao.quantization.quantize_.workflows.nf4.nf4_tensor.CHUNK_SIZE``)."""
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    numel = 1
+    for d in shape:
+        numel *= d
+    saved = nf4_tensor.CHUNK_SIZE
+    nf4_tensor.CHUNK_SIZE = max(saved, numel)
+    try:
+        return nf4_tensor.to_nf4(torch.empty(shape, dtype=dtype, device="meta"), block_size, scaler_block_size)
+    finally:
+        nf4_tensor.CHUNK_SIZE = saved

@@ -283,3 +283,19 @@ def test_the_fused_attention_ops_take_the_arguments_context_parallelism_passes()
         "grad_out_", "query", "key", "value", "attn_bias", "out", "logsumexp", "philox_seed", "philox_offset",
         "dropout_p", "grad_input_mask", "is_causal"]
     assert callable(_compat.fused_attention_forward) and callable(_compat.fused_attention_backward)
+
+
+def test_a_meta_nf4_weight_has_the_inner_tensors_of_a_real_one():
+    """``meta_nf4`` (torchao's ``to_nf4`` with its chunk size raised for one call): the same inner tensors, by name,
+    shape and dtype, as quantizing real values; the module's chunk size is back afterwards."""
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    chunk = nf4_tensor.CHUNK_SIZE
+    meta = _compat.meta_nf4((512, 256), torch.float32, 64, 256)
+    real = nf4_tensor.to_nf4(torch.randn(512, 256), 64, 256)
+    assert nf4_tensor.CHUNK_SIZE == chunk
+    names = meta.__tensor_flatten__()[0]
+    assert names == real.__tensor_flatten__()[0] and meta.is_meta and meta.shape == real.shape
+    for name in names:
+        m, r = getattr(meta, name), getattr(real, name)
+        assert (m.shape, m.dtype) == (r.shape, r.dtype), name

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_par._compat import meta_nf4
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.modules import inside_any
 
@@ -104,13 +105,13 @@ def quantize_base_weights(module: nn.Module, blocks: list[str], skip: list[str] 
         weight = layer.weight
         if weight.requires_grad or is_nf4(weight):
             continue  # trainable (an adapter, a layer the user trains): stays; already NF4: once is enough
-        source = torch.empty_like(weight, device="meta") if values_later else weight
         why = why_not_quantizable(weight, shards, block_size, scaler_block_size, need_values=not values_later)
         if why is not None:
             left[f"{fqn}.weight"] = why
             continue
         with torch.no_grad():
-            nf4 = to_nf4(source.detach().contiguous(), block_size, scaler_block_size)
+            nf4 = meta_nf4(tuple(weight.shape), weight.dtype, block_size, scaler_block_size) if values_later or \
+                weight.is_meta else to_nf4(weight.detach().contiguous(), block_size, scaler_block_size)
         layer.weight = nn.Parameter(nf4, requires_grad=False)
         done.append(f"{fqn}.weight")
     return done, left
