@@ -246,7 +246,7 @@ def twins(workdir) -> list[dict[str, dict[str, Any]]]:
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(workdir)  # (the ranks start in the launching process's directory)
         patch.setenv("WANDB_SILENT", "true")
-        return launch(2, _train_twins, RECIPES, env={"WANDB_MODE": "offline"})
+        return launch(2, _train_twins, RECIPES, env={"WANDB_MODE": "offline"}, timeout=600)  # (four runs)
 
 
 def _merged(recipe: str) -> tuple[dict[str, Any], dict[str, Any]]:
