@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_par.lm.hub import resolve_pretrained
+from lightning_par.lm.hub import TOKENIZER_FILES, resolve_pretrained
 
 #: bump when the cached format changes
 CACHE_VERSION = 1
@@ -225,7 +225,7 @@ class TextDataModule(pl.LightningDataModule):
 
     def _tokenizer_dir(self) -> Path:
         if self.tokenizer_name is not None:
-            return resolve_pretrained(self.tokenizer_name, parameter="tokenizer")
+            return resolve_pretrained(self.tokenizer_name, parameter="tokenizer", allow_patterns=TOKENIZER_FILES)
         module = self.trainer.lightning_module if self.trainer is not None else None
         directory = getattr(module, "model_dir", None)
         if directory is None:

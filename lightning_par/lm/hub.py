@@ -14,6 +14,9 @@ from pathlib import Path
 
 #: the files a snapshot brings: configs and tokenizers (json, sentencepiece, vocabularies, merges) and safetensors
 SNAPSHOT_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "tokenizer*"]
+#: what a tokenizer needs: the same without the weights (a tokenizer named by the Hub ID of a 671 B model must not
+#: bring its 1.3 TB of safetensors)
+TOKENIZER_FILES = [pattern for pattern in SNAPSHOT_FILES if pattern != "*.safetensors"]
 
 
 def hub_offline() -> bool:
@@ -29,7 +32,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 def resolve_pretrained(name: str | os.PathLike, revision: str | None = None, cache_dir: str | None = None,
-                       parameter: str = "model") -> Path:
+                       parameter: str = "model", allow_patterns: list[str] | None = None) -> Path:
     """The local directory of ``name``: a directory as it is, a Hub ID (``org/name``) through the Hugging Face cache.
 
     Args:
@@ -37,6 +40,8 @@ def resolve_pretrained(name: str | os.PathLike, revision: str | None = None, cac
         revision: a branch, tag or commit of the Hub repository (default: ``main``).
         cache_dir: the Hugging Face cache (default: huggingface_hub's, ``HF_HUB_CACHE``).
         parameter: the option's name in error messages.
+        allow_patterns: the files of a Hub repository to fetch (default ``SNAPSHOT_FILES``: config, weights,
+            tokenizer; ``TOKENIZER_FILES`` leaves the weights out).
     """
     if not isinstance(name, (str, os.PathLike)) or not str(name):
         raise TypeError(f"{parameter}={name!r} must be a Hugging Face Hub ID ('org/name') or the directory "
@@ -54,8 +59,8 @@ def resolve_pretrained(name: str | os.PathLike, revision: str | None = None, cac
 
     offline = hub_offline()
     try:
-        return Path(snapshot_download(text, revision=revision, cache_dir=cache_dir, allow_patterns=SNAPSHOT_FILES,
-                                      local_files_only=offline))
+        return Path(snapshot_download(text, revision=revision, cache_dir=cache_dir,
+                                      allow_patterns=allow_patterns or SNAPSHOT_FILES, local_files_only=offline))
     except LocalEntryNotFoundError as error:
         why = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
         raise FileNotFoundError(

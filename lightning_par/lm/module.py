@@ -127,10 +127,14 @@ class CausalLM(pl.LightningModule):
         return config
 
     def build_base_model(self) -> nn.Module:
-        """The Hugging Face model from :meth:`build_config`, freshly initialized (its weights come later)."""
+        """The Hugging Face model from :meth:`build_config`, freshly initialized (its weights come later), in torch's
+        default dtype, which the Trainer's precision sets while ``configure_model`` runs (float32 under ``32-true``
+        and the mixed precisions, bfloat16 under ``bf16-true``), not in the config's ``torch_dtype``: a
+        ``bf16-mixed`` run keeps float32 weights and optimizer state, and a model whose router transformers keeps in
+        float32 (DeepSeek-V3's) has one dtype per FSDP unit."""
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_config(self.model_config,
+        return AutoModelForCausalLM.from_config(self.model_config, dtype=torch.get_default_dtype(),
                                                 attn_implementation=self.settings["attn_implementation"])
 
     def adapt(self, model: nn.Module) -> nn.Module:
