@@ -37,7 +37,7 @@ LAYOUT = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 
 
 def test_every_recipe_has_its_files():
-    assert RECIPES == ["deepseek-v3", "llama3.1-70b", "llama3.1-8b", "qwen3-30b-a3b"]
+    assert RECIPES == ["deepseek-v3", "llama3.1-70b", "llama3.1-70b-qlora", "llama3.1-8b", "qwen3-30b-a3b"]
     for recipe in RECIPES:
         assert {"recipe.yaml", "tiny.yaml", "config.json"} <= {p.name for p in (RECIPES_DIR / recipe).iterdir()}
 
@@ -67,7 +67,8 @@ def test_full_size_recipe_parses_and_its_layout_fits_the_model(recipe, capsys):
     path = RECIPES_DIR / recipe / "recipe.yaml"
     config = _print_config(["fit", "--config", str(path)], capsys)
     trainer, model, data = config["trainer"], config["model"], config["data"]
-    assert trainer["accelerator"] == "gpu" and trainer["precision"] == "bf16-mixed"
+    quantized = trainer["strategy"]["init_args"].get("quantize_base")  # QLoRA: bf16 weights and adapters
+    assert trainer["accelerator"] == "gpu" and trainer["precision"] == ("bf16-true" if quantized else "bf16-mixed")
     assert trainer["logger"]["class_path"] == "lightning.pytorch.loggers.WandbLogger"
     assert "lightning.pytorch.callbacks.ModelCheckpoint" in [c["class_path"] for c in trainer["callbacks"]]
     assert trainer["val_check_interval"] and trainer["limit_val_batches"]
@@ -84,7 +85,7 @@ def test_full_size_recipe_parses_and_its_layout_fits_the_model(recipe, capsys):
     assert hf.num_hidden_layers >= stages
     if model["load_weights"]:  # a Hub ID for the weights and tokenizer; the shipped config is that model's
         assert re.fullmatch(r"[\w.-]+/[\w.-]+", model["model"]) and not Path(model["model"]).exists()
-        assert model["model"].split("/")[1].lower().replace("-", "") == recipe.replace("-", "")
+        assert model["model"].split("/")[1].lower().replace("-", "") == recipe.removesuffix("-qlora").replace("-", "")
     else:  # pre-training from the shipped config; a Hub ID for the tokenizer
         assert model["model"] == f"example_projects/recipes/{recipe}" and re.fullmatch(r"[\w.-]+/[\w.-]+",
                                                                                           data["tokenizer"])
@@ -234,6 +235,7 @@ def _train_twins(recipes: list[str]) -> dict[str, dict[str, Any]]:
             "global_step": trainer.global_step,
             "layout": {name: getattr(trainer.strategy.dims, name) for name in LAYOUT},
             "trainable": [n for n, p in module.named_parameters() if p.requires_grad],
+            "nf4": sum(type(getattr(p, "_local_tensor", p)).__name__ == "NF4Tensor" for p in module.parameters()),
             "biases": list(biases),
             "csv": trainer.loggers[1].log_dir if trainer.global_rank == 0 else None,
             "checkpoints": trainer.checkpoint_callback.dirpath}
@@ -259,7 +261,7 @@ def test_tiny_twin_trains_through_the_command_line(recipe, workdir, twins):
     full, tiny = _merged(recipe)
     # the twin changes sizes only: the same model config and strategy class, its callbacks are the recipe's
     assert tiny["model"]["model"] == f"example_projects/recipes/{recipe}"
-    assert "class_path" not in tiny["trainer"]["strategy"] and "precision" not in tiny["trainer"]  # bf16-mixed too
+    assert "class_path" not in tiny["trainer"].get("strategy", {}) and "precision" not in tiny["trainer"]  # as is
     assert [c["class_path"] for c in tiny["trainer"]["callbacks"]] == [c["class_path"]
                                                                       for c in full["trainer"]["callbacks"]]
     assert tiny["trainer"]["logger"][0]["class_path"] == full["trainer"]["logger"]["class_path"]
@@ -267,7 +269,7 @@ def test_tiny_twin_trains_through_the_command_line(recipe, workdir, twins):
 
     ranks = [rank[recipe] for rank in twins]
     steps = tiny["trainer"]["max_steps"]
-    expected = {**full["trainer"]["strategy"]["init_args"], **tiny["trainer"]["strategy"]["init_args"]}
+    expected = {**full["trainer"]["strategy"]["init_args"], **tiny["trainer"].get("strategy", {}).get("init_args", {})}
     for result in ranks:
         assert result["global_step"] == steps
         assert result["layout"] == {name: expected[name] for name in LAYOUT}, result["layout"]
@@ -289,10 +291,31 @@ def test_tiny_twin_trains_through_the_command_line(recipe, workdir, twins):
     runs = list((workdir / "runs/recipes/tiny/wandb").glob(f"offline-run-*-{checkpoints.parent.name}"))
     assert len(runs) == 1 and next(runs[0].glob("*.wandb")).stat().st_size > 0
 
-    if "lora" in full["model"]:  # only the adapters train, on attention and on the experts
+    if "lora" in full["model"]:  # only the adapters train (on the experts too where the recipe names them)
         assert result["trainable"] and all("lora_" in n for n in result["trainable"])
-        assert any("experts" in n for n in result["trainable"])
+        assert any("experts" in n for n in result["trainable"]) == bool(full["model"]["lora"].get("target_parameters"))
     else:
         assert not [n for n in result["trainable"] if "lora_" in n]
+    if full["trainer"]["strategy"]["init_args"].get("quantize_base"):  # QLoRA: every block's 7 linear weights in NF4
+        blocks = tiny["model"]["config_overrides"]["num_hidden_layers"]
+        assert sum(rank[recipe]["nf4"] for rank in twins) == 7 * blocks * len(twins)  # sharded: each rank has all
     if any(c["class_path"].endswith("ExpertBiasBalancer") for c in full["trainer"]["callbacks"]):
         assert len(result["biases"]) == steps and max(result["biases"]) > 0  # moved toward balance at each step
+
+
+def test_the_qlora_recipe_on_4_gpus_parses_and_was_planned_for_4(capsys):
+    """``--config recipe.yaml --config 4gpus.yaml``: 4 devices, the planner's layout for 4 (its command in the
+    file's header: world 4, the same sequence and global batch), the 4-bit weights kept."""
+    folder = RECIPES_DIR / "llama3.1-70b-qlora"
+    config = _print_config(["fit", "--config", str(folder / "recipe.yaml"), "--config", str(folder / "4gpus.yaml")],
+                           capsys)
+    trainer, data = config["trainer"], config["data"]
+    dims = _strategy(trainer).dims.resolve(trainer["devices"] * trainer["num_nodes"])
+    assert (dims.world_size, dims.cp, trainer["strategy"]["init_args"]["quantize_base"]) == (4, 4, "nf4")
+    header = (folder / "4gpus.yaml").read_text().split("\ntrainer:")[0]
+    command = " ".join(line.lstrip("# ").rstrip("\\ ") for line in header.splitlines()
+                       if "lightning_par.plan" in line or line.startswith("#     --"))
+    planned = dict(re.findall(r"--([\w-]+) (\S+)", command))
+    assert int(planned["world"]) == 4 and int(planned["seq-len"]) == data["seq_len"]
+    assert int(planned["batch"]) == data["batch_size"] * dims.dp_size * trainer["accumulate_grad_batches"]
+
