@@ -150,6 +150,22 @@ def test_killed_group_rejoins_and_matches_a_replay(killed_and_rejoined):
             torch.testing.assert_close(final[key], value, atol=TOLERANCE, rtol=0, msg=f"group {group} {key}")
 
 
+def test_a_dying_process_ends_its_group_and_the_survivors_pause_about_the_heartbeat_timeout(killed_and_rejoined):
+    """One process of group 1 is killed (SIGKILL) in a step; its torchrun ends the group's other process, whatever it
+    was waiting in, so the group stops heartbeating, and group 0 trains on alone once the Lighthouse stops hearing it:
+    from the kill to group 0's next committed step takes the heartbeat timeout (1 s here) plus about a step. Bounded
+    at 6 s on this shared 2-core machine; a group whose other process went on heartbeating would hold the survivors
+    in the cross-group all-reduce until its timeout (60 s)."""
+    out, _ = killed_and_rejoined
+    killed = float((out / "killed_at").read_text())
+    after = [r for r in _records(out, 0, 0, 0)
+             if r.get("time", 0.0) > killed and r["committed_steps"] > r["committed_before"]]
+    assert after, "group 0 committed no step after the kill"
+    pause = after[0]["time"] - killed
+    print(f"from the kill to the survivors' next committed step: {pause:.2f} s (heartbeat timeout 1 s)")
+    assert pause < 6.0, pause
+
+
 def test_checkpoints_and_logs_come_from_one_group(killed_and_rejoined):
     """The live group of lowest index writes every checkpoint (complete, with torchft's committed step); the
     loggers and the monitors' logging run on group 0's rank 0 only: one log with every step, however the groups came
