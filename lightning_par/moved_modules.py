@@ -1,4 +1,5 @@
-"""The old import paths of the modules that moved into their technique's folder (``techniques/<technique>/``).
+"""The old import paths of the modules that moved into their technique's folder (``techniques/<technique>/``), and
+of ``lm.hub`` (now ``hub``, where the strategies read it).
 
 ``import lightning_par.parallel.pipeline_live`` (or ``from lightning_par.parallel.context import ...``) still works:
 it returns the moved module itself (the same object, so patching it patches the engine's). No file stands at the
@@ -41,6 +42,7 @@ MOVED = {f"lightning_par.{old}": f"lightning_par.techniques.{new}" for old, new 
     "parallel.recompute": "recompute.recompute",
     "techniques.activation_checkpointing": "recompute.activation_checkpointing",
 }.items()}
+MOVED["lightning_par.lm.hub"] = "lightning_par.hub"  # (below the strategies: their pretrained= takes Hub IDs too)
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):

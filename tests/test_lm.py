@@ -140,6 +140,13 @@ def test_a_hub_id_resolves_through_the_hugging_face_cache(model_dir, tmp_path, m
         (snapshot / file.name).symlink_to(file)
     found = resolve_pretrained("tiny-org/tiny-llama", cache_dir=str(tmp_path / "hub"))
     assert found == snapshot
+    # every strategy's pretrained= takes the Hub ID too (the default cache, here the test's)
+    import huggingface_hub
+
+    from lightning_par import FSDP2Strategy
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert FSDP2Strategy(pretrained="tiny-org/tiny-llama").pretrained == str(snapshot)
     with pytest.raises(FileNotFoundError, match=r"model='tiny-org/absent' is not a local directory and not in the "
                                                 r"Hugging Face cache .* HF_HUB_OFFLINE is set"):
         resolve_pretrained("tiny-org/absent", cache_dir=str(tmp_path / "hub"))

@@ -107,8 +107,8 @@ def test_a_tokenizer_named_by_hub_id_fetches_no_weights(monkeypatch, tmp_path):
     1.3 TB of safetensors beside them (the model's own Hub ID still brings its weights)."""
     import huggingface_hub
 
+    from lightning_par.hub import resolve_pretrained
     from lightning_par.lm import TextDataModule
-    from lightning_par.lm.hub import resolve_pretrained
 
     asked = []
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_par.lm.hub import TOKENIZER_FILES, resolve_pretrained
+from lightning_par.hub import TOKENIZER_FILES, resolve_pretrained
 
 #: bump when the cached format changes
 CACHE_VERSION = 1

@@ -29,8 +29,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_par.hub import resolve_pretrained
 from lightning_par.lm.adapters import LoRA, freeze
-from lightning_par.lm.hub import resolve_pretrained
 from lightning_par.pretrained import check_hf_checkpoint, load_hf_weights
 from lightning_par.strategies.base import BaseParallelStrategy
 

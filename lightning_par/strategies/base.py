@@ -52,6 +52,7 @@ from lightning_par._compat import set_device_mesh
 from lightning_par.checks import check_bool
 from lightning_par.collectives import raise_on_every_rank, settle_process_groups
 from lightning_par.dims import ParallelDims
+from lightning_par.hub import resolve_pretrained
 from lightning_par.known_warnings import silence_known_warnings
 from lightning_par.parallel.init import materialize
 from lightning_par.strategies.precision import to_parallel_precision
@@ -152,7 +153,9 @@ class BaseParallelStrategy(ParallelStrategy):
         dims: the layout; its product must equal ``num_nodes * devices``.
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default.
         timeout: seconds (or a ``timedelta``) a collective may wait before the job fails instead of hanging.
-        pretrained: a directory Hugging Face ``save_pretrained`` wrote: after the model is sharded and given memory,
+        pretrained: a directory Hugging Face ``save_pretrained`` wrote, or a Hub ID (``"Qwen/Qwen3-8B"``: its
+            snapshot in the Hugging Face cache, fetched once; ``HF_HUB_OFFLINE=1`` reads only the cache; config,
+            safetensors and tokenizer files only): after the model is sharded and given memory,
             each rank reads its own slices of those weights (``lightning_par.load_hf_weights``). A checkpoint
             resumed with ``fit(ckpt_path=...)`` is restored afterwards and wins.
         save_trainable_only: checkpoints hold the trainable parameters (and their optimizer state) only, e.g. the
@@ -194,7 +197,8 @@ class BaseParallelStrategy(ParallelStrategy):
                 f"Use 'nccl' on CUDA, 'gloo' on CPU, or leave it None to choose by accelerator."
             )
         self.dims = dims
-        self.pretrained = None if pretrained is None else str(ckpt.check_hf_directory(pretrained))
+        self.pretrained = None if pretrained is None else str(ckpt.check_hf_directory(
+            resolve_pretrained(pretrained, parameter="pretrained")))
         self.save_trainable_only = check_bool("save_trainable_only", save_trainable_only)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
