@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from functools import cache
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -365,8 +366,14 @@ def test_reducing_once_per_step_is_weighed_for_fsdp_with_micro_batches():
 
 
 def _sheet(prediction):
-    profile = profile_model(gpt(), batch())
+    profile = _gpt_profile()
     return account(prediction.layout, profile, GLOBAL_BATCH // prediction.layout.dp, profile.seq_len, "32-true")
+
+
+@cache
+def _gpt_profile():
+    """The tiny GPT's profile, traced once: ``_sheet`` is asked for some hundred layouts' sheets."""
+    return profile_model(gpt(), batch())
 
 
 def test_gradient_accumulation_is_weighed_where_the_batch_does_not_fit():
