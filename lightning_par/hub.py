@@ -50,10 +50,13 @@ def resolve_pretrained(name: str | os.PathLike, revision: str | None = None, cac
     if path.is_dir():
         return path
     text = str(name)
-    if path.exists() or not _HUB_ID.match(text):
-        what = "is a file, not a directory" if path.exists() else "does not exist"
-        raise FileNotFoundError(f"{parameter}={text!r} {what}. Pass the directory `save_pretrained` wrote (config.json "
-                                f"and the safetensors weights), or a Hub ID such as 'Qwen/Qwen2.5-0.5B'.")
+    if path.exists():
+        raise ValueError(f"{parameter}={text!r} is a file, not a Hugging Face checkpoint directory. Pass the directory "
+                         f"`save_pretrained` wrote (config.json and the safetensors weights) or a Hub ID such as "
+                         f"'Qwen/Qwen2.5-0.5B' (a Lightning .ckpt file resumes through `trainer.fit(ckpt_path=...)`).")
+    if not _HUB_ID.match(text):
+        raise FileNotFoundError(f"{parameter}={text!r} does not exist. Pass the directory `save_pretrained` wrote "
+                                f"(config.json and the safetensors weights), or a Hub ID such as 'Qwen/Qwen2.5-0.5B'.")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 

@@ -152,6 +152,8 @@ def test_a_hub_id_resolves_through_the_hugging_face_cache(model_dir, tmp_path, m
         resolve_pretrained("tiny-org/absent", cache_dir=str(tmp_path / "hub"))
     with pytest.raises(FileNotFoundError, match=r"model='\./no/such/dir' does not exist"):
         resolve_pretrained("./no/such/dir")
+    with pytest.raises(ValueError, match=r"model='.*config\.json' is a file, not a Hugging Face checkpoint directory"):
+        resolve_pretrained(model_dir / "config.json")
 
 
 def test_lora_and_frozen_options(model_dir):
