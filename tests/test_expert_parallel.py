@@ -44,6 +44,12 @@ CAPACITY_POSITION = dict(moe_capacity_factor=1.0, moe_token_drop_policy="positio
 RATE = 1e-2  # the balancer's bias step: large enough to change routing within the 10 steps
 #: transformers' mixtures of experts, unchanged: ep from their config's base_model_ep_plan
 HF_MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+#: optimizer steps of the runs whose tests check parity alone (the learning rate's 3 warm-up steps and 2 of its
+#: decay, every step's loss compared): Hugging Face's mixtures of experts, LoRA on experts, and the GPT layouts
+#: without router losses, a balancer or a capacity. The runs whose routers must move (auxiliary losses, the bias
+#: balancer), whose capacity drops tokens, the monitored ep2 run (its heat map at step 10) and the checkpoint
+#: resumed at step 5 keep the usual 10
+STEPS = 5
 WORLD4 = {  # name -> (strategy options, model options); the pipeline layouts with the bias balancer
     "ep2_efsdp2": (dict(dp_shard=4, ep=2), MOE),
     "ep4": (dict(dp_shard=4, ep=4), MOE),
@@ -95,7 +101,7 @@ def _world2(ckpt_dir: str) -> dict:
         "ep_not_dividing_experts": error_of(lambda: fit(NDParallelStrategy(ep=2), 2, 2, n_experts=3, max_steps=1)),
         "ep_plan_matching_nothing": error_of(lambda: fit(NDParallelStrategy(ep=2), 2, 2, max_steps=1)),  # dense
         "ep2": fit(NDParallelStrategy(ep=2), 2, 2, **logging, **MOE),
-        "ep2_shared_sigmoid": fit(NDParallelStrategy(ep=2), 2, 2, **SHARED_SIGMOID),
+        "ep2_shared_sigmoid": fit(NDParallelStrategy(ep=2), 2, 2, max_steps=STEPS, **SHARED_SIGMOID),
     }
     # a checkpoint written at ep2 (step 5) resumed without expert parallelism: DCP reshards the experts
     fit(NDParallelStrategy(ep=2), 2, 2, max_steps=5, ckpt_dir=ckpt_dir, ckpt_every_n_steps=5, **MOE)
@@ -110,7 +116,7 @@ def _world2(ckpt_dir: str) -> dict:
     # selective checkpointing keeps the all-to-alls' outputs: backward runs only their reverses
     selective = BackwardAllToAlls()
     out["ep2_selective_checkpointed"] = fit(NDParallelStrategy(ep=2, activation_checkpointing="selective"), 2, 2,
-                                            callbacks=[selective], **MOE)
+                                            callbacks=[selective], max_steps=STEPS, **MOE)
     out["ep2_selective_checkpointed"]["backward_all_to_alls"] = selective.count
     out["ep2_aux_z_checkpointed"] = fit(NDParallelStrategy(ep=2, activation_checkpointing=True), 2, 2, **AUX, **MOE)
     out["cp2_sequence_aux"] = fit(NDParallelStrategy(dp_shard=1, cp=2), 2, 1, **SEQUENCE_AUX, **MOE)
@@ -132,17 +138,20 @@ def _world2(ckpt_dir: str) -> dict:
     out["cp2_capacity"]["metrics"] = cp_metrics.metrics
     out["cp2_capacity"]["expert_load"] = cp_monitor.last
     # each block compiled: the dispatch's host sync breaks the graph, fp32 experts take the loop there
-    out["ep2_compiled"] = fit(NDParallelStrategy(ep=2, compile=True), 2, 2, **MOE)
+    out["ep2_compiled"] = fit(NDParallelStrategy(ep=2, compile=True), 2, 2, max_steps=STEPS, **MOE)
     # LoRA on the experts' own parameters (PEFT's target_parameters): under FSDP2 and under ep, merged and written
-    out["lora_experts_fsdp2"] = fit(NDParallelStrategy(), 2, 2, module_cls=LoRAExpertsLM, arch="qwen3_moe")
+    out["lora_experts_fsdp2"] = fit(NDParallelStrategy(), 2, 2, module_cls=LoRAExpertsLM, arch="qwen3_moe",
+                                    max_steps=STEPS)
     out["lora_experts_ep2"] = fit(NDParallelStrategy(ep=2), 2, 2, module_cls=LoRAExpertsLM, arch="qwen3_moe",
-                                  callbacks=[MergeAtEnd(f"{ckpt_dir}/lora_merged")])
+                                  callbacks=[MergeAtEnd(f"{ckpt_dir}/lora_merged")], max_steps=STEPS)
     out["lora_merged"] = f"{ckpt_dir}/lora_merged"
     for arch in ("qwen3_moe", "deepseek_v3"):  # experts whole on every tp rank: HF's expert tp styles left out
-        out[f"{arch}_tp2"] = fit(NDParallelStrategy(dp_shard=1, tp=2), 2, 1, module_cls=HFCausalLM, arch=arch)
+        out[f"{arch}_tp2"] = fit(NDParallelStrategy(dp_shard=1, tp=2), 2, 1, module_cls=HFCausalLM, arch=arch,
+                                 max_steps=STEPS)
     for arch in HF_MOE:
         hf_monitor = ExpertLoadMonitor(log_every_n_steps=5, heatmap_every_n_steps=None)
-        out[arch] = fit(NDParallelStrategy(ep=2), 2, 2, module_cls=HFCausalLM, arch=arch, callbacks=[hf_monitor])
+        out[arch] = fit(NDParallelStrategy(ep=2), 2, 2, module_cls=HFCausalLM, arch=arch, callbacks=[hf_monitor],
+                        max_steps=STEPS)
         out[arch]["expert_load"] = (hf_monitor.all_layers, hf_monitor.last_shares)
     return out
 
@@ -217,16 +226,17 @@ def _world4() -> dict:
         check = ReshardsAfterForward()
         callbacks = [ExpertBiasBalancer(RATE)] if "balanced" in name else [check]
         out[name] = fit(NDParallelStrategy(**options), 4, options.get("dp_replicate", 1) * options["dp_shard"],
-                        callbacks=callbacks, **model)
+                        callbacks=callbacks, max_steps=10 if "balanced" in name else STEPS, **model)
         out[name]["reshards"] = getattr(check, "units", None)
     # the latest tokens dropped, where cp's load-balanced chunks put them out of order
     out["cp2_ep2_capacity_position"] = fit(NDParallelStrategy(dp_shard=2, cp=2, ep=2), 4, 2, **CAPACITY_POSITION,
                                            **MOE)
     # LoRA adapters whole over ep, their experts' base weights split over ep and FSDP-sharded over the other 2
-    out["lora_experts_ep2_efsdp2"] = fit(NDParallelStrategy(ep=2), 4, 4, module_cls=LoRAExpertsLM, arch="qwen3_moe")
+    out["lora_experts_ep2_efsdp2"] = fit(NDParallelStrategy(ep=2), 4, 4, module_cls=LoRAExpertsLM, arch="qwen3_moe",
+                                         max_steps=STEPS)
     # parallel folding: attention under tp, experts under ep
     out["mixtral_tp2_ep2"] = fit(NDParallelStrategy(dp_shard=2, tp=2, ep=2), 4, 2, module_cls=HFCausalLM,
-                                 arch="mixtral")
+                                 arch="mixtral", max_steps=STEPS)
     # ep across two nodes of 2 ranks: each token crosses once to each node holding one of its experts, then once to
     # each rank there (transformers' experts: with shared experts and group-limited routing, and LoRA on them)
     for name, module_cls, arch in (("qwen3_moe_ep4_two_nodes", HFCausalLM, "qwen3_moe"),
@@ -234,7 +244,7 @@ def _world4() -> dict:
                                    ("lora_experts_ep4_two_nodes", LoRAExpertsLM, "qwen3_moe")):
         seen = NodesSeen()
         out[name] = fit(NDParallelStrategy(ep=4, ep_ranks_per_node=2), 4, 4, module_cls=module_cls, arch=arch,
-                        callbacks=[seen])
+                        callbacks=[seen], max_steps=STEPS)
         out[name].update(per_node=seen.per_node, summary=seen.summary)
     seen = NodesSeen()  # one host here: found from the hosts' names, one step
     fit(NDParallelStrategy(ep=4), 4, 4, module_cls=HFCausalLM, arch="qwen3_moe", callbacks=[seen], max_steps=1)
@@ -244,7 +254,7 @@ def _world4() -> dict:
 
 @cache
 def hf_reference(arch: str) -> dict:
-    return fit_reference(module_cls=HFCausalLM, arch=arch)
+    return fit_reference(module_cls=HFCausalLM, arch=arch, max_steps=STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -256,8 +266,14 @@ def reference():
 
 
 @pytest.fixture(scope="module")
+def reference_short():
+    """One process, ``STEPS`` steps."""
+    return fit_reference(max_steps=STEPS, **MOE)
+
+
+@pytest.fixture(scope="module")
 def reference_shared_sigmoid():
-    return fit_reference(**SHARED_SIGMOID)
+    return fit_reference(max_steps=STEPS, **SHARED_SIGMOID)
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +299,7 @@ def world4():
 
 def test_expert_parallel_world2_in_parity(world2, reference, reference_shared_sigmoid):
     assert_parity(world2["ep2"], reference)
-    assert_parity(world2["ep2_shared_sigmoid"], reference_shared_sigmoid)
+    assert_parity(world2["ep2_shared_sigmoid"], reference_shared_sigmoid, steps=STEPS)
 
 
 def test_auxiliary_losses_attach_their_gradient_as_if_added_to_the_loss():
@@ -449,17 +465,17 @@ def test_capacity_keeps_each_experts_heaviest_or_earliest_choices_per_sequence(p
         MoE(16, 4, 2, 32, capacity_factor=1.0, drop_policy="tail")
 
 
-def test_selective_checkpointing_keeps_the_token_all_to_alls(world2, reference):
+def test_selective_checkpointing_keeps_the_token_all_to_alls(world2, reference_short):
     """Full checkpointing recomputes each layer's two all-to-alls in backward (communicating again) besides their two
     reverses; selective checkpointing keeps their outputs: only the reverses (and it trains in parity)."""
     layers = TINY_GPT["n_layer"]
     assert world2["ep2_balanced_accumulated_checkpointed"]["backward_all_to_alls"] == 4 * layers  # full
     assert world2["ep2_selective_checkpointed"]["backward_all_to_alls"] == 2 * layers
-    assert_parity(world2["ep2_selective_checkpointed"], reference)
+    assert_parity(world2["ep2_selective_checkpointed"], reference_short, steps=STEPS)
 
 
-def test_expert_parallel_with_compiled_blocks_in_parity(world2, reference):
-    assert_parity(world2["ep2_compiled"], reference)
+def test_expert_parallel_with_compiled_blocks_in_parity(world2, reference_short):
+    assert_parity(world2["ep2_compiled"], reference_short, steps=STEPS)
 
 
 @pytest.mark.parametrize("arch", HF_MOE)
@@ -467,7 +483,7 @@ def test_hugging_face_mixtures_of_experts_at_ep2(world2, arch):
     """Mixtral, Qwen3-MoE, DeepSeek-V3 (latent attention, shared expert, group-limited sigmoid routing, a dense first
     layer) and gpt-oss (expert biases, attention sinks): each token sent once per rank, the experts' math of
     transformers' grouped_mm implementation on each rank's experts (``grouped_experts``)."""
-    assert_parity(world2[arch], hf_reference(arch))
+    assert_parity(world2[arch], hf_reference(arch), steps=STEPS)
 
 
 def test_expert_load_monitor_counts_the_global_batch(world2, reference):
@@ -497,13 +513,13 @@ def test_hugging_face_experts_under_tensor_parallelism(request, name, arch, worl
     """The models' tp plans split their experts with HF's own styles (moe_tp_experts, packed_colwise): those entries
     are left out, so attention (and dense or shared MLPs) split over tp while the experts stay whole, or split by ep;
     the plan's entries for modules this config lacks (Qwen3-MoE's dense MLP) are skipped. Tolerance 1e-5 (weights
-    measured ~3e-6 after 10 AdamW steps: tp splits the attention sums)."""
-    assert_parity(request.getfixturevalue(world)[name], hf_reference(arch))
+    measured ~3e-6 after 10 AdamW steps: tp splits the attention sums; these runs take ``STEPS``)."""
+    assert_parity(request.getfixturevalue(world)[name], hf_reference(arch), steps=STEPS)
 
 
 @pytest.fixture(scope="module")
 def reference_lora_experts():
-    return fit_reference(module_cls=LoRAExpertsLM, arch="qwen3_moe")
+    return fit_reference(module_cls=LoRAExpertsLM, arch="qwen3_moe", max_steps=STEPS)
 
 
 def test_lora_on_the_experts_parameters_trains_under_fsdp2_and_ep(world2, world4, reference_lora_experts):
@@ -511,7 +527,7 @@ def test_lora_on_the_experts_parameters_trains_under_fsdp2_and_ep(world2, world4
     in parity with one process at ep2 and at ep2 x efsdp2."""
     reference = reference_lora_experts
     for result in (world2["lora_experts_fsdp2"], world2["lora_experts_ep2"], world4["lora_experts_ep2_efsdp2"]):
-        assert_parity(result, reference)
+        assert_parity(result, reference, steps=STEPS)
     trained = {k: v for k, v in world2["lora_experts_ep2"]["weights"].items() if "experts" in k and "lora_B" in k}
     assert {".experts.lora_B", ".experts.base_layer.lora_B"} == {k[k.index(".experts"):k.index("lora_B") + 6]
                                                                   for k in trained}  # both stacked parameters
@@ -571,14 +587,14 @@ def test_bad_expert_layouts_are_refused_on_every_rank(world2):
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
-def test_expert_parallel_world4_in_parity(world4, reference, reference_shared_sigmoid, reference_balanced,
+def test_expert_parallel_world4_in_parity(world4, reference_short, reference_shared_sigmoid, reference_balanced,
                                           reference_balanced_aux, name):
     """Also the router biases the balancer moved (in the weights), under 1F1B x ep2 and ZBV x tp2: each pipeline
     rank updates its own layers' biases from the global batch's counts (not the shape-inference forward's)."""
     expected = {"pp2_tp2_zbv_balanced": reference_balanced, "pp2_cp2_ep2_balanced": reference_balanced,
                 "cp2_tp2_ep2": reference_shared_sigmoid,
                 "pp2_ep2_1f1b_balanced_aux": reference_balanced_aux}
-    assert_parity(world4[name], expected.get(name, reference))
+    assert_parity(world4[name], expected.get(name, reference_short), steps=10 if "balanced" in name else STEPS)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe_ep4_two_nodes", "deepseek_v3_ep4_two_nodes", "lora_experts_ep4_two_nodes"])
@@ -590,7 +606,7 @@ def test_expert_parallel_across_nodes_dispatches_in_two_steps_in_parity(world4, 
     result = world4[name]
     assert result["per_node"] == 2 and "once per node across 2 nodes" in result["summary"], result["summary"]
     arch = "deepseek_v3" if name.startswith("deepseek") else "qwen3_moe"
-    assert_parity(result, reference_lora_experts if name.startswith("lora") else hf_reference(arch))
+    assert_parity(result, reference_lora_experts if name.startswith("lora") else hf_reference(arch), steps=STEPS)
     assert world4["one_host_per_node"] is None
 
 
