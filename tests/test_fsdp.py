@@ -61,6 +61,10 @@ WORLD2_CONFIGS = {
 #: step, gradients kept unsharded until the step's last micro-batch)
 ACCUMULATED = {"zero3_accumulated": dict(),
                "zero1_accumulated": dict(reshard_after_forward=False, accumulate_unsharded=True)}
+#: optimizer steps of the layouts' parity runs (the learning rate's 3 warm-up steps and 2 of its decay, every step's
+#: loss compared); the runs whose tests need more (the loss falling by 0.3, a token missing from one rank in 4 of 10
+#: steps, accumulation across an epoch's end, a clip that moves SGD's weights by 1e-2) keep the usual 10
+STEPS = 5
 WORLD4_CONFIGS = {
     "zero3_dp4": dict(),
     "hsdp_2x2": dict(dp_replicate=2, dp_shard=2),
@@ -76,7 +80,8 @@ class InitProbe(GPTModule):
 
 
 def _run_configs(world_size: int, configs: dict) -> dict:
-    out = {name: fit(FSDP2Strategy(**kw), devices=world_size, dp_size=world_size) for name, kw in configs.items()}
+    out = {name: fit(FSDP2Strategy(**kw), devices=world_size, dp_size=world_size, max_steps=STEPS)
+           for name, kw in configs.items()}
     if world_size == 2:
         for precision in PRECISIONS:
             out[precision] = fit(FSDP2Strategy(), devices=2, dp_size=2, precision=precision)
@@ -109,6 +114,11 @@ def reference():
 
 
 @pytest.fixture(scope="module")
+def parity_reference():
+    return fit_reference(max_steps=STEPS)
+
+
+@pytest.fixture(scope="module")
 def reference_clipped():
     return fit_reference(gradient_clip_val=CLIP, module_cls=SGDGPT)
 
@@ -129,8 +139,8 @@ def world4():
 
 
 @pytest.mark.parametrize("name", list(WORLD2_CONFIGS))
-def test_parity_world2(world2, reference, name):
-    assert_parity(world2[0][name], reference)
+def test_parity_world2(world2, parity_reference, name):
+    assert_parity(world2[0][name], parity_reference, steps=STEPS)
     # every rank logged the same global-batch loss
     assert world2[1][name]["losses"] == world2[0][name]["losses"]
 
@@ -191,8 +201,8 @@ def test_unused_parameters_taken_back_once_per_accumulated_step(world2):
 
 
 @pytest.mark.parametrize("name", list(WORLD4_CONFIGS))
-def test_parity_world4(world4, reference, name):
-    assert_parity(world4[0][name], reference)
+def test_parity_world4(world4, parity_reference, name):
+    assert_parity(world4[0][name], parity_reference, steps=STEPS)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -235,10 +245,10 @@ def test_meta_device_init_materializes_each_shard(world2):
 
 
 def _compiled_run() -> dict:
-    return fit(FSDP2Strategy(compile=True), devices=2, dp_size=2)
+    return fit(FSDP2Strategy(compile=True), devices=2, dp_size=2, max_steps=STEPS)
 
 
-def test_torch_compile_of_blocks(reference):
+def test_torch_compile_of_blocks(parity_reference):
     """torch.compile per block under FSDP2 (inductor on CPU: the first step compiles for ~30 s)."""
     result = launch(2, _compiled_run)[0]
-    assert_parity(result, reference)
+    assert_parity(result, parity_reference, steps=STEPS)
