@@ -120,21 +120,17 @@ class Layout:
         if unknown:
             raise TypeError(f"Layout() got {sorted(unknown)}: a layout carries the sizes {(*SIZES, 'ep')}, "
                             f"accumulate_grad_batches and the options the planner decides, {list(PLANNED)}.")
-        put = object.__setattr__
-        put(self, "dp_replicate", dp_replicate)
-        put(self, "dp_shard", dp_shard)
-        put(self, "cp", cp)
-        put(self, "tp", tp)
-        put(self, "pp", pp)
-        put(self, "ep", ep)
-        put(self, "accumulate_grad_batches", accumulate_grad_batches)
+        # (the instance's dict written directly, as object.__setattr__ would: a plan builds some 100,000 layouts)
+        put = self.__dict__
+        put["dp_replicate"], put["dp_shard"], put["cp"], put["tp"], put["pp"] = dp_replicate, dp_shard, cp, tp, pp
+        put["ep"], put["accumulate_grad_batches"] = ep, accumulate_grad_batches
         chosen = []
         for name, default in PLANNED.items():
             value = values.get(name, default)
-            put(self, name, value)  # read as an attribute
+            put[name] = value  # read as an attribute
             if value != default:
                 chosen.append((name, value))
-        put(self, "options", tuple(chosen))
+        put["options"] = tuple(chosen)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -314,21 +310,22 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
     rate = hardware.matmul_rate(layout.tp)  # measured at the matmuls' split shapes where the probe measured it
     compute, attention = busiest[5] / rate, busiest[6] / rate
-    total = {t.kind: 0.0 for t in sheet.transfers}
-    hidden = {t.kind: 0.0 for t in sheet.transfers}  # behind any compute
-    behind_attention = {t.kind: 0.0 for t in sheet.transfers}  # behind the attention kernels only
-    pipelined = {t.kind: 0.0 for t in sheet.transfers}  # hidden behind their own matmul (async tp)
-    links: dict[str, Link] = {}  # per mesh dimension: its group size and links
+    total = dict.fromkeys([t.kind for t in sheet.transfers], 0.0)
+    hidden = total.copy()  # behind any compute
+    behind_attention = total.copy()  # behind the attention kernels only
+    pipelined = total.copy()  # hidden behind their own matmul (async tp)
+    links = _links_of(sheet.dims, hardware)  # per mesh dimension: its group size and links
     shared = shares_cores(hardware)
     for t in sheet.transfers:
-        if t.dim not in links:
-            links[t.dim] = _cached_link(t.dim, sheet.dims, hardware)
-        seconds = _transfer_time(t, *links[t.dim])
+        link = links.get(t.dim)
+        if link is None:
+            link = links[t.dim] = _cached_link(t.dim, sheet.dims, hardware)
+        seconds = _transfer_time(t, *link)
         total[t.kind] += seconds
         if t.hides_behind == "matmul" and not shared:
             # cut into n chunks, the next in flight while this one is multiplied: (n - 1) / n of the matmul hides
             # the transfer, per message (a transfer larger than its matmul shows the rest)
-            n = links[t.dim][0]
+            n = link[0]
             pipelined[t.kind] += min(seconds, t.count * (n - 1) / n * t.behind_flops / rate)
         elif t.overlappable:
             (behind_attention if t.hides_behind == "attention" else hidden)[t.kind] += seconds
@@ -592,6 +589,24 @@ def expert_slowdown(sheet: CostSheet, section: Section, grouped_mm: GroupedMatmu
 #: a mesh dimension's groups as the time model sees them: (ranks, ring bandwidth, latency, a rank's own bandwidth,
 #: ranks of the group in one node, the node-internal bandwidth and latency), see ``_link``
 Link = tuple[int, float, float, float, int, float, float]
+
+
+#: per mesh (``_planning_dims`` shares one ParallelDims per set of sizes) and hardware: its dimensions' links, filled
+#: in as transfers ask (the key holds ids: each entry keeps its mesh and hardware, and an entry whose objects are
+#: not those asked about is replaced)
+_LINKS: dict[tuple[int, int], tuple[ParallelDims, Hardware, dict[str, Link]]] = {}
+
+
+def _links_of(dims: ParallelDims, hw: Hardware) -> dict[str, Link]:
+    """The links of ``dims``' mesh dimensions on ``hw`` worked out so far (``_cached_link`` fills it): a plan at
+    thousands of GPUs prices some 600,000 transfers over a few hundred meshes."""
+    key = (id(dims), id(hw))
+    hit = _LINKS.get(key)
+    if hit is None or hit[0] is not dims or hit[1] is not hw:
+        if len(_LINKS) > 4096:
+            _LINKS.clear()
+        hit = _LINKS[key] = (dims, hw, {})
+    return hit[2]
 
 
 def _cached_link(dim: str, dims: ParallelDims, hw: Hardware) -> Link:
