@@ -238,6 +238,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def is_quantized(t: torch.Tensor) -> bool:
+    """A quantized weight (QLoRA's NF4: torchao's tensor subclasses answer ``get_original_weight``), plain or a
+    DTensor's local shard."""
+    return hasattr(local_tensor(t), "get_original_weight")
+
+
 def tensor_version(t: torch.Tensor) -> int:
     """The in-place version counter autograd checks saved tensors against (torch 2.11-2.13: ``Tensor._version``):
     a saved-tensor hook that keeps a tensor must check it itself, since autograd does not under such hooks."""

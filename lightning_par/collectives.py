@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_par._compat import live_process_groups
+from lightning_par._compat import is_quantized, live_process_groups
 
 
 def is_rank_zero() -> bool:
@@ -73,7 +73,7 @@ def _quantized_weights_dequantized(module: torch.nn.Module) -> Iterator[None]:
     swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
     for owner in module.modules():  # a gathered unit's state-dict hook would put its NF4 shards back
         if isinstance(owner, FSDPModule) and any(
-                hasattr(getattr(p, "_local_tensor", p), "get_original_weight") for p in owner.parameters()):
+                is_quantized(p) for p in owner.parameters()):
             owner.reshard()
     for owner in module.modules():
         for name, param in list(owner._parameters.items()):

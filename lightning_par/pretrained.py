@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_par._compat import is_quantized, local_tensor
 from lightning_par.collectives import full_state_dict, raise_on_every_rank
 from lightning_par.hf_conversions import Piece, shard_view, stored_names
 from lightning_par.parallel.hf import outermost_hf_models
@@ -172,16 +173,10 @@ def _plan_pieces(fqn: str, tensor: Tensor, converted: tuple[list[Piece], list[st
             reads[piece.key] = view
 
 
-def _is_quantized(tensor: Tensor) -> bool:
-    """A quantized weight (QLoRA's NF4: a tensor subclass with ``get_original_weight``), plain or a DTensor's local
-    shard: its codes depend on the whole weight, so it is read whole and quantized, not read slice by slice."""
-    return hasattr(getattr(tensor, "_local_tensor", tensor), "get_original_weight")
-
-
 def _read_whole(reader: HuggingFaceStorageReader, key: str, like: Tensor) -> Tensor:
     """One checkpoint tensor, whole, in ``like``'s dtype on its device: a local read (no collective), through the
     same storage reader as the sharded reads (only the tensor's bytes are read)."""
-    local = getattr(like, "_local_tensor", like)
+    local = local_tensor(like)
     device = getattr(local, "quantized_data", local).device
     whole = torch.empty(like.shape, dtype=like.dtype, device=device)
     dcp.load({key: whole}, storage_reader=reader, no_dist=True)
@@ -260,7 +255,7 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, prefix: str | No
             mismatched.append(f"{source}: checkpoint {found} vs model {tuple(tensor.shape)}")
             continue
         planned.add(id(tensor))
-        if _is_quantized(tensor):
+        if is_quantized(tensor):
             whole.append((fqn, source, tensor))
         elif source in reads:
             copies.append((tensor, reads[source]))

@@ -121,6 +121,7 @@ def world2(tmp: str) -> dict[str, Any]:
     out["fsdp2_ac"] = run(nd(dp_shard=2, activation_checkpointing=True), 2, 2)
     out["fsdp2_offload"] = run(nd(dp_shard=2, cpu_offload=True), 2, 2)
     out["cp2"] = run(nd(cp=2), 2, 1)  # the sequence over 2 ranks, FSDP over them (NF4 shards over cp)
+    out["replicate2"] = run(nd(dp_replicate=2), 2, 2)  # HSDP's replicated dimension: NF4 weights whole on both
     # bf16 weights (quantized from bf16) and bf16 adapters
     out["fsdp2_bf16"] = run(nd(dp_shard=2), 2, 2, max_steps=BF16_STEPS, precision="bf16-true")
     # adapters-only checkpoints: written at step 3 under FSDP2, resumed under the pipeline; the NF4 base weights are

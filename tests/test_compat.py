@@ -299,3 +299,5 @@ def test_a_meta_nf4_weight_has_the_inner_tensors_of_a_real_one():
     for name in names:
         m, r = getattr(meta, name), getattr(real, name)
         assert (m.shape, m.dtype) == (r.shape, r.dtype), name
+    assert _compat.is_quantized(real) and _compat.is_quantized(meta)
+    assert not _compat.is_quantized(torch.randn(4)) and not _compat.is_quantized(torch.nn.Parameter(torch.randn(4)))

@@ -145,6 +145,15 @@ def _world2(ckpt_dir: str) -> dict:
     out["lora_experts_ep2"] = fit(NDParallelStrategy(ep=2), 2, 2, module_cls=LoRAExpertsLM, arch="qwen3_moe",
                                   callbacks=[MergeAtEnd(f"{ckpt_dir}/lora_merged")], max_steps=STEPS)
     out["lora_merged"] = f"{ckpt_dir}/lora_merged"
+    # under tp (the experts whole on both ranks, attention split) and a pipeline (the adapters with their blocks)
+    out["lora_experts_tp2"] = fit(NDParallelStrategy(dp_shard=1, tp=2), 2, 1, module_cls=LoRAExpertsLM,
+                                  arch="qwen3_moe", max_steps=STEPS)
+    out["lora_experts_pp2"] = fit(NDParallelStrategy(dp_shard=1, pp=2, pp_microbatches=2), 2, 1,
+                                  module_cls=LoRAExpertsLM, arch="qwen3_moe", max_steps=STEPS)
+    # the Qwen3-30B-A3B recipe's layout: ZeRO-1-like (gathered and reduced once per step) over accumulation
+    out["lora_experts_ep2_zero1_accumulated"] = fit(
+        NDParallelStrategy(ep=2, reshard_after_forward=False, accumulate_unsharded=True), 2, 2,
+        module_cls=LoRAExpertsLM, arch="qwen3_moe", accumulate_grad_batches=2, max_steps=STEPS)
     for arch in ("qwen3_moe", "deepseek_v3"):  # experts whole on every tp rank: HF's expert tp styles left out
         out[f"{arch}_tp2"] = fit(NDParallelStrategy(dp_shard=1, tp=2), 2, 1, module_cls=HFCausalLM, arch=arch,
                                  max_steps=STEPS)
@@ -532,6 +541,20 @@ def test_lora_on_the_experts_parameters_trains_under_fsdp2_and_ep(world2, world4
     assert {".experts.lora_B", ".experts.base_layer.lora_B"} == {k[k.index(".experts"):k.index("lora_B") + 6]
                                                                   for k in trained}  # both stacked parameters
     assert all(v.abs().max() > 1e-3 for v in trained.values())  # B starts at zero
+
+
+@pytest.mark.parametrize("name", ["lora_experts_tp2", "lora_experts_pp2"])
+def test_lora_on_the_experts_parameters_trains_under_tp_and_pp(world2, reference_lora_experts, name):
+    """tp2 leaves the experts (and their adapters) whole on both ranks while attention and its adapters split; pp2
+    carries each block's adapters to its stage (2 micro-batches of equal size: their mean is the batch's)."""
+    assert_parity(world2[name], reference_lora_experts, steps=STEPS)
+
+
+def test_lora_on_the_experts_under_ep_zero1_with_accumulation(world2):
+    """The Qwen3-30B-A3B recipe's layout at world 2: ep2, FSDP2 gathered and reduced once per optimizer step
+    (``reshard_after_forward=False, accumulate_unsharded=True``) over 2 accumulated batches, LoRA on the experts."""
+    reference = fit_reference(module_cls=LoRAExpertsLM, arch="qwen3_moe", accumulate_grad_batches=2, max_steps=STEPS)
+    assert_parity(world2["lora_experts_ep2_zero1_accumulated"], reference, steps=2 * STEPS)  # a loss per batch
 
 
 def test_lora_on_experts_merged_from_ep2_loads_with_from_pretrained(world2, reference_lora_experts):

@@ -166,3 +166,42 @@ def test_lora_targets_that_match_nothing_are_refused_by_peft():
     strategy exists), naming the targets."""
     with pytest.raises(ValueError, match=r"Target modules .*nope.* not found in the base model"):
         LoRALM(targets=("nope",))
+
+
+@pytest.mark.parametrize("target_parameters", [[], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]],
+                         ids=["attention", "attention_and_experts"])
+def test_the_planner_prices_what_peft_trains(tmp_path, target_parameters):
+    """``python -m lightning_par.plan --lora-rank``: gradients and AdamW state for exactly the parameters PEFT makes
+    trainable (LoRA on modules, and on a mixture of experts' stacked parameters through ``target_parameters``), the
+    weights all counted, and the experts still found inside PEFT's wrappers (expert-parallel layouts offered)."""
+    import json
+
+    from hf_models import _COMMON, TINY_CONFIGS, tiny_hf_model
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_par.planner.cli import main
+
+    config = tmp_path / "qwen3_moe.json"
+    config.write_text(json.dumps({"model_type": "qwen3_moe", **_COMMON, **TINY_CONFIGS["qwen3_moe"][1]}))
+    argv = ["--hf-config", str(config), "--device", "H100", "--seq-len", "16", "--batch", "2", "--precision",
+            "32-true", "--lora-rank", "4", "--lora-targets", "q_proj", "v_proj", "--json", str(tmp_path / "out.json")]
+    if target_parameters:
+        argv += ["--lora-target-parameters", *target_parameters]
+    peft_model = get_peft_model(tiny_hf_model("qwen3_moe"), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=target_parameters or None))
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    every = sum(p.numel() for p in peft_model.parameters())
+    assert main([*argv, "--world", "1"]) == 0
+    one_rank = json.loads((tmp_path / "out.json").read_text())["layouts"]
+    assert one_rank and all((row["grads"], row["optimizer"], row["params"]) == (4 * trainable, 8 * trainable, 4 * every)
+                            for row in one_rank)
+    assert main([*argv, "--world", "2"]) == 0
+    two_ranks = json.loads((tmp_path / "out.json").read_text())["layouts"]
+    assert any(row["strategy_kwargs"].get("ep") == 2 for row in two_ranks)
+
+
+def test_lora_target_parameters_without_a_rank_is_refused():
+    from lightning_par.planner.cli import main
+
+    with pytest.raises(SystemExit, match="--lora-target-parameters names what LoRA adapts: pass --lora-rank too"):
+        main(["--hf-config", "llama", "--world", "2", "--lora-target-parameters", "mlp.experts.down_proj"])

@@ -141,7 +141,7 @@ def test_refused_on_every_rank(w2, case, pattern):
     assert_raised_on_every_rank([r["errors"] for r in w2], case, pattern)
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "pp2", "fsdp2_ac", "fsdp2_offload", "cp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "pp2", "fsdp2_ac", "fsdp2_offload", "cp2", "replicate2"])
 def test_qlora_layouts_equal_one_qlora_process(w2, layout):
     assert_parity(w2[0][layout], reference(), steps=STEPS)
     held = [n for r in w2 for n in r[layout]["base"]["nf4_names"]]

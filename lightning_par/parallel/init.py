@@ -15,6 +15,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
+from lightning_par._compat import is_quantized, local_tensor
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.lora import lora_initializers
 
@@ -59,17 +60,11 @@ def initialize(root: nn.Module, modules: Sequence[str] | None = None, seed: int 
     return sorted(missing)
 
 
-def _is_quantized(tensor: torch.Tensor) -> bool:
-    """A quantized weight (QLoRA's NF4: any tensor subclass with ``get_original_weight``), plain or a DTensor's
-    local shard: its values are codes computed from a whole weight, filled from a checkpoint, never initialized."""
-    return hasattr(getattr(tensor, "_local_tensor", tensor), "get_original_weight")
-
-
 @contextmanager
 def _quantized_set_aside(module: nn.Module) -> Iterator[None]:
     """While a module is initialized, its quantized weights are replaced by meta tensors of their shape (init
     functions on them do nothing); they are put back after. Their values come from the checkpoint."""
-    held = {name: p for name, p in module._parameters.items() if p is not None and _is_quantized(p)}
+    held = {name: p for name, p in module._parameters.items() if p is not None and is_quantized(p)}
     for name, p in held.items():
         module._parameters[name] = nn.Parameter(torch.empty(p.shape, device="meta"), requires_grad=False)
     try:
@@ -82,8 +77,8 @@ def _inner_tensors_to(module: nn.Module, device: torch.device) -> None:
     """Give memory to the inner tensors ``to_empty`` left on the meta device: torchao's NF4 ``empty_like`` keeps
     its scale mean and 16-value table where they were (the codes and scales it does allocate)."""
     for p in module.parameters(recurse=False):
-        local = getattr(p, "_local_tensor", p)
-        if not _is_quantized(local):
+        local = local_tensor(p)
+        if not is_quantized(local):
             continue
         for name in local.__tensor_flatten__()[0]:
             inner = getattr(local, name)

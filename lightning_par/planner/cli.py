@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--lora-targets", nargs="+", default=["all-linear"], metavar="NAME",
                       help="the modules LoRA adapts (PEFT's target_modules; default all-linear: every linear layer "
                       "but the head)")
+    tune.add_argument("--lora-target-parameters", nargs="+", default=[], metavar="NAME",
+                      help="parameters LoRA adapts directly (PEFT's target_parameters), e.g. a mixture of experts' "
+                      "stacked 'mlp.experts.gate_up_proj' 'mlp.experts.down_proj'")
     tune.add_argument("--freeze", nargs="+", default=[], metavar="GLOB", help="parameters to freeze, by name "
                       "globs as the Hugging Face model names them, e.g. 'model.embed_tokens.*' 'model.layers.[0-7].*'")
     tune.add_argument("--quantize-base", choices=("nf4",), help="QLoRA: the blocks' frozen linear weights in 4 "
@@ -368,6 +371,8 @@ def _fixed_options(args: argparse.Namespace) -> dict[str, Any]:
     """The strategy options the fine-tuning flags set (the planner prices them, never changes them)."""
     if args.quantize_base and not (args.lora_rank or args.freeze):
         raise SystemExit("--quantize-base stores frozen weights in 4 bits: pass --lora-rank (QLoRA) or --freeze too")
+    if args.lora_target_parameters and not args.lora_rank:
+        raise SystemExit("--lora-target-parameters names what LoRA adapts: pass --lora-rank too")
     if args.module and (args.lora_rank or args.freeze):
         raise SystemExit("--lora-rank and --freeze are for --hf-config; a LightningCLI project's module sets its own "
                          "adapters and frozen weights (configure_model)")
@@ -391,7 +396,8 @@ def _fine_tuned(model: nn.Module, args: argparse.Namespace) -> nn.Module:
 
         targets = args.lora_targets if args.lora_targets != ["all-linear"] else "all-linear"
         model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                                                 target_modules=targets))
+                                                 target_modules=targets,
+                                                 target_parameters=args.lora_target_parameters or None))
     return model
 
 

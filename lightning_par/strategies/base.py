@@ -48,7 +48,7 @@ from torch.optim import Optimizer
 
 from lightning_par import checkpoint as ckpt
 from lightning_par import lightning_checkpoints as lightning_ckpt
-from lightning_par._compat import set_device_mesh
+from lightning_par._compat import is_quantized, set_device_mesh
 from lightning_par.checks import check_bool
 from lightning_par.collectives import raise_on_every_rank, settle_process_groups
 from lightning_par.dims import ParallelDims
@@ -391,6 +391,8 @@ class BaseParallelStrategy(ParallelStrategy):
             return
         replica_ranks = set(self.dims.mesh("dp_cp").mesh.flatten().tolist())
         for name, param in module.named_parameters():
+            if is_quantized(param) and not param.requires_grad:
+                continue  # frozen NF4 weights FSDP leaves whole where it shards over one rank (apply_fsdp): no training
             mesh_ranks = set(param.device_mesh.mesh.flatten().tolist()) if isinstance(param, DTensor) else set()
             if not replica_ranks <= mesh_ranks:
                 held = f"DTensor on ranks {sorted(mesh_ranks)}" if mesh_ranks else "plain tensor"

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_par._compat import meta_nf4
+from lightning_par._compat import local_tensor, meta_nf4
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.modules import inside_any
 
@@ -64,7 +64,7 @@ def _nf4() -> Any:
 
 def is_nf4(tensor: Any) -> bool:
     """An NF4 weight, plain or as the local shard of a DTensor."""
-    local = getattr(tensor, "_local_tensor", tensor)
+    local = local_tensor(tensor)
     return type(local).__name__ == "NF4Tensor"
 
 
@@ -123,7 +123,7 @@ def fill_nf4(tensor: torch.Tensor, whole: torch.Tensor) -> None:
     quantization's mean is over every block of the weight), then this rank's rows taken as FSDP2 cuts them
     (``torch.chunk`` along dim 0, each chunk whole blocks of scales) and written into the shard's codes, scales,
     factors and mean in place. Only ``whole`` and its NF4 copy are ever held in full, one weight at a time."""
-    local = getattr(tensor, "_local_tensor", tensor)
+    local = local_tensor(tensor)
     with torch.no_grad():
         source = whole.to(device=local.quantized_data.device, dtype=local.dtype).contiguous()
         quantized = _nf4().to_nf4(source, local.block_size, local.scaler_block_size)
@@ -155,14 +155,14 @@ def _row_chunk(tensor: torch.Tensor) -> tuple[int, int]:
 def nf4_bytes(tensor: torch.Tensor) -> int:
     """Bytes an NF4 weight (or this rank's NF4 shard of one) holds: codes, int8 scales, their scale factors and
     mean (the 16-entry lookup table shared by the format left out)."""
-    local = getattr(tensor, "_local_tensor", tensor)
+    local = local_tensor(tensor)
     return sum(t.numel() * t.element_size() for t in (local.quantized_data, local.quantized_scalers,
                                                         local.quantization_factor, local.scaler_mean))
 
 
 def dequantized(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The NF4 weight's values as a plain tensor (its own dtype unless ``dtype``); other tensors as they are."""
-    local = getattr(tensor, "_local_tensor", tensor)
+    local = local_tensor(tensor)
     if not is_nf4(local):
         return tensor
     return local.get_original_weight().to(dtype or local.dtype)

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from lightning_par._compat import is_quantized
 from lightning_par.parallel.unused_parameters import UnusedParameterGuard
 
 
@@ -44,6 +45,7 @@ def apply_fsdp(
     )
     guard = UnusedParameterGuard(record=root is not None)
     watch = mesh.size() > 1  # one rank reduces with nobody: a zero gradient there would only differ from no gradient
+    ignored = _whole_quantized_weights(root, units, mesh)
     # children must be sharded before their parents: units come in model (pre-)order, so go backwards
     for i in reversed(range(len(units))):
         fully_shard(
@@ -52,13 +54,26 @@ def apply_fsdp(
             reshard_after_forward=reshard_after_forward and (i < len(units) - 1 or not keep_last_gathered),
             mp_policy=mp_policy,
             offload_policy=offload_policy,
+            ignored_params=ignored,
         )
         if watch:
             guard.watch(units[i])
     if root is not None:
         fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                    offload_policy=offload_policy)
+                    offload_policy=offload_policy, ignored_params=ignored)
     return guard
+
+
+def _whole_quantized_weights(root: nn.Module | None, units: Sequence[nn.Module], mesh: DeviceMesh) -> set[nn.Parameter]:
+    """The quantized (NF4) weights FSDP must leave alone: all of them where the shard dimension has one rank (HSDP
+    with ``dp_shard=1``: replication only). There torch's FSDP2 copies a parameter's first all-gather input as its
+    whole value (``FSDPParamGroup.wait_for_unshard``, torch 2.11-2.13), and torchao's NF4Tensor gathers three
+    (codes, scales, factors). Frozen and unsharded, such a weight loses nothing by staying out of FSDP: it has no
+    gradient to reduce, and every rank holds the same codes."""
+    if mesh.size(mesh.ndim - 1) > 1:
+        return set()
+    modules = [*units, *([root] if root is not None else [])]
+    return {p for m in modules for p in m.parameters() if is_quantized(p)}
 
 
 #: FSDP modules whose gradients stay unsharded across the micro-batches of a step (``mark_accumulate_unsharded``)
