@@ -369,3 +369,24 @@ def meta_nf4(shape: tuple[int, ...], dtype: torch.dtype, block_size: int, scaler
         return nf4_tensor.to_nf4(torch.empty(shape, dtype=dtype, device="meta"), block_size, scaler_block_size)
     finally:
         nf4_tensor.CHUNK_SIZE = saved
+
+
+class _MetaAutocast(torch.autocast):
+    """``torch.autocast(device_type="meta")``, which torch 2.11-2.13 refuse (``get_autocast_dtype("meta")``:
+    "unsupported scalarType"), opened as a CPU autocast: autocast acts on no meta tensor either way."""
+
+    def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+
+@contextmanager
+def autocast_accepts_meta() -> Iterator[None]:
+    """Inside, ``torch.autocast`` takes the meta device, so that code opening autocast on its weights' device
+    (PEFT's LoRA on parameters: ``torch.autocast(device_type=W.device.type, enabled=False)``) traces on meta (the
+    planner's profile). The module attribute is swapped back on exit; the class stays a ``torch.autocast``."""
+    original = torch.autocast
+    torch.autocast = _MetaAutocast
+    try:
+        yield
+    finally:
+        torch.autocast = original

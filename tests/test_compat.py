@@ -3,6 +3,7 @@ changes one fails here, by name, rather than deep inside a training run."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -301,3 +302,18 @@ def test_a_meta_nf4_weight_has_the_inner_tensors_of_a_real_one():
         assert (m.shape, m.dtype) == (r.shape, r.dtype), name
     assert _compat.is_quantized(real) and _compat.is_quantized(meta)
     assert not _compat.is_quantized(torch.randn(4)) and not _compat.is_quantized(torch.nn.Parameter(torch.randn(4)))
+
+
+def test_autocast_accepts_meta_only_inside():
+    """torch refuses autocast on "meta" (what PEFT's LoRA on parameters opens while the planner traces on meta);
+    inside ``autocast_accepts_meta`` it opens (as a CPU autocast, which acts on no meta tensor), and after it
+    ``torch.autocast`` is torch's own again."""
+    original = torch.autocast
+    with pytest.raises(RuntimeError):
+        with torch.autocast(device_type="meta", enabled=False):
+            pass
+    x = torch.ones(2, 3, device="meta")
+    with _compat.autocast_accepts_meta():
+        with torch.autocast(device_type="meta", enabled=False):
+            assert (x @ x.T).dtype == torch.float32 and (x @ x.T).is_meta
+    assert torch.autocast is original

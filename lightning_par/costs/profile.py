@@ -36,7 +36,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
-from lightning_par._compat import local_tensor, torch_dispatch_mode, tree_leaves, tree_map
+from lightning_par._compat import autocast_accepts_meta, local_tensor, torch_dispatch_mode, tree_leaves, tree_map
 from lightning_par.flop_formulas import ATTENTION_OPS, FORMULAS
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.modules import clean_name, find_block_list
@@ -485,26 +485,6 @@ class _AttentionMarker(TorchFunctionMode):
         return out
 
 
-class _MetaAutocast(torch.autocast):
-    """``torch.autocast(device_type="meta")``, which torch refuses (no autocast dtype for meta), as a CPU autocast:
-    autocast acts on no meta tensor either way. Code that opens autocast on its weights' device (PEFT's LoRA on
-    parameters: ``torch.autocast(device_type=W.device.type, enabled=False)``) then traces on meta."""
-
-    def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
-        super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
-
-
-@contextmanager
-def _autocast_accepts_meta() -> Iterator[None]:
-    """``torch.autocast`` is ``_MetaAutocast`` while the model is traced."""
-    original = torch.autocast
-    torch.autocast = _MetaAutocast
-    try:
-        yield
-    finally:
-        torch.autocast = original
-
-
 class _AutocastMarker(TorchFunctionMode):
     """Marks what runs inside a function autocast lowers (``LOWERED_BY_AUTOCAST``), so that the trace, made in the
     model's own dtype on meta tensors (autocast does not act on them), can tell what autocast would save in half
@@ -632,7 +612,7 @@ def profile_model(module: nn.Module, batch: Any, *, block_list: str | None = Non
             stack.enter_context(trace)
             stack.enter_context(_AttentionMarker(trace))
             stack.enter_context(_AutocastMarker(trace))  # entered last, it sees attention first
-            stack.enter_context(_autocast_accepts_meta())
+            stack.enter_context(autocast_accepts_meta())
             if dtype is not None:  # tensors the forward creates, as under the precision's forward context
                 stack.enter_context(default_dtype(dtype))
             try:
