@@ -1,7 +1,8 @@
 """The planner on published runs it was not built against: held out of tests/test_planner_published.py on purpose,
 so that they measure what a user meets (issue #25). Planned exactly as the test's cases are (its ``PublishedCase``
-and ``plan_case``: the device table, a step at 0.5625 of the device's own matmul rate (0.45 of an H100's bf16 peak,
-0.489 of an A100's), the run's world, global batch, sequence and precision),
+and ``plan_case``: the device table's GPU time model, matmuls at ``devices.MATMUL_STEP_SHARE`` of the device's own
+matmul rate and the other ops' bytes at ``devices.BANDWIDTH_SHARE`` of its memory bandwidth, fused where the run's
+software fused them; the run's world, global batch, sequence and precision),
 and reported the same way: the predicted tokens/s per GPU of the published layout against the published figure, and
 where that layout ranks.
 
@@ -102,6 +103,7 @@ def megatron_core(size: str, heads: int, hidden: int, layers: int, tp: int, pp: 
         gpt_neox(layers, heads, hidden, 131072, 4096), world=gpus, global_batch=batch, seq_len=4096,
         published_tokens_per_s=None, published_tflops=tflops, layout=layout, inter_link="ib-ndr400", arch="gpt_neox",
         async_tp=True,  # the README: "tensor-parallel (--tp-comm-overlap)" communication overlapped
+        fused_kernels=True,  # Transformer Engine
         **MEGATRON_CORE_2024)
 
 
@@ -143,7 +145,8 @@ CASES = [megatron_core(*row) for row in (
         "full activation checkpointing; 19.561 samples/s on 384 GPUs",
         gpt(70, 112, 14336, 250880, 2048), world=384, global_batch=2048, seq_len=2048,
         published_tokens_per_s=19.561 * 2048 / 384, layout={"dp_shard": 8, "tp": 4, "pp": 12}, device="A100-80GB",
-        inter_link="eth-100", activation_checkpointing=True, arch="gpt", **MEGATRON_DEEPSPEED_2022),
+        inter_link="eth-100", activation_checkpointing=True, arch="gpt", fused_kernels=True,  # Megatron's kernels
+        **MEGATRON_DEEPSPEED_2022),
     # torchtitan's async-TP runs (their vanilla-TP twins of the 70B is a test case): collected 2026-11-26
     PublishedCase(
         "torchtitan Llama 3.1 70B, 256 H100, FSDP 32 x TP 8, async TP",
@@ -152,7 +155,7 @@ CASES = [megatron_core(*row) for row in (
         f"async TP; FSDP 32 x TP 8; {_GRAND_TETON}",
         LLAMA_70B, world=256, global_batch=512, seq_len=8192, published_tokens_per_s=652.4,
         layout={"dp_shard": 32, "tp": 8}, accumulate_grad_batches=1, memory_gib=96, activation_checkpointing=True,
-        async_tp=True),
+        async_tp=True, fused_kernels=True),  # torch.compile
     PublishedCase(
         "torchtitan Llama 3.1 8B, 64 H100, FSDP 8 x TP 8, async TP",
         f"{_TT_ASYNC}, 'Llama3 8b on 64 H100s', row 'None (bfloat16)', async TP",
@@ -160,7 +163,7 @@ CASES = [megatron_core(*row) for row in (
         f"torch.compile, async TP; FSDP 8 x TP 8; {_GRAND_TETON}",
         LLAMA_8B, world=64, global_batch=96, seq_len=8192, published_tokens_per_s=4809.4,
         layout={"dp_shard": 8, "tp": 8}, accumulate_grad_batches=1, memory_gib=96,
-        activation_checkpointing="selective", async_tp=True),
+        activation_checkpointing="selective", async_tp=True, fused_kernels=True),  # torch.compile
 ]
 
 

@@ -25,6 +25,7 @@ Conventions of the tables:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -60,6 +61,23 @@ MATMUL_EFFICIENCY = 0.8
 #: (an A100 SXM: 0.869) computes a step at more of its peak too (0.489), as published A100 runs did (MosaicML's
 #: MPT on A100 at 0.62-0.66 of peak counting recomputation, against 0.56-0.59 on H100).
 STEP_SHARE = DEFAULT_EFFICIENCY / MATMUL_EFFICIENCY
+
+#: The GPU time model: a step's matmuls (attention kernels at ``planner.predict.ATTENTION_RATE`` of them) run at
+#: :data:`MATMUL_STEP_SHARE` of the rate one large matmul reaches on the device (``DeviceSpec.matmul_efficiency``):
+#: the training shapes, launch gaps and the SMs communication kernels take; and the bytes its other ops move
+#: (norms, activations, casts, residual adds, the loss's softmax: ``costs.profile.Section.memory_traffic``, forward,
+#: backward and recomputation) at :data:`BANDWIDTH_SHARE` of the datasheet's memory bandwidth. So a wide model's step
+#: reaches more of the peak than a narrow one's (its matmuls grow as width squared, the rest as width), and a long
+#: vocabulary's loss costs what its bytes cost. Both were fitted on the fitting half of the published set only
+#: (``benchmarks/fit_time_model.py``; benchmarks/published/README.md, "The split"), replacing :data:`STEP_SHARE`,
+#: one share for every model, as the table's rule.
+MATMUL_STEP_SHARE = 0.65
+BANDWIDTH_SHARE = 0.45
+#: The share of those bytes that software fusing the non-matmul ops moves (torch.compile's generated kernels,
+#: Megatron's fused kernels, Transformer Engine's norm-linear, SwiGLU, RoPE and cross-entropy kernels): a chain of
+#: elementwise ops reads its inputs and writes its outputs once instead of once per op. The eager trace
+#: (``Section.memory_traffic``) is what the engine moves without ``compile``; fitted with the shares above
+FUSED_TRAFFIC = 0.35
 
 #: Where the per-device matmul efficiencies come from: Stas Bekman's "Maximum Achievable Matmul FLOPS" (MAMF)
 #: table, bf16, each the mean of 100 matmuls at the best of a search of shapes, on the torch of its row.
@@ -366,6 +384,10 @@ class Hardware:
     #: the engine runs the math path but the fused pricing is what the planner's ranking of layouts was measured
     #: with (benchmarks/bench_planner.py, world 4)
     cp_attention_rate: float | None = None
+    #: the bytes/s the non-matmul ops (norms, activations, casts, the loss's softmax) move at, priced apart from the
+    #: matmuls (``Section.memory_traffic``); None: ``matmul_flops`` covers them (the CPU, where the probe measures
+    #: the step's rate with the model's own work, and a table device given a step ``efficiency`` by hand)
+    memory_bandwidth: float | None = None
 
     def matmul_rate(self, tp: int) -> float:
         """The matmul FLOP/s of a layout with tensor parallelism ``tp`` (see ``matmul_by_tp``)."""
@@ -409,6 +431,8 @@ class Hardware:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"Hardware {name}={value!r} must be a finite number >= 0 (seconds per hop).")
+        if self.memory_bandwidth is not None:
+            positive("memory_bandwidth", self.memory_bandwidth, "bytes/s per device, or None")
         if self.memory_bytes is not None and (isinstance(self.memory_bytes, bool) or
                                               not isinstance(self.memory_bytes, int) or self.memory_bytes < 1):
             raise ValueError(f"Hardware memory_bytes={self.memory_bytes!r} must be a positive int (bytes per "
@@ -456,15 +480,18 @@ def known_hardware(
     nics_per_node: int | None = None,
     float32_matmul_precision: str | None = None,
     cp_math_path: bool = False,
+    memory_efficiency: float | None = None,
 ) -> Hardware:
     """The :class:`Hardware` of a known device from the tables: ``matmul_flops`` is the dense peak for
     ``precision`` times ``efficiency``, the node-internal link is the device's usual one unless ``intra_link`` names
     another, and ``inter_link`` joins the nodes with one NIC per GPU unless ``nics_per_node`` says fewer (their
     bandwidth is then shared: ``bandwidth * nics_per_node / gpus_per_node``).
 
-    ``efficiency``: the fraction of dense peak a training step's model FLOPs reach; default :data:`STEP_SHARE` of
-    the fraction the device's matmuls reach alone (``DeviceSpec.matmul_efficiency``): 0.45 on an H100, 0.489 on
-    an A100 SXM.
+    By default the GPU time model (:data:`MATMUL_STEP_SHARE`): the matmuls at that share of the rate the device's
+    matmuls reach alone (``DeviceSpec.matmul_efficiency``), the other ops' bytes at :data:`BANDWIDTH_SHARE` of its
+    memory bandwidth. ``efficiency``: instead, the fraction of dense peak a training step's model FLOPs reach, all
+    its work included (no separate memory term), unless ``memory_efficiency`` is given too: then ``efficiency`` is
+    the matmuls' fraction of peak and ``memory_efficiency`` the memory bandwidth's share the other ops reach.
 
     ``cp_math_path``: the engine's context-parallel blocks run the fp32 math path (its ``CUDA_KERNELS = "math"``)
     rather than torch's fused kernels (its default on a GPU): priced at :func:`cp_attention_rate`, for which
@@ -473,8 +500,13 @@ def known_hardware(
     spec = lookup_device(device)
     rule = ""
     if efficiency is None:
-        efficiency = STEP_SHARE * spec.matmul_efficiency
-        rule = f" ({STEP_SHARE:g} of its matmuls' {spec.matmul_efficiency:g})"
+        efficiency = MATMUL_STEP_SHARE * spec.matmul_efficiency
+        memory_efficiency = BANDWIDTH_SHARE if memory_efficiency is None else memory_efficiency
+        rule = f" ({MATMUL_STEP_SHARE:g} of its matmuls' {spec.matmul_efficiency:g})"
+    if memory_efficiency is not None and (isinstance(memory_efficiency, bool) or not isinstance(
+            memory_efficiency, (int, float)) or not 0 < memory_efficiency <= 1):
+        raise ValueError(f"memory_efficiency={memory_efficiency!r} must be in (0, 1]: the share of the memory "
+                         f"bandwidth the non-matmul ops reach (default {BANDWIDTH_SHARE:g}).")
     if precision not in spec.peak_flops:
         raise ValueError(f"precision={precision!r}: {spec.name} has dense peaks for {sorted(spec.peak_flops)} only "
                          f"(of {list(PRECISIONS)}); pass one of those.")
@@ -491,6 +523,9 @@ def known_hardware(
     inter = lookup_link(inter_link)
     share = 1.0 if nics_per_node is None else min(1.0, nics_per_node / gpus_per_node)
     nics = "" if nics_per_node is None else f" x {nics_per_node} NICs/{gpus_per_node} GPUs"
+    bandwidth = None if memory_efficiency is None else spec.memory_bandwidth * memory_efficiency
+    memory = ("" if bandwidth is None
+              else f", other ops at {memory_efficiency:g} of {spec.memory_bandwidth / 1e12:g} TB/s")
     return Hardware(
         device=spec.name,
         matmul_flops=spec.peak_flops[precision] * efficiency,
@@ -500,11 +535,27 @@ def known_hardware(
         intra_latency=intra.latency,
         inter_bandwidth=inter.bandwidth * share,
         inter_latency=inter.latency,
-        source=f"table: {spec.name} {precision} x {efficiency:.3g}{rule}, {intra.name}, {inter.name}{nics}",
-        matmul_share=min(1.0, efficiency / spec.matmul_efficiency),
+        source=f"table: {spec.name} {precision} x {efficiency:.3g}{rule}{memory}, {intra.name}, {inter.name}{nics}",
+        # the non-matmul work: its bytes priced apart, or inside the step's share of the matmuls' rate
+        matmul_share=1.0 if bandwidth else min(1.0, efficiency / spec.matmul_efficiency),
+        memory_bandwidth=bandwidth,
         grouped_mm=H100_GROUPED_MM,
         cp_attention_rate=cp_attention_rate(spec, precision, float32_matmul_precision) if cp_math_path else None,
     )
+
+
+def fused(hardware: Hardware, traffic: float | None = None) -> Hardware:
+    """``hardware`` for software that fuses the non-matmul ops (torch.compile, Transformer Engine): they move
+    ``traffic`` (default :data:`FUSED_TRAFFIC`) of the bytes eager PyTorch moves, priced as the memory bandwidth
+    that share of the bytes would need. Unchanged where the hardware prices no memory term (the CPU)."""
+    share = FUSED_TRAFFIC if traffic is None else traffic
+    if not 0 < share <= 1:
+        raise ValueError(f"traffic={traffic!r} must be in (0, 1]: the share of eager PyTorch's bytes the fused "
+                         f"kernels move (default {FUSED_TRAFFIC:g}).")
+    if hardware.memory_bandwidth is None:
+        return hardware
+    return dataclasses.replace(hardware, memory_bandwidth=hardware.memory_bandwidth / share,
+                               source=f"{hardware.source}; fused non-matmul ops ({share:g} of eager's bytes)")
 
 
 def cp_attention_rate(spec: DeviceSpec, precision: str, float32_matmul_precision: str | None = None) -> float | None:

@@ -14,10 +14,12 @@ from launch import launch
 
 import lightning_par.callbacks.flops as flops
 from lightning_par.devices import (
+    BANDWIDTH_SHARE,
     DEFAULT_EFFICIENCY,
     DEVICES,
     LINKS,
     MATMUL_EFFICIENCY,
+    MATMUL_STEP_SHARE,
     PEAK_FLOPS,
     STEP_SHARE,
     GiB,
@@ -122,10 +124,11 @@ def test_the_peak_table_of_the_flops_callbacks_is_this_one():
 def test_known_hardware_is_peak_times_efficiency_and_the_table_links():
     hw = known_hardware("NVIDIA H100 80GB HBM3")
     assert hw.device == "H100-SXM" and hw.gpus_per_node == 8 and hw.memory_bytes == 80 * GiB
-    assert hw.matmul_flops == pytest.approx(989e12 * DEFAULT_EFFICIENCY)
+    assert hw.matmul_flops == pytest.approx(989e12 * 0.8 * MATMUL_STEP_SHARE)
     assert (hw.intra_bandwidth, hw.intra_latency) == (450e9, 3.4e-6)  # NVLink 4
     assert (hw.inter_bandwidth, hw.inter_latency) == (50e9, 14e-6)  # NDR 400 Gb/s per GPU
-    assert hw.source == "table: H100-SXM bf16 x 0.45 (0.5625 of its matmuls' 0.8), nvlink4, ib-ndr400"
+    assert hw.source == (f"table: H100-SXM bf16 x {0.8 * MATMUL_STEP_SHARE:.3g} ({MATMUL_STEP_SHARE:g} of its "
+                         f"matmuls' 0.8), other ops at {BANDWIDTH_SHARE:g} of 3.35 TB/s, nvlink4, ib-ndr400")
 
     a100 = known_hardware("A100-80GB", precision="tf32", gpus_per_node=4, inter_link="ib-hdr200", efficiency=0.5)
     assert a100.matmul_flops == pytest.approx(78e12) and a100.gpus_per_node == 4
@@ -137,24 +140,34 @@ def test_known_hardware_is_peak_times_efficiency_and_the_table_links():
     assert bridged.intra_bandwidth == 450e9 and "nvlink4" in bridged.source
 
 
-def test_a_step_from_the_table_computes_at_one_share_of_each_devices_own_matmul_rate():
+def test_a_step_from_the_table_prices_matmuls_at_each_devices_own_rate_and_the_rest_at_its_memory_bandwidth():
     """One large matmul reaches a different fraction of the peak on each device (the MAMF table: 0.869 on an A100
-    SXM, 0.80 on an H100, 0.776 on a B200); a step is priced at the same share of it (0.45 / 0.8), so published A100
-    runs, which reached more of their peak than H100 runs, are not under-predicted by an H100's figure."""
+    SXM, 0.80 on an H100, 0.776 on a B200); a step's matmuls are priced at one share of it
+    (``MATMUL_STEP_SHARE``), its other ops' bytes at one share of the device's memory bandwidth
+    (``BANDWIDTH_SHARE``), both fitted on the published set's fitting half."""
     h100, a100 = known_hardware("H100-SXM"), known_hardware("NVIDIA A100-SXM4-80GB")
-    assert STEP_SHARE == pytest.approx(DEFAULT_EFFICIENCY / MATMUL_EFFICIENCY) == pytest.approx(0.5625)
-    assert a100.matmul_flops == pytest.approx(312e12 * 0.869 * STEP_SHARE)  # 0.489 of peak
-    assert known_hardware("A100-40GB-PCIe").matmul_flops == pytest.approx(312e12 * 0.811 * STEP_SHARE)
-    assert known_hardware("B200").matmul_flops == pytest.approx(2.25e15 * 0.776 * STEP_SHARE)
-    assert h100.matmul_share == a100.matmul_share == pytest.approx(STEP_SHARE)  # the same non-matmul share
+    assert 0.5 <= MATMUL_STEP_SHARE <= 1 and 0 < BANDWIDTH_SHARE <= 1
+    assert a100.matmul_flops == pytest.approx(312e12 * 0.869 * MATMUL_STEP_SHARE)
+    assert known_hardware("A100-40GB-PCIe").matmul_flops == pytest.approx(312e12 * 0.811 * MATMUL_STEP_SHARE)
+    assert known_hardware("B200").matmul_flops == pytest.approx(2.25e15 * 0.776 * MATMUL_STEP_SHARE)
+    assert h100.memory_bandwidth == pytest.approx(3.35e12 * BANDWIDTH_SHARE)
+    assert a100.memory_bandwidth == pytest.approx(2.039e12 * BANDWIDTH_SHARE)
+    assert h100.matmul_share == a100.matmul_share == 1.0  # the non-matmul work is priced by its bytes instead
     for name, spec in DEVICES.items():  # every row says where its figure comes from
         assert 0.5 < spec.matmul_efficiency <= 1 and "one large matmul" in spec.source, name
         assert ("MAMF row" in spec.source) == (spec.matmul_efficiency != MATMUL_EFFICIENCY or name in (
             "H100-SXM", "H800", "H200")), name
-    # an efficiency given by hand is the step's, whatever the device's matmuls reach; its share follows from both
+    # an efficiency given by hand is the whole step's, whatever the device's matmuls reach (the earlier rule: no
+    # memory term); its share follows from both
     custom = known_hardware("A100-80GB", efficiency=0.5)
     assert custom.matmul_flops == pytest.approx(156e12) and custom.matmul_share == pytest.approx(0.5 / 0.869)
-    assert "0.5625" not in custom.source
+    assert custom.memory_bandwidth is None and "other ops" not in custom.source
+    assert STEP_SHARE == pytest.approx(DEFAULT_EFFICIENCY / MATMUL_EFFICIENCY) == pytest.approx(0.5625)
+    # both shares by hand: the matmuls' fraction of peak and the memory bandwidth's share
+    both = known_hardware("A100-80GB", efficiency=0.6, memory_efficiency=0.5)
+    assert both.matmul_flops == pytest.approx(312e12 * 0.6) and both.memory_bandwidth == pytest.approx(2.039e12 / 2)
+    with pytest.raises(ValueError, match="memory_efficiency=1.5 must be in"):
+        known_hardware("A100-80GB", memory_efficiency=1.5)
 
 
 def test_known_hardware_bad_input():
@@ -315,21 +328,23 @@ def test_probe_hardware_one_process_sends_nothing():
 
 
 def test_a_probed_accelerator_predicts_at_the_device_tables_step_share(monkeypatch):
-    """A probe times matmuls alone; a step's other work takes the share the table's efficiency leaves (on an H200 the
-    raw rate predicted 325 M-parameter steps at 0.32-0.45 of their measured time): probed and tabled agree."""
-    from lightning_par.devices import DEFAULT_EFFICIENCY, known_hardware
+    """A probe times matmuls alone; a step's matmuls take the table's share of that rate and its other ops' bytes
+    the table's share of the memory bandwidth (on an H200 the raw rate predicted 325 M-parameter steps at
+    0.32-0.45 of their measured time): probed and tabled agree."""
+    from lightning_par.devices import known_hardware
     from lightning_par.planner import probe
 
-    assert probe.step_share(torch.device("cuda")) == pytest.approx(DEFAULT_EFFICIENCY / 0.8)
-    assert known_hardware("H100-SXM", "bf16").matmul_share == probe.step_share(torch.device("cuda"))
+    assert probe.step_share(torch.device("cuda")) == MATMUL_STEP_SHARE
+    h100 = known_hardware("H100-SXM", "bf16")
+    assert h100.matmul_flops == pytest.approx(989e12 * 0.8 * probe.step_share(torch.device("cuda")))
     assert probe.step_share(torch.device("cpu")) == 1.0
     # the probe applies it to every rate it measured: the whole matmuls' and the tp splits' (here on the CPU, with
     # the measurement and the share stood in for, so that the arithmetic is what is checked)
     monkeypatch.setattr(probe, "probe_matmul_sets", lambda *a, **k: [100e9, 80e9])
     monkeypatch.setattr(probe, "step_share", lambda device: 0.5)
     hw = probe.probe_hardware(torch.device("cpu"), torch.float32, [(64, 64, 64)], tp_sizes=[2])
-    assert (hw.matmul_flops, hw.matmul_by_tp, hw.matmul_share) == (50e9, ((2, 40e9),), 0.5)
-    assert "step_share" in hw.source
+    assert (hw.matmul_flops, hw.matmul_by_tp, hw.matmul_share) == (50e9, ((2, 40e9),), 1.0)
+    assert "step_share" in hw.source and hw.memory_bandwidth is None  # the CPU: its rate covers the other ops
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -561,3 +561,93 @@ def test_experts_stay_whole_under_tensor_parallelism():
     assert experts > 0
     one, two = (predict(Layout(tp=tp), profile, GPU, GLOBAL_BATCH, SEQ).compute_s for tp in (1, 2))
     assert two == pytest.approx(one / 2 + 3 * experts / 2 / GPU.matmul_flops)
+
+
+# ---- the GPU time model: the non-matmul ops' bytes at the memory bandwidth ------------------------------------
+class _Residual(torch.nn.Module):
+    """x + relu(x): two non-matmul ops of known bytes (relu reads and writes one tensor, add reads two and writes
+    one), no matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.ones(()))  # a block has parameters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(x)
+
+
+class _Routed(_Residual):
+    """Gathers 3 of 64 rows and scatters them back: an indexing op moves the rows it indexes, not the whole."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.tensor([0, 5, 9], device=x.device)
+        picked = x[:, rows]  # aten.index: 3 rows of 64
+        return x.index_add(1, rows, picked)
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)  # a parameter, so that the optimizer has something
+        self.blocks = torch.nn.ModuleList([block])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](self.proj(x))
+
+
+def _block_traffic(block: torch.nn.Module, x: torch.Tensor) -> int:
+    profile = profile_model(_Blocks(block), (x, x), step=lambda m, b: m(b[0]).sum())
+    return profile.sections["blocks.0"].memory_traffic.total
+
+
+def test_the_trace_counts_each_non_matmul_ops_reads_and_writes():
+    x = torch.zeros(4, 16, 8)
+    n = x.numel() * 4  # one fp32 activation's bytes
+    assert _block_traffic(_Residual(), x) == 2 * n + 3 * n  # relu: read, write; add: read two, write one
+    x = torch.zeros(2, 64, 8)
+    row = x.numel() * 4 // 64
+    index = 3 * 8  # the int64 index tensor
+    # the gather: the 3 rows read and written, and its index; the scatter: the 3 rows read, the 3 destination
+    # rows read and written, its index; the copy index_add makes of x (out of place): x read and written
+    assert _block_traffic(_Routed(), x) == (2 * 3 * row + index) + (3 * 3 * row + index) + 2 * x.numel() * 4
+
+
+def test_the_memory_term_adds_the_bytes_forward_backward_and_recomputed_at_the_bandwidth(gpt):
+    """With ``Hardware.memory_bandwidth`` a step also pays its non-matmul bytes: forward, backward
+    (``BACKWARD_TRAFFIC`` times) and once more where activation checkpointing recomputes the blocks; software that
+    fuses them (``devices.fused``) moves a share of them; without a bandwidth (the CPU) nothing changes."""
+    from lightning_par.devices import fused
+    from lightning_par.planner.predict import BACKWARD_TRAFFIC
+
+    bandwidth = 1e9
+    priced = replace(GPU, memory_bandwidth=bandwidth)
+    blocks = [n for n in gpt.sections if n.startswith(gpt.block_list)]
+    moved = {name: gpt.sections[name].memory_traffic.total * GLOBAL_BATCH / gpt.batch for name in gpt.sections}
+    assert all(moved[n] > 0 for n in blocks)
+    for checkpointing, again in ((False, 0.0), (True, sum(moved[n] for n in blocks))):
+        layout = Layout(activation_checkpointing=checkpointing)
+        plain = predict(layout, gpt, GPU, GLOBAL_BATCH, SEQ)
+        with_memory = predict(layout, gpt, priced, GLOBAL_BATCH, SEQ)
+        extra = ((1 + BACKWARD_TRAFFIC) * sum(moved.values()) + again) / bandwidth
+        assert with_memory.compute_s - plain.compute_s == pytest.approx(extra, rel=1e-9)
+        compiled = predict(layout, gpt, fused(priced, 0.25), GLOBAL_BATCH, SEQ)
+        assert compiled.compute_s - plain.compute_s == pytest.approx(extra / 4, rel=1e-9)
+    assert fused(GPU) is GPU and predict(Layout(), gpt, CPU, GLOBAL_BATCH, SEQ).compute_s == pytest.approx(
+        predict(Layout(), gpt, replace(CPU, memory_bandwidth=None), GLOBAL_BATCH, SEQ).compute_s)
+    with pytest.raises(ValueError, match="traffic=1.5 must be in"):
+        fused(priced, 1.5)
+
+
+def test_tensor_parallelism_splits_the_sharded_traffic_and_sequence_parallelism_the_residual(llama):
+    """The bytes follow the activations' layout: a column-parallel output's ops run on 1/tp of it, the residual
+    stream's on all of it on every tp rank, unless sequence parallelism splits it too."""
+    priced = replace(GPU, memory_bandwidth=1e9)
+    block = llama.sections[llama.blocks[0]].memory_traffic
+    assert block.sharded > 0 and block.residual > 0
+
+    def memory_time(layout: Layout) -> float:
+        return (predict(layout, llama, priced, GLOBAL_BATCH, SEQ).compute_s
+                - predict(layout, llama, GPU, GLOBAL_BATCH, SEQ).compute_s)
+
+    whole, split = memory_time(Layout(tp=2)), memory_time(Layout(tp=2, sequence_parallel=True))
+    assert 0 < split < whole < memory_time(Layout())

@@ -50,6 +50,9 @@ How a row becomes a case (every choice that the row does not state is in ``ASSUM
   choice among the software's options, ``CHECKPOINTING``: Megatron's selective recomputes the attention core only,
   torchtitan's per-op policy is the planner's "selective"; neither is fixed, as the test module's torchtitan cases).
 - ``async_tp`` where the row's techniques say TP communication overlap (``ub_tp_comm_overlap``/"TP comm overlap").
+- ``fused_kernels`` (the non-matmul ops priced at ``devices.FUSED_TRAFFIC`` of eager PyTorch's bytes) for the
+  software that fuses them: Megatron-Core over Transformer Engine (every dgxc-benchmarking, NeMo and
+  Megatron-Bridge row) and torchtitan rows whose techniques name torch.compile; not for LLM Foundry (eager).
 - Devices: "H100 ..." -> H100-SXM (Grand Teton's 96 GB H100 with ``memory_gib=96``), "A100 40GB"/"A100 80GB",
   "H200", "B200", "GB200"; links in ``ASSUMED``.
 """
@@ -427,8 +430,8 @@ def to_case(row: dict[str, Any]) -> PublishedCase | str:
 
     options: dict[str, Any] = {}
     layout = {"dp_shard": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
-    if repo in MEGATRON_REPOSITORIES:
-        options = dict(MEGATRON_CORE, uneven_stages=row["year"] >= 2025)
+    if repo in MEGATRON_REPOSITORIES:  # Megatron-Core over Transformer Engine: fused non-matmul kernels
+        options = dict(MEGATRON_CORE, uneven_stages=row["year"] >= 2025, fused_kernels=True)
         data = f"DP {dp} (distributed optimizer, planned ZeRO-1-like)"
     elif repo == "mosaicml/llm-foundry":
         if (lay.get("fsdp") or gpus) != gpus or (tp, pp, cp) != (1, 1, 1):
@@ -439,6 +442,7 @@ def to_case(row: dict[str, Any]) -> PublishedCase | str:
         if fsdp != dp:
             return f"incomplete: torchtitan FSDP {fsdp} x tp {tp} x pp {pp} x cp {cp} is not {gpus} GPUs"
         data = f"FSDP {fsdp}"
+        options = dict(fused_kernels="torch.compile" in techniques)
     else:
         return f"unmappable: no software options for {repo}"
     layout = {k: v for k, v in layout.items() if v > 1}

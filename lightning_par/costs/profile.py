@@ -140,6 +140,11 @@ class Section:
     autocast_kept: SavedBytes = field(default_factory=SavedBytes)
     #: bytes (traced dtype) of the parameters the matmul family reads: autocast saves a half-precision copy of each
     autocast_weight_bytes: int = 0
+    #: bytes the forward's other ops read and write (norms, activations, residual adds, casts, rotary embeddings,
+    #: routing, the loss's softmax over the vocabulary; not the matmuls, not the attention kernels, not views), by
+    #: the tensor-parallel layout of their outputs: work a GPU's memory bandwidth bounds, priced apart from the
+    #: matmuls' FLOPs where the hardware says how fast its memory is (``Hardware.memory_bandwidth``)
+    memory_traffic: SavedBytes = field(default_factory=SavedBytes)
 
     def attention_work(self, seq_len: int) -> float:
         """``attention_flops`` as the kernels do them at sequence length ``seq_len`` (still at the traced tokens): a
@@ -420,14 +425,47 @@ class _Trace(torch_dispatch_mode()):  # type: ignore[misc]
                     self.in_experts = (rows, hidden, so_far + flops)
         self.selective(func, out, flops)
         self._propagate_half(key, (args, kwargs), out)
-        inputs = {self.layout.get(a) for a in tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)}
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        inputs = {self.layout.get(a) for a in tensors}
         layout = next((k for k in ("sharded", "vocab", "whole") if k in inputs), None)
+        outputs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
         if layout is not None:
-            for o in tree_leaves(out):
-                if isinstance(o, torch.Tensor):
-                    self.layout.set(o, layout)
+            for o in outputs:
+                self.layout.set(o, layout)
+        if formula is None and tensors and outputs and not self.in_attention and not getattr(func, "is_view", False) \
+                and key not in _NO_TRAFFIC:
+            self.sections[self.section].memory_traffic.add(self.kind(outputs[0]),
+                                                           _traffic(key, tensors, outputs, self.params))
         return out
+
+
+#: ops that move no bytes on a GPU (aliases, metadata) though torch does not mark them as views
+_NO_TRAFFIC = frozenset({_aten.detach, _aten.lift_fresh, _aten._local_scalar_dense, _aten.alias,
+                         _aten._unsafe_view, _aten.sym_size, _aten.sym_numel, _aten.sym_stride})
+
+
+#: ops that read only the rows they index (their output's bytes, from wherever they are), and ops that write only
+#: the rows they index into their first argument (their source's bytes, read, and the rows updated: read and written)
+_GATHERS = frozenset({_aten.index, _aten.index_select, _aten.gather, _aten.embedding, _aten.masked_select})
+_SCATTERS = frozenset({_aten.index_add, _aten.index_add_, _aten.index_put, _aten.index_put_, _aten.scatter,
+                       _aten.scatter_, _aten.scatter_add, _aten.scatter_add_, _aten.scatter_reduce,
+                       _aten.scatter_reduce_, _aten.index_copy, _aten.index_copy_, _aten.masked_scatter})
+
+
+def _traffic(key: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], params: set[int]) -> int:
+    """The bytes one non-matmul op moves in memory: what it reads and writes, parameters apart (a norm reads its one
+    weight vector), the indexed rows only where it indexes (a routed expert's rows, not the whole batch's, per
+    expert)."""
+    def nbytes(ts: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in ts if _cdata(t) not in params)
+
+    if key in _GATHERS:
+        return 2 * nbytes(outputs) + nbytes(t for t in inputs if _is_index(t))
+    if key in _SCATTERS:  # the source read, the destination's rows read and written (out of place: on a copy)
+        copy = 0 if str(key).endswith("_") else 2 * nbytes(inputs[:1])
+        return (3 * nbytes(t for t in inputs[1:] if not _is_index(t)) + nbytes(t for t in inputs if _is_index(t))
+                + copy)
+    return nbytes(inputs) + nbytes(outputs)
 
 
 def _meta_grouped_mm(func: Any, args: Any, kwargs: dict) -> Any:

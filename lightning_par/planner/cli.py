@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--intra-link", help="the link within a node (default: the device's own; pcie4 on this "
                        "machine)")
     where.add_argument("--inter-link", default="ib-ndr400", help="the link between nodes")
+    where.add_argument("--compile", action="store_true", help="the run compiles (the strategy's compile=True): "
+                       "the non-matmul ops priced as torch.compile fuses them (devices.FUSED_TRAFFIC of eager's "
+                       "bytes; a GPU's only)")
     where.add_argument("--precision", default="bf16-mixed", help="the Trainer's precision, which sets the bytes "
                        "and the matmul rate priced: 32-true, bf16-mixed (default), 16-mixed or bf16-true")
     where.add_argument("--memory-budget", type=float, help="bytes per device (default: the device's memory less "
@@ -329,7 +332,15 @@ def plan_yaml(plan: Any, name: str, global_batch: int, argv: list[str], batch_ar
 
 def _hardware(args: argparse.Namespace, profile: Any) -> Any:
     """A known device from the table; else this machine's matmul throughput, measured here, with the links from the
-    table (one process cannot measure a link; the planner under ``auto_parallel`` measures them)."""
+    table (one process cannot measure a link; the planner under ``auto_parallel`` measures them). With
+    ``--compile`` its non-matmul ops are priced as torch.compile fuses them."""
+    from lightning_par.devices import fused
+
+    hardware = _device_hardware(args, profile)
+    return fused(hardware) if args.compile else hardware
+
+
+def _device_hardware(args: argparse.Namespace, profile: Any) -> Any:
     from dataclasses import replace
 
     from lightning_par.devices import known_hardware, lookup_link, precision_kind

@@ -53,6 +53,10 @@ ATTENTION_RATE = 0.5
 #: the context-parallel math path's backward beyond the 2 forwards a backward counts: it recomputes the scores and
 #: runs four matmuls (dV, dP, dQ, dK) against the forward's two (QK, PV), 2.5 forwards
 MATH_PATH_BACKWARD_EXTRA = 0.5
+#: the bytes the backward of the non-matmul ops moves against their forward's: each reads the gradient of its output
+#: and what it saved (its inputs or output) and writes the gradient of its inputs, about twice the forward's reads
+#: and writes (a residual add's backward moves fewer, a norm's more)
+BACKWARD_TRAFFIC = 2.0
 #: the share of device memory the planner keeps free for what it does not model: the caching allocator's reserved
 #: but unallocated blocks (fragmentation), cuBLAS/NCCL workspaces and the CUDA context. Measured on an H200
 #: (2026-11-26, ``bench_planner.py --device cuda``, 325 M-parameter models, 8-13 GiB allocated): 1.36 GiB outside the
@@ -302,9 +306,13 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     """``batch``: samples per data-parallel rank per step; ``memory_budget``: bytes a device may use (default: the
     hardware's memory less ``memory_reserve`` of it)."""
     sheet = account(layout, profile, batch, seq_len, precision, hardware.gpus_per_node)
+    # the non-matmul ops' bytes, in the matmuls' time units (none where the hardware's rate covers them)
+    flops_per_byte = (hardware.matmul_rate(layout.tp) / hardware.memory_bandwidth
+                      if hardware.memory_bandwidth else 0.0)
     (params, grads, optimizer, activations), busiest, recompute = _busiest_ranks(sheet, hardware.matmul_share,
                                                                                  hardware.grouped_mm,
-                                                                                 hardware.cp_attention_rate)
+                                                                                 hardware.cp_attention_rate,
+                                                                                 flops_per_byte)
     host = 0.0
     if sheet.offload:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
@@ -356,22 +364,24 @@ def shares_cores(hardware: Hardware) -> bool:
 
 
 def _busiest_ranks(sheet: CostSheet, matmul_share: float, grouped_mm: GroupedMatmulCurve | None = None,
-                   cp_attention_rate: float | None = None) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+                   cp_attention_rate: float | None = None,
+                   flops_per_byte: float = 0.0) -> tuple[tuple[float, ...], tuple[float, ...], float]:
     """Of the pipeline ranks' ``_rank_costs``: the (parameters, gradients, optimizer state, saved activations) of
     the one that needs the most memory, the costs of the one that computes the most, and the largest transient
     activations; a layout whose sheet asks what an earlier one's asked gets the same answer back."""
     def reduce() -> tuple[tuple[float, ...], tuple[float, ...], float]:
-        ranks = _rank_costs(sheet, matmul_share, grouped_mm, cp_attention_rate)
+        ranks = _rank_costs(sheet, matmul_share, grouped_mm, cp_attention_rate, flops_per_byte)
         return max((r[:4] for r in ranks), key=sum), max(ranks, key=lambda r: r[5]), max(r[4] for r in ranks)
 
     return per_cut(sheet, ("busiest ranks", tuple(sheet.inflight), sheet.token_scale, sheet.sequence_scale,
                            sheet.activation_scale, sheet.autocast_only, sheet.tp, sheet.cp, sheet.shard,
                            sheet.sequence_sharded, sheet.inputs_chunked, sheet.vocab_sharded, sheet.checkpointing,
-                           sheet.dims.ep, sheet.microbatches, matmul_share, grouped_mm, cp_attention_rate), reduce)
+                           sheet.dims.ep, sheet.microbatches, matmul_share, grouped_mm, cp_attention_rate,
+                           flops_per_byte), reduce)
 
 
 def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0, grouped_mm: GroupedMatmulCurve | None = None,
-                cp_attention_rate: float | None = None) -> list[tuple[float, ...]]:
+                cp_attention_rate: float | None = None, flops_per_byte: float = 0.0) -> list[tuple[float, ...]]:
     """Per pipeline rank: (parameters, gradients, optimizer state, saved activations, transient activations,
     FLOPs and of them the attention kernels', in time at the hardware's matmul throughput). Ranks holding equal
     sections (blocks alike in parameters and costs) are worked out once: planning thousands of layouts of an
@@ -403,9 +413,11 @@ def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0, grouped_mm: Grouped
             if act_key not in memo:
                 memo[act_key] = _rank_activations(sheet, rank)
             flops_key = ("flops", key, scale, sheet.sequence_scale, sheet.tp, sheet.cp, sheet.checkpointing,
-                         sheet.microbatches, matmul_share, sheet.dims.ep, grouped_mm, cp_attention_rate)
+                         sheet.microbatches, matmul_share, sheet.dims.ep, grouped_mm, cp_attention_rate,
+                         flops_per_byte, sheet.activation_scale, sheet.sequence_sharded, sheet.vocab_sharded)
             if flops_key not in memo:
-                memo[flops_key] = _rank_flops(sheet, rank, matmul_share, grouped_mm, cp_attention_rate)
+                memo[flops_key] = _rank_flops(sheet, rank, matmul_share, grouped_mm, cp_attention_rate,
+                                              flops_per_byte)
             costs[key] = (memo[state_key], memo[act_key], memo[flops_key])
         (params, grads, optimizer), (kept, transient, weight_copies), (flops, attention) = costs[key]
         inflight = sheet.inflight[rank] if sheet.inflight else 1.0  # micro-batches whose activations it holds
@@ -427,8 +439,9 @@ def _section_kinds(profile: ModelProfile) -> dict[str, int]:
                    section.kv_bytes, section.attention_scores, astuple(saved),
                    astuple(section.selective_kept), section.selective_recompute_flops, section.full_recompute_flops,
                    section.reduce_scattered_bytes, astuple(section.autocast_lowered),
-                   astuple(section.autocast_kept), section.autocast_weight_bytes, section.routed_bytes,
-                   section.routed_rows, section.routed_choices, section.expert_flops, section.expert_width)
+                   astuple(section.autocast_kept), section.autocast_weight_bytes, astuple(section.memory_traffic),
+                   section.routed_bytes, section.routed_rows, section.routed_choices, section.expert_flops,
+                   section.expert_width)
             cache[name] = numbers.setdefault(key, len(numbers))
         profile.__dict__["_section_kinds"] = cache
     return cache
@@ -522,7 +535,7 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float, float]
 # ---- time ------------------------------------------------------------------------------------------------------
 def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
                 grouped_mm: GroupedMatmulCurve | None = None,
-                cp_attention_rate: float | None = None) -> tuple[float, float]:
+                cp_attention_rate: float | None = None, flops_per_byte: float = 0.0) -> tuple[float, float]:
     """The rank's FLOPs in one step, and of them its attention kernels' (what the cp ring hides behind): forward
     x 3 (backward = 2 forward), + the blocks' forward again with full activation checkpointing (up to where torch
     stops the recomputation). Selective checkpointing recomputes the matmuls its policy does not keep and all the
@@ -534,8 +547,15 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
 
     With ``cp_attention_rate`` (a GPU's: ``Hardware.cp_attention_rate``) and context parallelism, attention is the
     engine's math path: its blocks' FLOPs (``Section.blockwise_work``) at that rate, and a backward of five matmuls
-    (the scores again, then dV, dP, dQ, dK) against the forward's two: 2.5 forwards, where the rest counts 2."""
-    forward = recomputed = attentions = backward_extra = 0.0
+    (the scores again, then dV, dP, dQ, dK) against the forward's two: 2.5 forwards, where the rest counts 2.
+
+    With ``flops_per_byte`` (the matmul rate over the memory bandwidth, a GPU's: ``Hardware.memory_bandwidth``) the
+    bytes of the non-matmul ops (``Section.memory_traffic``, this rank's share of them) are priced too, as the
+    FLOPs that take as long: forward, backward (:data:`BACKWARD_TRAFFIC` times the forward's) and again where
+    either checkpointing recomputes the block."""
+    forward = recomputed = attentions = backward_extra = traffic = 0.0
+    tp, cp, sp, lp = sheet.tp, sheet.cp, sheet.sequence_sharded, sheet.vocab_sharded
+    byte_scale = sheet.token_scale * sheet.activation_scale
     math_path = cp_attention_rate is not None and sheet.cp > 1
     for name in sheet.rank_sections[rank]:
         section = sheet.profile.sections[name]
@@ -556,8 +576,12 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
         flops = section.flops * sheet.token_scale + attention + slower + whole
         forward += flops
         attentions += 3 * attention
+        moved = section.memory_traffic.per_rank(tp, cp, sp, lp, byte_scale) if flops_per_byte else 0.0
+        traffic += (1 + BACKWARD_TRAFFIC) * moved
         if name in END_SECTIONS:
             continue
+        if sheet.checkpointing != "none":
+            traffic += moved
         if sheet.checkpointing == "full":
             recomputed += section.full_recompute_flops * sheet.token_scale + attention + slower + whole
             attentions += attention
@@ -568,7 +592,8 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
                 recomputed += matmul_share * attention
                 attentions += attention
     per_step = sheet.microbatches / (sheet.tp * sheet.cp)
-    return (3 * forward + recomputed + backward_extra) * per_step, attentions * per_step
+    return ((3 * forward + recomputed + backward_extra) * per_step + traffic * flops_per_byte * sheet.microbatches,
+            attentions * per_step)
 
 
 def expert_slowdown(sheet: CostSheet, section: Section, grouped_mm: GroupedMatmulCurve | None) -> float:

@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_par.devices import (
+    BANDWIDTH_SHARE,
     DEVICES,
     H100_GROUPED_MM,
-    STEP_SHARE,
+    MATMUL_STEP_SHARE,
     Hardware,
     cp_attention_rate,
     find_device,
@@ -348,10 +349,13 @@ def probe_hardware(
     grouped = H100_GROUPED_MM if device.type == "cuda" else None
     # the context-parallel blocks on a GPU: fused kernels (priced as such: None), unless the engine is told to run
     # its fp32 math path, at the table's fp32 / dtype peak ratio of this GPU (of an H100 where the table lacks it)
-    cp_rate = None
-    if device.type == "cuda" and context.CUDA_KERNELS == "math":
+    cp_rate = bandwidth = None
+    if device.type == "cuda":
         spec = find_device(_device_name(device)) or DEVICES["H100-SXM"]
-        cp_rate = cp_attention_rate(spec, _PEAK_KIND.get(dtype, "fp32"))
+        # the non-matmul ops' bytes: at the table's share of this GPU's memory bandwidth (the device table's rule)
+        bandwidth = spec.memory_bandwidth * BANDWIDTH_SHARE
+        if context.CUDA_KERNELS == "math":
+            cp_rate = cp_attention_rate(spec, _PEAK_KIND.get(dtype, "fp32"))
     what = f"measured on this machine: matmul {_name(dtype)} at {len(shapes)} shape{'s' if len(shapes) > 1 else ''}"
     if degrees:
         what += f" (and split for tp {', '.join(map(str, degrees))})"
@@ -359,8 +363,8 @@ def probe_hardware(
         what += f", x {share:.4g} (a step's share of its matmuls' rate: step_share)"
     if not distributed:
         return Hardware(name, rates[0], memory, gpus_per_node, math.inf, 0.0, math.inf, 0.0,
-                        f"{what}, 1 rank; no communication", matmul_share=share,
-                        matmul_by_tp=tuple(zip(degrees, rates[1:])), grouped_mm=grouped, cp_attention_rate=cp_rate)
+                        f"{what}, 1 rank; no communication", matmul_by_tp=tuple(zip(degrees, rates[1:])),
+                        grouped_mm=grouped, cp_attention_rate=cp_rate, memory_bandwidth=bandwidth)
     # the mean over ranks: what each gets on average. On a shared CPU the ranks' shares of one second differ by up
     # to 7x (4 processes on 2 busy cores, measured), so the minimum would be one rank's unlucky second.
     mean = torch.tensor([r / world for r in rates], dtype=torch.float64, device=device)
@@ -379,19 +383,20 @@ def probe_hardware(
     source = (f"{what}, mean of {world} ranks running at once; all_reduce ring fit over the node and over every "
               f"shape of group within it, {dist.get_backend()} ({nodes})")
     return Hardware(name, rates[0], memory, per_node, intra_bw, intra_lat, inter_bw, inter_lat, source,
-                    matmul_share=share, group_links=group_links, matmul_by_tp=tuple(zip(degrees, rates[1:])),
-                    grouped_mm=grouped, cp_attention_rate=cp_rate)
+                    group_links=group_links, matmul_by_tp=tuple(zip(degrees, rates[1:])),
+                    grouped_mm=grouped, cp_attention_rate=cp_rate, memory_bandwidth=bandwidth)
 
 
 def step_share(device: torch.device) -> float:
-    """The share of the probed matmul rate at which a training step's model FLOPs run. On an accelerator a step
-    also does non-matmul work (norms, activations, softmax, the loss, the optimizer, kernel launches) that the probe,
-    which times matmuls alone, does not see: the device table's rule, ``devices.STEP_SHARE`` (0.45 / 0.8), so that
-    a probed device and the same device from the table predict alike. Measured on an H200
+    """The share of the probed matmul rate at which a training step's matmuls run. On an accelerator the probe
+    times large matmuls alone, at shapes and with the device to themselves: the device table's rule,
+    ``devices.MATMUL_STEP_SHARE``, with the step's other ops priced at the memory bandwidth
+    (``devices.BANDWIDTH_SHARE``), so that a probed device and the same device from the table predict alike. Under
+    the earlier rule (one share, 0.5625, for all the step's work), measured on an H200
     (2026-11-26, ``bench_planner.py --device cuda``, 325 M-parameter GPT and Llama, bf16-mixed): their steps ran
     at 0.41 and 0.29 of the probed rate, which the raw rate had predicted at 0.45 and 0.32 of the measured time.
     On the CPU the raw rate (1): the CPU benchmark's predictions are calibrated on it (world 4)."""
-    return 1.0 if torch.device(device).type == "cpu" else STEP_SHARE
+    return 1.0 if torch.device(device).type == "cpu" else MATMUL_STEP_SHARE
 
 
 def _check_tp_sizes(tp_sizes: Sequence[int]) -> tuple[int, ...]:

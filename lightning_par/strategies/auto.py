@@ -122,7 +122,7 @@ class AutoParallelStrategy(NDParallelStrategy):
         super().setup(trainer)
 
     def _plan(self, trainer: pl.Trainer) -> Plan:
-        from lightning_par.devices import known_hardware
+        from lightning_par.devices import fused, known_hardware
         from lightning_par.planner.probe import precision_family, probe_dtype, probe_hardware, probe_shapes, tp_degrees
 
         module = self.lightning_module
@@ -143,6 +143,8 @@ class AutoParallelStrategy(NDParallelStrategy):
             shapes = probe_shapes(profile)
             hardware = probe_hardware(self.root_device, probe_dtype(precision), shapes, per_node,
                                       tp_sizes=tp_degrees(shapes, per_node))
+        if self.compile.enabled:  # its non-matmul ops fused (a GPU's memory term; nothing to change on the CPU)
+            hardware = fused(hardware)
         weigh = dict(self.weigh)  # what the user fixed; the planner weighs the rest
         TensorParallelOptions.auto_weigh(weigh, bool(self.compile.enabled))
         for name in UNTRIED:  # never run (Inductor's async tensor parallelism): only when asked for
