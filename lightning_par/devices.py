@@ -55,11 +55,11 @@ DEFAULT_EFFICIENCY = 0.45
 #: (``DeviceSpec.matmul_efficiency``); this one is the figure for devices nobody measured.
 MATMUL_EFFICIENCY = 0.8
 
-#: The share of a training step's compute time that its matmuls take, at the rate one large matmul reaches:
-#: :data:`DEFAULT_EFFICIENCY` / :data:`MATMUL_EFFICIENCY`, both H100 figures (0.45 / 0.8 = 0.5625). The table
-#: prices a device's step at this share of its own matmul rate, so a device whose matmuls reach more of its peak
-#: (an A100 SXM: 0.869) computes a step at more of its peak too (0.489), as published A100 runs did (MosaicML's
-#: MPT on A100 at 0.62-0.66 of peak counting recomputation, against 0.56-0.59 on H100).
+#: The earlier rule, one share for all of a step's work: :data:`DEFAULT_EFFICIENCY` / :data:`MATMUL_EFFICIENCY`,
+#: both H100 figures (0.45 / 0.8 = 0.5625) of a device's own matmul rate, so that a device whose matmuls reach more
+#: of its peak (an A100 SXM: 0.869) computes a step at more of its peak too (0.489), as published A100 runs did
+#: (MosaicML's MPT on A100 at 0.62-0.66 of peak counting recomputation, against 0.56-0.59 on H100). The table now
+#: uses the GPU time model below; ``benchmarks/fit_time_model.py`` scores this rule beside it.
 STEP_SHARE = DEFAULT_EFFICIENCY / MATMUL_EFFICIENCY
 
 #: The GPU time model: a step's matmuls (attention kernels at ``planner.predict.ATTENTION_RATE`` of them) run at
