@@ -41,8 +41,8 @@ import test_planner_published as published  # noqa: E402
 from benchmarks.common import run_metadata, write_json  # noqa: E402
 from benchmarks.planner_heldout import CASES as HELDOUT  # noqa: E402
 from benchmarks.published.cases import convert, half_of, load_rows  # noqa: E402
-from lightning_par.devices import STEP_SHARE, GiB, fused, known_hardware, lookup_device  # noqa: E402
-from lightning_par.planner.predict import RESERVE, predict  # noqa: E402
+from lightning_par.devices import STEP_SHARE, lookup_device  # noqa: E402
+from lightning_par.planner.predict import predict  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "fit_time_model.json"
 #: the coarse grid (then 0.0125, 0.025 and 0.025 steps around its best)
@@ -59,20 +59,14 @@ def fitting_cases() -> list[Any]:
 
 def hardware_for(case: Any, matmul_share: float | None, bandwidth_share: float | None,
                  fused_traffic: float = 1.0) -> Any:
-    """The device table's hardware for ``case`` (as ``plan`` builds it) with the time model's shares (and, where
-    the case's software fused its non-matmul ops, its share of their bytes); None: the old rule, one share of the
-    matmuls' rate for the whole step."""
-    precision = {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16"}[case.precision]
+    """The case's hardware (``case_hardware``, as ``plan`` builds it) with the time model's shares (and, where the
+    case's software fused its non-matmul ops, its share of their bytes); None: the old rule, one share of the
+    matmuls' rate for the whole step (no memory term, so nothing to fuse)."""
     spec = lookup_device(case.device)
     if matmul_share is None:
-        hw = known_hardware(case.device, precision=precision, gpus_per_node=8, inter_link=case.inter_link,
-                            efficiency=STEP_SHARE * spec.matmul_efficiency)
-    else:
-        hw = known_hardware(case.device, precision=precision, gpus_per_node=8, inter_link=case.inter_link,
-                            efficiency=matmul_share * spec.matmul_efficiency, memory_efficiency=bandwidth_share)
-        if case.fused_kernels:
-            hw = fused(hw, fused_traffic)
-    return replace(hw, cp_attention_rate=None)
+        return published.case_hardware(case, efficiency=STEP_SHARE * spec.matmul_efficiency)
+    return published.case_hardware(case, efficiency=matmul_share * spec.matmul_efficiency,
+                                   memory_efficiency=bandwidth_share, fused_traffic=fused_traffic)
 
 
 def variants_of(case: Any) -> tuple[Any, list[Any], float]:
@@ -82,21 +76,13 @@ def variants_of(case: Any) -> tuple[Any, list[Any], float]:
         **(case.restrict or {}), **{k: [v] for k, v in zip(published.RESTRICTABLE, published.published_sizes(case))}}))
     if case.excluded is not None:
         result = replace(result, predictions=[p for p in result.predictions if not case.excluded(p.layout)])
-    target = published.published_sizes(case)
-    variants = [p.layout for p in result.predictions if published.sizes(p) == target and (
-        case.activation_checkpointing is None or p.layout.activation_checkpointing == case.activation_checkpointing)
-        and case.accumulate_grad_batches in (None, p.layout.accumulate_grad_batches)][:VARIANTS]
-    tokens = case.published_tokens_per_s
-    if tokens is None:
-        forward = sum(s.flops + s.attention_flops for s in result.profile.sections.values())
-        tokens = case.published_tflops * 1e12 / (3 * forward / result.profile.tokens)
-    return result.profile, variants, tokens
+    variants = [p.layout for p in published.published_variants(case, result.predictions)][:VARIANTS]
+    return result.profile, variants, published.published_tokens(case, result.profile)
 
 
 def ratio(case: Any, profile: Any, layouts: list[Any], published_tokens: float, hw: Any) -> float:
-    budget = None if case.memory_gib is None else case.memory_gib * GiB * (1 - RESERVE)
     predictions = [predict(layout, profile, hw, case.global_batch // layout.dp, case.seq_len, case.precision,
-                           budget) for layout in layouts]
+                           published.case_budget(case)) for layout in layouts]
     best = min(predictions, key=lambda p: (not p.fits, -p.tokens_per_s))
     return best.tokens_per_s / published_tokens
 

@@ -25,7 +25,8 @@ import torch
 from hf_models import HFCausalLM
 
 from example_projects.gpt.lit import GPTModule
-from lightning_par.devices import GiB, fused, known_hardware
+from lightning_par.costs.profile import ModelProfile
+from lightning_par.devices import GiB, Hardware, fused, known_hardware
 from lightning_par.planner.predict import RESERVE, Layout, Prediction
 from lightning_par.planner.search import CHECKPOINTING, PIPELINE_SCHEDULES, RESTRICTABLE, Plan, plan_layouts
 
@@ -409,23 +410,52 @@ def published_sizes(case: PublishedCase) -> tuple[int, ...]:
     return tuple(case.layout.get(k, 1) for k in RESTRICTABLE)
 
 
-def plan(case: PublishedCase) -> Plan:
-    module, batch = build(case)
+def case_hardware(case: PublishedCase, efficiency: float | None = None, memory_efficiency: float | None = None,
+                  fused_traffic: float | None = None) -> Hardware:
+    """The device table's hardware for the run: ``known_hardware``'s defaults unless ``efficiency`` and
+    ``memory_efficiency`` say otherwise (``benchmarks/fit_time_model.py`` varies them), and where the run's software
+    fused its non-matmul ops, ``devices.fused`` (at ``fused_traffic``, default ``FUSED_TRAFFIC``)."""
     table_precision = {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16"}[case.precision]
     # their software's context parallelism runs fused attention kernels (Transformer Engine's, torch's SDPA), not
     # the engine's fp32 math path: its blocks at the fused kernels' rate
     hardware = replace(known_hardware(case.device, precision=table_precision, gpus_per_node=8,
-                                      inter_link=case.inter_link), cp_attention_rate=None)
-    if case.fused_kernels:
-        hardware = fused(hardware)
-    budget = None if case.memory_gib is None else case.memory_gib * GiB * (1 - RESERVE)
-    return plan_layouts(module, batch, case.world, hardware, precision=case.precision, memory_budget=budget,
+                                      inter_link=case.inter_link, efficiency=efficiency,
+                                      memory_efficiency=memory_efficiency), cp_attention_rate=None)
+    return fused(hardware, fused_traffic) if case.fused_kernels else hardware
+
+
+def case_budget(case: PublishedCase) -> float | None:
+    """The run's memory budget where its GPUs' memory differs from the table's (None: the table's)."""
+    return None if case.memory_gib is None else case.memory_gib * GiB * (1 - RESERVE)
+
+
+def plan(case: PublishedCase) -> Plan:
+    module, batch = build(case)
+    return plan_layouts(module, batch, case.world, case_hardware(case), precision=case.precision,
+                        memory_budget=case_budget(case),
                         restrict=case.restrict, activation_checkpointing=case.checkpointing,
                         schedules=case.schedules, sequence_parallel=case.sequence_parallel,
                         reshard_after_forward=case.reshard_after_forward,
                         accumulate_unsharded=case.accumulate_unsharded,
                         async_tp=(True,) if case.async_tp else (False,), uneven_stages=case.uneven_stages,
                         cp_algorithm=case.cp_algorithm, cp_ulysses_size=case.cp_ulysses_size)
+
+
+def published_variants(case: PublishedCase, predictions: list[Prediction]) -> list[Prediction]:
+    """The predictions of the published layout, in their ranked order: its mesh sizes, and its checkpointing and
+    accumulation where the run fixed them."""
+    target = published_sizes(case)
+    return [p for p in predictions if sizes(p) == target and (
+        case.activation_checkpointing is None or p.layout.activation_checkpointing == case.activation_checkpointing)
+        and case.accumulate_grad_batches in (None, p.layout.accumulate_grad_batches)]
+
+
+def published_tokens(case: PublishedCase, profile: ModelProfile) -> float:
+    """The published tokens/s per GPU: as printed, or from the printed model TFLOP/s over the traced FLOPs."""
+    if case.published_tokens_per_s is not None:
+        return case.published_tokens_per_s
+    forward = sum(s.flops + s.attention_flops for s in profile.sections.values())
+    return case.published_tflops * 1e12 / (3 * forward / profile.tokens)
 
 
 def plan_case(case: PublishedCase) -> dict[str, Any]:
@@ -438,15 +468,10 @@ def plan_case(case: PublishedCase) -> dict[str, Any]:
         if sizes(p) not in shapes:
             shapes.append(sizes(p))
     target = published_sizes(case)
-    variants = [p for p in result.predictions if sizes(p) == target and (
-        case.activation_checkpointing is None or p.layout.activation_checkpointing == case.activation_checkpointing)
-        and case.accumulate_grad_batches in (None, p.layout.accumulate_grad_batches)]
+    variants = published_variants(case, result.predictions)
     assert variants, f"{case.name}: the planner does not list the published layout {case.layout}"
     chosen = variants[0]  # the best ranked: a fitting one if any fits
-    published = case.published_tokens_per_s
-    if published is None:
-        forward = sum(s.flops + s.attention_flops for s in result.profile.sections.values())
-        published = case.published_tflops * 1e12 / (3 * forward / result.profile.tokens)
+    published = published_tokens(case, result.profile)
     return {
         "case": case.name, "source": case.source, "config": case.config,
         "published_tokens_per_s": published,
