@@ -371,6 +371,30 @@ def meta_nf4(shape: tuple[int, ...], dtype: torch.dtype, block_size: int, scaler
         nf4_tensor.CHUNK_SIZE = saved
 
 
+def nf4_gathers_into_dtensors() -> None:
+    """Let FSDP2 gather NF4 weights that tensor parallelism cut (QLoRA with ``dp_shard x tp``). From its second
+    all-gather of a parameter on, FSDP2 hands the extension's ``fsdp_post_all_gather`` the unsharded parameter to
+    fill (``out=``; torch 2.11-2.13, ``FSDPParam.init_unsharded_param``), which over a tensor-parallel mesh is the
+    tp DTensor whose local tensor is the NF4 weight; torchao 0.18's ``NF4Tensor.fsdp_post_all_gather`` asserts an
+    NF4Tensor there (its float8 tensor unwraps the DTensor itself). Wrapped once per process to unwrap it the same
+    way; everything else it does is unchanged."""
+    from torch.distributed.tensor import DTensor
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+    original = NF4Tensor.fsdp_post_all_gather
+    if getattr(original, "_unwraps_dtensor", False):
+        return
+
+    def fsdp_post_all_gather(self: Any, outputs: Any, metadata: Any, param_dtype: torch.dtype, *,
+                             out: torch.Tensor | None = None) -> Any:
+        if isinstance(out, DTensor):
+            out = out._local_tensor
+        return original(self, outputs, metadata, param_dtype, out=out)
+
+    fsdp_post_all_gather._unwraps_dtensor = True
+    NF4Tensor.fsdp_post_all_gather = fsdp_post_all_gather
+
+
 class _MetaAutocast(torch.autocast):
     """``torch.autocast(device_type="meta")``, which torch 2.11-2.13 refuse (``get_autocast_dtype("meta")``:
     "unsupported scalarType"), opened as a CPU autocast: autocast acts on no meta tensor either way."""

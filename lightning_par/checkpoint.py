@@ -10,6 +10,12 @@ checkpoint resumes under any other layout (DCP reshards on load).
 A single-file Lightning checkpoint (what one process's ``trainer.save_checkpoint`` writes, or
 :func:`consolidate_checkpoint`) resumes into the sharded model too (:func:`load_single_file`): the file is
 memory-mapped and each rank copies only its slices, through the same DCP load plans.
+
+Frozen quantized weights (QLoRA's NF4 base weights, ``quantize_base``) are left out of a checkpoint: they never
+change while training, every layout cuts them differently, and their values come back as they came the first time
+(``pretrained=``, or the model's own initialization). The checkpoint keeps a fingerprint of each instead
+(:func:`quantized_fingerprints`), and resuming compares the model's against it, so other base weights are refused
+rather than silently trained on.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from lightning_par._compat import is_quantized, local_tensor
 from lightning_par.collectives import is_rank_zero, raise_on_every_rank
 from lightning_par.parallel.modules import clean_name
 
@@ -54,6 +61,10 @@ META_FILE = "meta.pt"  # the name Lightning's ModelParallelStrategy uses for the
 COMPLETE_FILE = "COMPLETE"
 FORMAT = "lightning_par-dcp-1"
 TRAINABLE_ONLY = "lightning_par_trainable_only"  # meta key: the checkpoint holds the trainable parameters only
+#: meta key: the frozen quantized weights left out of the checkpoint, by state-dict name, with their fingerprints
+QUANTIZED = "lightning_par_quantized"
+#: how close two fingerprints of the same weights are (float64 sums of the same values in another order)
+FINGERPRINT_RTOL = 1e-9
 
 
 def _barrier() -> None:
@@ -160,6 +171,62 @@ def compare_shapes(path: Path, stored: Mapping[str, torch.Size], model_shapes: d
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}, "
             f"shape mismatch {mismatched[:5]}. Resume with the model configuration that wrote it."
         )
+
+
+def quantized_fingerprints(state: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
+    """Collective: ``{name: (sum, sum of squares)}`` of the dequantized values of every quantized weight in a model
+    state dict (each rank's piece of it), over the whole weight in float64: the same under every layout up to the
+    order of summation (each piece counted once; replicas, which hold the same piece, scaled out by the elements
+    counted against the weight's own). Under a pipeline each rank contributes its stages' weights."""
+    local: dict[str, tuple[float, float, int, int]] = {}
+    for name, value in state.items():
+        if isinstance(value, Tensor) and is_quantized(value):
+            piece = local_tensor(value)
+            values = piece.get_original_weight().float()
+            local[name] = (float(values.sum(dtype=torch.float64)), float(values.square().sum(dtype=torch.float64)),
+                           piece.numel(), value.numel())
+    parts = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+    totals: dict[str, list[float]] = {}
+    for part in parts:
+        for name, (total, squares, counted, whole) in part.items():
+            entry = totals.setdefault(name, [0.0, 0.0, 0, whole])
+            entry[0], entry[1], entry[2] = entry[0] + total, entry[1] + squares, entry[2] + counted
+    return {name: (total * whole / counted, squares * whole / counted)
+            for name, (total, squares, counted, whole) in totals.items()}
+
+
+def check_quantized_weights(path: Path, stored: Mapping[str, tuple[float, float]], model: Mapping[str, tuple[float,
+                            float]], plain_in_checkpoint: set[str]) -> None:
+    """Raise, naming the weights and the fix, unless the model's quantized weights are the ones the checkpoint left
+    out (its fingerprints) and the checkpoint stores none of them unquantized. No communication (the fingerprints
+    are the same on every rank)."""
+    problems = []
+    plain = sorted(plain_in_checkpoint & set(model))
+    if plain:
+        problems.append(
+            f"{plain[0]!r} and {len(plain) - 1} more are quantized in this run (quantize_base) and stored unquantized "
+            f"in the checkpoint: quantized weights are frozen and read from pretrained=. Resume without "
+            f"quantize_base, or start the QLoRA run from the base weights (pretrained=) and the adapters only "
+            f"(a save_trainable_only checkpoint).")
+    missing = sorted(set(stored) - set(model))
+    if missing:
+        problems.append(
+            f"{missing[0]!r} and {len(missing) - 1} more were 4-bit base weights (quantize_base) when the checkpoint "
+            f"was saved, left out of it, and are not quantized in this run: resume with the same quantize_base.")
+    differ = sorted(name for name in set(stored) & set(model) if any(
+        abs(a - b) > FINGERPRINT_RTOL * max(abs(a), abs(b), 1.0) for a, b in zip(stored[name], model[name])))
+    if differ:
+        name = differ[0]
+        problems.append(
+            f"the checkpoint was saved from other base weights: {name!r} (and {len(differ) - 1} more) sums to "
+            f"{stored[name][0]!r} there and {model[name][0]!r} in this model. Its 4-bit base weights (quantize_base) "
+            f"are not in the checkpoint: they come from pretrained= or the model's initialization, which must give "
+            f"the weights the run started from. Pass the same pretrained= (or build the model as it was built).")
+    if problems:
+        raise ValueError(f"ckpt_path={str(path)!r}: " + " ".join(problems))
 
 
 def trainable_names(module: torch.nn.Module) -> set[str]:

@@ -1,6 +1,6 @@
 """What tests/test_qlora.py runs in each process: QLoRA (``quantize_base="nf4"``) on a tiny Hugging Face Llama with
-PEFT LoRA adapters, under FSDP2 (also with activation checkpointing, with CPU offload) and pipeline parallelism,
-and the inputs it refuses.
+PEFT LoRA adapters, under FSDP2 (also with activation checkpointing, with CPU offload), tensor and pipeline
+parallelism and their combinations over 4 processes, and the inputs it refuses.
 
 The model is wide enough for NF4's blocks: every block's linear weight holds whole blocks of 64 x 256 weights per
 FSDP shard over 2 ranks (hidden 256, MLP 512, 2 key/value heads of 64: the smallest, k_proj, is 128 x 256)."""
@@ -108,16 +108,21 @@ def world2(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # refused on every rank before any collective (the runs after them in this job still succeed)
     out["errors"] = {
-        "tp2": error_of(lambda: run(nd(tp=2), 2, 1, max_steps=1)),
         "bad_value": error_of(lambda: run(NDParallelStrategy(dp_shard=2, quantize_base="int4"), 2, 2, max_steps=1)),
         "with_float8": error_of(lambda: run(nd(dp_shard=2, float8="tensorwise"), 2, 2, max_steps=1)),
         "meta_device": error_of(lambda: run(nd(dp_shard=2), 2, 2, max_steps=1, empty_init=True)),
     }
     # the merged model (adapters folded into the dequantized base weights) written at the end of the FSDP2 run
     merge = MergeAndCount(str(Path(tmp) / "merged"))
-    out["fsdp2"] = run(nd(dp_shard=2), 2, 2, callbacks=[merge])
+    full = str(Path(tmp) / "full")  # full checkpoints at steps 3 and 6: everything but the frozen NF4 weights
+    out["fsdp2"] = run(nd(dp_shard=2), 2, 2, callbacks=[merge], ckpt_dir=full, ckpt_every_n_steps=3)
     out["fsdp2"]["nf4_after_merge"] = merge.nf4_after
+    out["full_checkpoint"] = str(Path(full) / "step=3.ckpt")
+    out["full_resumed_tp2"] = run(nd(tp=2), 2, 1, resume_from=out["full_checkpoint"])
     out["pp2"] = run(nd(pp=2, pp_microbatches=2), 2, 1)
+    # tensor parallelism: each rank's NF4 rows (q, k, v, gate, up) or columns (o, down) cut from the whole codes
+    out["tp2"] = run(nd(tp=2), 2, 1)
+    out["tp2_sp"] = run(nd(tp=2, sequence_parallel=True), 2, 1)
     out["fsdp2_ac"] = run(nd(dp_shard=2, activation_checkpointing=True), 2, 2)
     out["fsdp2_offload"] = run(nd(dp_shard=2, cpu_offload=True), 2, 2)
     out["cp2"] = run(nd(cp=2), 2, 1)  # the sequence over 2 ranks, FSDP over them (NF4 shards over cp)
@@ -136,8 +141,23 @@ def world2(tmp: str) -> dict[str, Any]:
     # its own weights whole); the adapters and their optimizer state resumed from step 3, as a user resumes
     base = str(Path(tmp) / "base")  # written by the test before the launch (save_base)
     for name, strategy, dp in (("pretrained_fsdp2", nd(dp_shard=2, pretrained=base), 2),
-                               ("pretrained_pp2", nd(pp=2, pp_microbatches=2, pretrained=base), 1)):
+                               ("pretrained_pp2", nd(pp=2, pp_microbatches=2, pretrained=base), 1),
+                               ("pretrained_tp2", nd(tp=2, pretrained=base), 1)):
         out[name] = run(strategy, 2, dp, empty_init=True, resume_from=str(Path(adapters) / "step=3.ckpt"))
+    return out
+
+
+def world4(tmp: str) -> dict[str, Any]:
+    """The combinations: FSDP2 over tensor-parallel NF4 pieces (each rank's rows of its piece; also read from the
+    pretrained checkpoint, resuming the adapters the first run wrote at step 3), FSDP2 with a pipeline, HSDP."""
+    out: dict[str, Any] = {}
+    adapters = str(Path(tmp) / "adapters4")
+    out["fsdp2_tp2"] = run(nd(dp_shard=2, tp=2, save_trainable_only=True), 4, 2, ckpt_dir=adapters,
+                           ckpt_every_n_steps=3)
+    out["pretrained_fsdp2_tp2"] = run(nd(dp_shard=2, tp=2, pretrained=str(Path(tmp) / "base")), 4, 2,
+                                      empty_init=True, resume_from=str(Path(adapters) / "step=3.ckpt"))
+    out["fsdp2_pp2"] = run(nd(dp_shard=2, pp=2, pp_microbatches=2), 4, 2)
+    out["hsdp"] = run(nd(dp_replicate=2, dp_shard=2), 4, 4)
     return out
 
 

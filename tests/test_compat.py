@@ -317,3 +317,33 @@ def test_autocast_accepts_meta_only_inside():
         with torch.autocast(device_type="meta", enabled=False):
             assert (x @ x.T).dtype == torch.float32 and (x @ x.T).is_meta
     assert torch.autocast is original
+
+
+def test_nf4_gathers_into_a_dtensor_once_wrapped(tmp_path):
+    """FSDP2 over tensor-parallel NF4 pieces passes its unsharded tp DTensor as ``out=`` to torchao's
+    ``NF4Tensor.fsdp_post_all_gather``, which asserts an NF4Tensor there (torchao 0.18); once
+    ``nf4_gathers_into_dtensors`` wrapped it, the DTensor's local NF4 tensor is filled as torchao fills its own
+    (the gathered tensors' storages are the out's), and wrapping twice wraps once."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    original = nf4_tensor.NF4Tensor.fsdp_post_all_gather
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = nf4_tensor.to_nf4(torch.randn(256, 64), 64, 256)
+        inputs, metadata = weight.fsdp_pre_all_gather(mesh)
+        out = DTensor.from_local(weight, mesh, [Shard(0)], run_check=False)
+        if not getattr(original, "_unwraps_dtensor", False):  # torchao's own: refuses the DTensor
+            with pytest.raises(AssertionError, match="DTensor"):
+                weight.fsdp_post_all_gather(inputs, metadata, torch.float32, out=out)
+        _compat.nf4_gathers_into_dtensors()
+        _compat.nf4_gathers_into_dtensors()
+        wrapped = nf4_tensor.NF4Tensor.fsdp_post_all_gather
+        assert wrapped._unwraps_dtensor and original in [c.cell_contents for c in wrapped.__closure__]
+        assert weight.fsdp_post_all_gather(inputs, metadata, torch.float32, out=out) is None
+    finally:
+        nf4_tensor.NF4Tensor.fsdp_post_all_gather = original
+        dist.destroy_process_group()

@@ -520,9 +520,12 @@ class BaseParallelStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes DCP).")
         path = Path(self.broadcast(str(filepath)))
-        tensors = {"state_dict": checkpoint.pop("state_dict")}
-        for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
-            tensors[f"optimizer_{i}"] = state
+        state = checkpoint.pop("state_dict")
+        # frozen 4-bit base weights are left out, each with its fingerprint (see lightning_par.checkpoint)
+        checkpoint[ckpt.QUANTIZED] = ckpt.quantized_fingerprints(state)
+        tensors = {"state_dict": {k: v for k, v in state.items() if k not in checkpoint[ckpt.QUANTIZED]}}
+        for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            tensors[f"optimizer_{i}"] = optimizer_state
         checkpoint[ckpt.TRAINABLE_ONLY] = self.save_trainable_only
         assert self.model is not None  # the groups let to_lightning_checkpoint write Lightning's layout offline
         checkpoint[lightning_ckpt.PARAM_GROUPS] = lightning_ckpt.param_group_names(
@@ -549,7 +552,14 @@ class BaseParallelStrategy(ParallelStrategy):
                                          self.dims.pp > 1, weights_only)
         path = ckpt.check_complete(path)
         model_sd = get_model_state_dict(self.model)
-        trainable_only = bool(ckpt.read_meta(path).get(ckpt.TRAINABLE_ONLY, False))
+        saved_meta = ckpt.read_meta(path)
+        trainable_only = bool(saved_meta.get(ckpt.TRAINABLE_ONLY, False))
+        stored = ckpt.stored_shapes(path, "state_dict.")
+        # frozen 4-bit base weights: never in a checkpoint; the model's must be the ones it was saved from
+        quantized = ckpt.quantized_fingerprints(model_sd)
+        if not trainable_only:
+            ckpt.check_quantized_weights(path, saved_meta.get(ckpt.QUANTIZED, {}), quantized, set(stored))
+        model_sd = {k: v for k, v in model_sd.items() if k not in quantized}
         if trainable_only:  # adapters only: the frozen weights stay as pretrained= (or the init) left them
             keep = ckpt.trainable_names(self.model)
             model_sd = {k: v for k, v in model_sd.items() if k in keep}
@@ -558,7 +568,6 @@ class BaseParallelStrategy(ParallelStrategy):
             parts: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(parts, shapes)
             shapes = {k: v for part in parts for k, v in part.items()}
-        stored = ckpt.stored_shapes(path, "state_dict.")
         (ckpt.check_same_trainable if trainable_only else ckpt.compare_shapes)(path, stored, shapes)
         tensors: dict[str, Any] = {"state_dict": model_sd}
         optimizers = self.plain_optimizers()
@@ -578,7 +587,8 @@ class BaseParallelStrategy(ParallelStrategy):
             problems += lightning_ckpt.fill_flat_param_groups(groups_only, groups, f"ckpt_path={str(path)!r}")
             tensors[key].update(groups_only)
         raise_on_every_rank(problems)
-        set_model_state_dict(self.model, tensors["state_dict"], options=StateDictOptions(strict=not trainable_only))
+        set_model_state_dict(self.model, tensors["state_dict"],
+                             options=StateDictOptions(strict=not (trainable_only or quantized)))
         for i, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(self.model, optimizer, tensors[f"optimizer_{i}"], options=_OPTIMIZER_OPTIONS)
         return meta

@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.modules import find_block_list, match_modules
+from lightning_par.parallel.quantized_cut import QuantizedCut
 
 if TYPE_CHECKING:
     from lightning_par.costs.sheet import CostSheet
@@ -44,6 +45,8 @@ class Target:
     fsdp_root: nn.Module | None = None  # set in __post_init__ to ``module`` unless a pipeline cleared it
     experts: list[str] = field(default_factory=list)  # FQNs of the expert-parallel modules (FSDP: their own mesh)
     pretrained: str | None = None  # a checkpoint the weights are read from once the shards have memory
+    #: how tensor parallelism cuts the quantized weights (set by the technique that quantized them; None: none are)
+    quantized_cut: QuantizedCut | None = None
     _blocks: list[str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

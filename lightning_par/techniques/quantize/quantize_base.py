@@ -1,7 +1,7 @@
 """QLoRA's 4-bit base weights as a technique of the engine: its option (:class:`QuantizeOptions`), its checks
-(not with tensor parallelism or float8; meta weights only with a ``pretrained=`` checkpoint), and its place in the
-recipe (first after the pipeline split, so FSDP shards and gathers the NF4 weights). The quantization itself:
-``nf4_weights``."""
+(not with float8; meta weights only with a ``pretrained=`` checkpoint), and its place in the recipe (first after
+the pipeline split, so tensor parallelism cuts the NF4 weights, with the cut this technique hands it, and FSDP
+shards and gathers them). The quantization itself: ``nf4_weights``."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from lightning_par._compat import nf4_gathers_into_dtensors
 from lightning_par.collectives import raise_on_every_rank
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.modules import inside_any
 from lightning_par.techniques.quantize.nf4_weights import (
+    NF4_CUT,
     check_quantize_base,
     fill_nf4,
     quantize_base_weights,
@@ -28,9 +30,6 @@ class QuantizeOptions(Options):
     """QLoRA's option, under the name ``NDParallelStrategy`` takes it: ``"nf4"`` or None."""
 
     quantize_base: str | None = None
-
-    def restrict(self) -> dict[str, list[int]]:
-        return {"tp": [1]} if self.quantize_base else {}  # not with tensor parallelism yet
 
     def build(self) -> QuantizeBase:
         return QuantizeBase(self.quantize_base)
@@ -61,14 +60,6 @@ class QuantizeBase(Technique):
                 f"compute dtype per layer, and torchao's float8 layers cast their own high-precision weight, which "
                 f"an NF4 weight is not. Choose one: quantize_base for memory (QLoRA), float8 for speed.")
 
-    def check(self, dims: ParallelDims) -> None:
-        if self.format is not None and dims.tp > 1:
-            raise ValueError(
-                f"quantize_base={self.format!r} with tp={dims.tp}: torchao's NF4Tensor can be cut along its rows "
-                f"only as FSDP2 does (each shard whole blocks of scales), not into the column- and row-parallel "
-                f"shards of tensor parallelism (its ops under DTensor's sharding propagation are not implemented). "
-                f"Use tp=1 with quantize_base (dp_shard, pp, cp compose with it), or quantize_base=None.")
-
     def apply(self, target: Target, dims: ParallelDims) -> None:
         if self.format is None:
             refuse_bitsandbytes(target.module, dims)
@@ -89,7 +80,10 @@ class QuantizeBase(Technique):
                 f"then quantizes one whole weight at a time and keeps its shard), or create the model with real "
                 f"weights (trainer.init_module(empty_init=False)) and load them before fit, or quantize_base=None.")
         raise_on_every_rank(problems)
+        target.quantized_cut = NF4_CUT  # tensor parallelism cuts the NF4 weights with it, exactly
         shards = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+        if shards > 1 and dims.tp > 1:  # FSDP2 then gathers tensor-parallel NF4 pieces
+            nf4_gathers_into_dtensors()
         # with a checkpoint to read, the weights become NF4 placeholders now, filled from it shard by shard later
         self.layers, self.left = quantize_base_weights(target.module, target.blocks, target.experts, shards,
                                                        values_later=target.pretrained is not None)

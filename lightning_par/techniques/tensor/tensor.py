@@ -24,6 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from lightning_par._compat import is_quantized
+from lightning_par.parallel.quantized_cut import QuantizedCut
 from lightning_par.techniques.tensor.sequence_regather import save_chunks_of_gathered_input
 from lightning_par.techniques.tensor.tensor_plan import (
     TPPlan,
@@ -38,11 +40,13 @@ from lightning_par.techniques.tensor.tensor_plan import (
 )
 from lightning_par.techniques.tensor.tensor_styles import (
     HF_ALIASES,
+    QUANTIZED_STYLES,
     SEQ_DIM,
     STYLES,
     _HeadParams,
     _PartialSum,
     build_style,
+    quantized_style,
 )
 
 __all__ = [
@@ -66,9 +70,13 @@ def apply_tp(
     loss_parallel: bool = False,
     whole_model: bool = True,
     regather_sequence: bool = False,
+    quantized_cut: QuantizedCut | None = None,
+    shards_after: int = 1,
 ) -> None:
     """Shard ``module`` in place over the 1-D ``tp_mesh`` following ``plan`` (keys relative to ``module``).
     ``whole_model=False``: ``module`` holds a pipeline rank's stages only (see ``validate_tp_plan``).
+    ``quantized_cut``: how the quantized weights (QLoRA's NF4) of 'colwise' and 'rowwise' layers are cut (given by
+    the technique that quantized them); ``shards_after``: FSDP's row shards of each piece, which it must allow.
 
     ``sequence_parallel``: norms/dropout on the residual stream run on sequence chunks (activation memory / tp).
     ``loss_parallel``: the 'vocab_parallel_head' output stays a vocab-sharded DTensor, so cross-entropy inside
@@ -94,13 +102,20 @@ def apply_tp(
             f"apply_tp: {type(module).__name__} already has DTensor parameters ({already[:3]}...): tensor "
             f"parallelism was applied before (or configure_model parallelized by hand). Apply it once."
         )
+    problems = quantized_cut_problems(module, resolved, tp_mesh.size(), quantized_cut, shards_after)
+    if problems:
+        raise ValueError(" ".join(problems))
     gathered = [name for name, style in resolved.items() if style == "gather_sequence"]
     styles = {
         name: built
         for name, style in resolved.items()
-        if (built := build_style(style, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                                 input_gathered=any(name.startswith(g + ".") for g in gathered),
-                                 rope_dim=mla_rope_dim(module, name) if style == "mla_kv_a_proj" else 0))
+        if (built := quantized_style(style, quantized_cut.cut, sequence_parallel=sequence_parallel,
+                                     input_gathered=any(name.startswith(g + ".") for g in gathered),
+                                     shards_after=shards_after)
+            if _quantized_linear(module, name) else
+            build_style(style, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                        input_gathered=any(name.startswith(g + ".") for g in gathered),
+                        rope_dim=mla_rope_dim(module, name) if style == "mla_kv_a_proj" else 0))
         is not None
     }
     by_head = head_params(module, plan, tp_mesh.size())  # their owners may have a style too: applied on their own
@@ -131,6 +146,46 @@ def apply_tp(
                 f"'vocab_parallel_head') or turn regather_sequence off.", stacklevel=2)
 
 
+def _quantized_linear(module: nn.Module, name: str) -> bool:
+    layer = module.get_submodule(name)
+    return isinstance(layer, nn.Linear) and is_quantized(layer.weight)
+
+
+def quantized_cut_problems(module: nn.Module, resolved: dict[str, object], tp: int, cut: QuantizedCut | None,
+                           shards_after: int = 1) -> list[str]:
+    """What keeps the plan's layers with quantized weights from being cut over ``tp`` ranks (no communication:
+    the caller raises, on every rank under a pipeline), one line per reason with the layers it holds for: a style
+    other than column- and row-parallel, no ``cut``, a weight the format cannot cut exactly (``cut.why_not``)."""
+    found: dict[str, list[str]] = {}
+    for name, style in resolved.items():
+        if not _quantized_linear(module, name):
+            continue
+        weight = module.get_submodule(name).weight
+        named = HF_ALIASES.get(style, style) if isinstance(style, str) else None
+        if named not in QUANTIZED_STYLES:
+            why = (f"a quantized weight (quantize_base) with the style {style!r}; a quantized weight is cut for "
+                   f"{sorted(QUANTIZED_STYLES)} only. Give the layer one of those, or drop its plan entry (it then "
+                   f"stays whole on every rank)")
+        elif cut is None:
+            why = (f"a quantized weight ({type(weight).__name__}) and no cut for it: quantize it through the "
+                   f"strategy's quantize_base=, which tells tensor parallelism how")
+        elif (reason := cut.why_not(weight, QUANTIZED_STYLES[named], tp, shards_after)) is not None:
+            why = (f"a quantized weight {style!r} over tp={tp}: {reason}. Choose a tp (and dp_shard x cp) that "
+                   f"divides it so, or drop its plan entry (it then stays whole on every rank)")
+        else:
+            continue
+        found.setdefault(why, []).append(name)
+    return [f"tp_plan: {names[0]!r}{f' and {len(names) - 1} more' if len(names) > 1 else ''} have {why}."
+            for why, names in found.items()]
+
+
+def _storages(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding a tensor's values: itself, or a quantized subclass's inner tensors."""
+    if is_quantized(tensor):
+        return [getattr(tensor, name) for name in tensor.__tensor_flatten__()[0]]
+    return [tensor.data]
+
+
 @torch.no_grad()
 def broadcast_replicated_parameters(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Before :func:`apply_tp`: make every plain parameter and buffer equal on all ranks of the tp group.
@@ -144,4 +199,5 @@ def broadcast_replicated_parameters(module: nn.Module, tp_mesh: DeviceMesh) -> N
     src = dist.get_global_rank(group, 0)
     for tensor in list(module.parameters()) + list(module.buffers()):
         if not isinstance(tensor, DTensor) and not tensor.is_meta:
-            dist.broadcast(tensor.data, src=src, group=group)
+            for storage in _storages(tensor):
+                dist.broadcast(storage, src=src, group=group)

@@ -13,12 +13,17 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_par._compat import enable_async_tensor_parallel
 from lightning_par.checks import check_bool
+from lightning_par.collectives import raise_on_every_rank
 from lightning_par.costs.profile import END_SECTIONS, ModelProfile
 from lightning_par.costs.sheet import CostSheet, Transfer, busiest_sections, params_by_planned_module, per_cut
 from lightning_par.dims import ParallelDims
 from lightning_par.techniques.technique import Options, Target, Technique, planned
 from lightning_par.techniques.tensor.sequence_regather import regathered_sequence
-from lightning_par.techniques.tensor.tensor import apply_tp, broadcast_replicated_parameters
+from lightning_par.techniques.tensor.tensor import (
+    apply_tp,
+    broadcast_replicated_parameters,
+    quantized_cut_problems,
+)
 from lightning_par.techniques.tensor.tensor_plan import resolve_tp_plan, validate_tp_plan
 from lightning_par.techniques.tensor.tensor_styles import style_price
 
@@ -245,11 +250,21 @@ class TensorParallel(Technique):
         if target.keep is not None:
             plan = {fqn: style for fqn, style in resolved.items()
                     if any(fqn == owner or fqn.startswith(owner + ".") for owner in target.keep)}
+        # FSDP's row shards of each tensor-parallel piece of a quantized weight
+        shards_after = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+        mine = validate_tp_plan(target.module, plan, dims.tp, sequence_parallel=self.sequence_parallel,
+                                loss_parallel=self.loss_parallel, whole_model=target.keep is None)
+        problems = quantized_cut_problems(target.module, mine, dims.tp, target.quantized_cut, shards_after)
+        if dims.pp > 1:  # a pipeline rank sees its own layers: every rank raises what any rank found
+            raise_on_every_rank(problems)
+        elif problems:
+            raise ValueError(" ".join(problems))
         tp_mesh = dims.mesh("tp")
         broadcast_replicated_parameters(target.module, tp_mesh)
         apply_tp(target.module, tp_mesh, plan, sequence_parallel=self.sequence_parallel,
                  loss_parallel=self.loss_parallel, whole_model=target.keep is None,
-                 regather_sequence=self.regather_sequence)
+                 regather_sequence=self.regather_sequence, quantized_cut=target.quantized_cut,
+                 shards_after=shards_after)
         if self.async_tp:  # before the Compile technique compiles the blocks
             enable_async_tensor_parallel(tp_mesh.get_group().group_name)
 

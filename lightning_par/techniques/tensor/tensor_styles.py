@@ -435,3 +435,80 @@ class _SequenceChecked(ParallelStyle):
                 lambda _m, args: _check_seq_len(args[0], SEQ_DIM, device_mesh, name), prepend=True
             )
         return module
+
+
+# ---- quantized weights (QLoRA's NF4) --------------------------------------------------------------------------
+#: the styles a quantized weight's layer may have: its piece cut along this weight dim
+QUANTIZED_STYLES = {"colwise": 0, "rowwise": 1}
+
+
+class QuantizedLinear(ParallelStyle):
+    """'colwise' or 'rowwise' on an ``nn.Linear`` whose weight is quantized (QLoRA's NF4). DTensor can neither split
+    a quantized tensor subclass nor run its matmul, so the weight is cut by the format that quantized it (``cut``:
+    this rank's rows or columns, dequantizing to exactly those of the whole weight) and kept as a DTensor of that
+    piece, and the layer runs on local tensors: the format's own linear (torchao's, dequantized per layer), with
+    the style's collectives around it, as torch's ``ColwiseParallel``/``RowwiseParallel`` place them. The input is
+    gathered in a forward pre-hook, as torch's styles do, so ``regather_sequence`` sees it."""
+
+    def __init__(self, dim: int, cut: Callable[..., torch.Tensor], layout: Shard | Replicate,
+                 shards_after: int = 1) -> None:
+        super().__init__()
+        #: 0: column-parallel (``layout``: its input's, a sequence chunk or whole); 1: row-parallel (``layout``: its
+        #: output's, a sequence chunk or whole); ``shards_after``: FSDP's row shards of the piece, later
+        self.dim, self.cut, self.layout, self.shards_after = dim, cut, layout, shards_after
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        weight, bias = module.weight, module.bias
+        piece = self.cut(weight.data, self.dim, device_mesh.size(), device_mesh.get_local_rank(), self.shards_after)
+        module.weight = nn.Parameter(DTensor.from_local(piece, device_mesh, [Shard(self.dim)], run_check=False,
+                                                        shape=weight.shape, stride=weight.stride()),
+                                     requires_grad=False)
+        if bias is not None:  # a column-parallel bias is cut with the rows; a row-parallel one is added once, whole
+            placement = Shard(0) if self.dim == 0 else Replicate()
+            module.bias = nn.Parameter(distribute_tensor(bias.data, device_mesh, [placement]),
+                                       requires_grad=bias.requires_grad)
+        if self.dim == 0:
+            module.register_forward_pre_hook(lambda _m, args: self._whole_input(args, device_mesh))
+            module.forward = self._column_forward(module)
+        else:
+            module.forward = self._row_forward(module, device_mesh)
+        return module
+
+    def _whole_input(self, args: tuple, mesh: DeviceMesh) -> tuple:
+        """The input whole on every rank (gathered from sequence chunks under SP); its gradient, partial on each
+        rank (this rank's output features), summed back over tp in backward."""
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [self.layout], run_check=False)
+        return (x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()]), *args[1:])
+
+    @staticmethod
+    def _column_forward(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        inner = module.forward
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            with local_parameters(module):
+                return inner(x)  # this rank's output features, a plain tensor (as ColwiseParallel's local output)
+        return forward
+
+    def _row_forward(self, module: nn.Module, mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if isinstance(x, DTensor):
+                x = x.redistribute(mesh, [Shard(-1)]).to_local()
+            with local_parameters(module):
+                partial = nn.functional.linear(x, module.weight)
+            out = DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(mesh, [self.layout])
+            if module.bias is not None:
+                out = out + module.bias
+            return out.to_local()
+        return forward
+
+
+def quantized_style(style: str | ParallelStyle, cut: Callable[..., torch.Tensor], *, sequence_parallel: bool = False,
+                    input_gathered: bool = False, shards_after: int = 1) -> QuantizedLinear:
+    """The style a plan's 'colwise' or 'rowwise' becomes on a layer with a quantized weight."""
+    args = BuildArgs(sequence_parallel, input_gathered=input_gathered)
+    name = HF_ALIASES.get(style, style) if isinstance(style, str) else None
+    if name == "colwise":
+        return QuantizedLinear(0, cut, args.column_input, shards_after)
+    return QuantizedLinear(1, cut, args.residual, shards_after)
