@@ -149,7 +149,8 @@ def world2(tmp: str) -> dict[str, Any]:
 
 def world4(tmp: str) -> dict[str, Any]:
     """The combinations: FSDP2 over tensor-parallel NF4 pieces (each rank's rows of its piece; also read from the
-    pretrained checkpoint, resuming the adapters the first run wrote at step 3), FSDP2 with a pipeline, HSDP."""
+    pretrained checkpoint, resuming the adapters the first run wrote at step 3), FSDP2 with a pipeline, tensor
+    parallelism inside pipeline stages, HSDP."""
     out: dict[str, Any] = {}
     adapters = str(Path(tmp) / "adapters4")
     out["fsdp2_tp2"] = run(nd(dp_shard=2, tp=2, save_trainable_only=True), 4, 2, ckpt_dir=adapters,
@@ -157,6 +158,7 @@ def world4(tmp: str) -> dict[str, Any]:
     out["pretrained_fsdp2_tp2"] = run(nd(dp_shard=2, tp=2, pretrained=str(Path(tmp) / "base")), 4, 2,
                                       empty_init=True, resume_from=str(Path(adapters) / "step=3.ckpt"))
     out["fsdp2_pp2"] = run(nd(dp_shard=2, pp=2, pp_microbatches=2), 4, 2)
+    out["pp2_tp2"] = run(nd(pp=2, tp=2, pp_microbatches=2), 4, 1)  # each stage's NF4 weights cut over tp
     out["hsdp"] = run(nd(dp_replicate=2, dp_shard=2), 4, 4)
     return out
 

@@ -3,7 +3,7 @@ PEFT LoRA adapters, its frozen block weights in NF4.
 
 - Parity: FSDP2 over 2 ranks, a pipeline over 2 stages, tensor parallelism over 2 ranks (with and without sequence
   parallelism), FSDP2 with activation checkpointing and with CPU offload, context parallelism over 2 ranks (FSDP
-  over them), and over 4 processes FSDP2 x tp2, FSDP2 x pp2 and HSDP 2 x 2, equal one QLoRA process (the
+  over them), and over 4 processes FSDP2 x tp2, FSDP2 x pp2, pp2 x tp2 and HSDP 2 x 2, equal one QLoRA process (the
   torch-level ``quantize_base_weights`` applied by hand, plain Lightning) on the same data: losses at every step and
   final weights within 1e-5 (fp32 adapters; the NF4 codes are the same bits: quantization is deterministic and
   happens on the whole weight before tensor parallelism or FSDP cuts it, and a cut piece dequantizes to exactly
@@ -165,7 +165,7 @@ def test_qlora_layouts_equal_one_qlora_process(w2, layout):
     _assert_qlora_parity(w2, layout)
 
 
-@pytest.mark.parametrize("layout", ["fsdp2_tp2", "fsdp2_pp2", "hsdp"])
+@pytest.mark.parametrize("layout", ["fsdp2_tp2", "fsdp2_pp2", "pp2_tp2", "hsdp"])
 def test_qlora_combinations_over_4_processes_equal_one_qlora_process(w4, layout):
     _assert_qlora_parity(w4, layout)
 
