@@ -213,7 +213,7 @@ class ModelProfile:
     tp_plan: dict[str, Any]  # the resolved plan (module FQN -> style) on the whole model, or {} without one
     meta_module: nn.Module = field(repr=False)  # the meta copy: stage plans and tp checks are read from it
     tp_source_plan: dict[str, Any] = field(default_factory=dict)  # the plan as given (globs), validated per tp
-    tp_checks: dict[tuple[int, bool], bool] = field(default_factory=dict, repr=False)
+    tp_checks: dict[tuple, bool] = field(default_factory=dict, repr=False)
     #: the fewest experts of its experts modules (the ep sizes that fit divide it); 0: no mixture of experts
     num_experts: int = 0
     #: group-limited routing (DeepSeek-V3's ``n_group``, ``topk_group`` of its config): a token's choices fall in

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from lightning_par._compat import is_quantized
 from lightning_par.costs.profile import ModelProfile, profile_model
 from lightning_par.planner.predict import (
     RESERVE,
@@ -29,8 +30,10 @@ from lightning_par.planner.predict import (
 )
 from lightning_par.techniques.pipeline.pipeline import SCHEDULES
 from lightning_par.techniques.pipeline.pipeline_parallel import PipelineOptions
+from lightning_par.techniques.quantize.nf4_weights import NF4_CUT
 from lightning_par.techniques.recipe import OPTIONS, weighed_options
 from lightning_par.techniques.sharding.fully_sharded import FullyShardedOptions
+from lightning_par.techniques.tensor.tensor import quantized_cut_problems
 from lightning_par.techniques.tensor.tensor_parallel import TensorParallelOptions, plan_fits
 
 if TYPE_CHECKING:
@@ -430,6 +433,9 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
         if dims["tp"] > 1 and (dims["tp"] > per_node or not plan_fits(profile, dims["tp"], False)):
             skip("tp does not fit the model or a node")
             continue
+        if dims["tp"] > 1 and not _quantized_weights_cut(profile, dims["tp"], dims["dp_shard"] * dims["cp"]):
+            skip("tp does not cut the 4-bit weights into whole blocks")
+            continue
         if dims["cp"] > 1 and (not has_attention or profile.seq_len % (2 * dims["cp"])):
             skip("sequence not divisible by 2 x cp")
             continue
@@ -454,6 +460,18 @@ def enumerate_layouts(profile: ModelProfile, world_size: int, per_node: int, bat
                                                  uneven_stages, _stages_per_rank, _microbatches, skip):
                 out.append(Layout(**options, **shape))
     return out, skipped
+
+
+def _quantized_weights_cut(profile: ModelProfile, tp: int, shards: int) -> bool:
+    """Whether tensor parallelism cuts the model's 4-bit weights (``quantize_base``: NF4 placeholders in the traced
+    copy) over ``tp`` ranks, each piece's rows then over FSDP's ``shards``: the engine's own check, cached."""
+    if ("quantized",) not in profile.tp_checks:
+        profile.tp_checks[("quantized",)] = any(is_quantized(p) for p in profile.meta_module.parameters())
+    key = ("quantized", tp, shards)
+    if key not in profile.tp_checks:
+        profile.tp_checks[key] = not (profile.tp_checks[("quantized",)] and quantized_cut_problems(
+            profile.meta_module, profile.tp_plan, tp, NF4_CUT, shards))
+    return profile.tp_checks[key]
 
 
 def _expert_splits(profile: ModelProfile, borrowed: int, allowed: set[int] | None) -> list[int]:

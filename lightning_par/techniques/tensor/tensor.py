@@ -175,7 +175,7 @@ def quantized_cut_problems(module: nn.Module, resolved: dict[str, object], tp: i
         else:
             continue
         found.setdefault(why, []).append(name)
-    return [f"tp_plan: {names[0]!r}{f' and {len(names) - 1} more' if len(names) > 1 else ''} have {why}."
+    return [f"tp_plan: {names[0]!r}{f' (and {len(names) - 1} more)' if len(names) > 1 else ''}: {why}."
             for why, names in found.items()]
 
 
