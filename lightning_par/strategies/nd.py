@@ -133,8 +133,9 @@ class NDParallelStrategy(BaseParallelStrategy):
             tensorwise recipe all-gathers the weights in float8. Fast only with ``compile`` on a GPU of compute
             capability 8.9+; not with tensor parallelism yet. Default None.
         quantize_base: ``"nf4"``: QLoRA's 4-bit base weights: the frozen weights of the blocks' linear layers stored
-            as torchao NF4 (double quantization), dequantized per layer; FSDP shards and gathers them as NF4. Not
-            with tp or float8; the model's weights must exist (not meta). Default None (``techniques/quantize/``).
+            as torchao NF4 (double quantization), dequantized per layer; tensor parallelism cuts their codes into
+            each rank's rows or columns exactly, FSDP shards and gathers them as NF4. Not with float8; the model's
+            weights must exist (not meta) unless ``pretrained=`` fills them. Default None (``techniques/quantize/``).
         pp_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zb"`` or ``"zbv"``.
         pp_microbatches: micro-batches per batch (default: the number of stages). ``1`` with ``"gpipe"`` is plain
             layer-split model parallelism.
