@@ -215,7 +215,9 @@ def check_quantized_weights(path: Path, stored: Mapping[str, tuple[float, float]
     if missing:
         problems.append(
             f"{missing[0]!r} and {len(missing) - 1} more were 4-bit base weights (quantize_base) when the checkpoint "
-            f"was saved, left out of it, and are not quantized in this run: resume with the same quantize_base.")
+            f"was saved, left out of it, and are not quantized in this run: quantize_base is off, or this layout's "
+            f"FSDP shards cannot hold whole NF4 blocks of them (a warning named the weights left unquantized). "
+            f"Resume with the same quantize_base on a layout that quantizes them (e.g. the one it was saved from).")
     differ = sorted(name for name in set(stored) & set(model) if any(
         abs(a - b) > FINGERPRINT_RTOL * max(abs(a), abs(b), 1.0) for a, b in zip(stored[name], model[name])))
     if differ:
@@ -276,6 +278,14 @@ def consolidate_checkpoint(path: str | os.PathLike, output_file: str | os.PathLi
     }
     dcp.load({"state_dict": state_dict}, checkpoint_id=path, no_dist=True)
     meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    if meta.get(QUANTIZED):
+        left_out = sorted(meta[QUANTIZED])
+        warnings.warn(
+            f"consolidate_checkpoint({str(path)!r}): the checkpoint leaves out its {len(left_out)} frozen 4-bit base "
+            f"weights (quantize_base; {left_out[0]!r}, ...), so the consolidated state_dict lacks them and a strict "
+            f"load_from_checkpoint refuses it. For a whole model export the live run with save_hf_pretrained "
+            f"(adapters merged into the dequantized weights), or load it non-strictly over the base weights.",
+            stacklevel=2)
     checkpoint = {**meta, "state_dict": state_dict}
     if output_file is not None:
         torch.save(checkpoint, output_file)

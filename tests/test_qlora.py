@@ -200,11 +200,11 @@ def test_fsdp_shards_are_the_one_process_codes_and_gather_as_nf4(w2):
 
 
 @pytest.mark.parametrize("layout, ranks", [("fsdp2", 2), ("tp2", 2), ("fsdp2_tp2", 4)])
-def test_per_rank_base_weight_bytes(w2, w4, layout, ranks):
+def test_per_rank_base_weight_bytes(request, layout, ranks):
     """Measured per rank: the NF4 shards' bytes (codes, scales, factors, mean) over bf16's bytes for the same
     elements: 0.258 (0.5 + 1/64 + 4/16384 bytes per weight, over 2), under FSDP2, tp2 (the row-parallel pieces'
     second-level factors repeated: no more bytes at these shapes) and both."""
-    for r in (w2 if ranks == 2 else w4):
+    for r in request.getfixturevalue("w2" if ranks == 2 else "w4"):
         b = r[layout]["base"]
         ratio = b["nf4_bytes"] / b["bf16_bytes"]
         assert ratio <= 0.30, ratio
@@ -253,6 +253,12 @@ def test_a_full_checkpoint_leaves_the_nf4_weights_out_and_resumes_under_another_
     values = whole[some].double()
     assert fingerprints[some] == pytest.approx((float(values.sum()), float(values.square().sum())), rel=1e-9)
     assert_parity(w2[0]["full_resumed_tp2"], reference(), steps=STEPS - 3)
+    # consolidating it for inference says what it lacks (a strict load_from_checkpoint would refuse it)
+    from lightning_par import consolidate_checkpoint
+
+    with pytest.warns(UserWarning, match=r"leaves out its 28 frozen 4-bit base weights .* save_hf_pretrained"):
+        consolidated = consolidate_checkpoint(w2[0]["full_checkpoint"])
+    assert not set(fingerprints) & set(consolidated["state_dict"])
 
 
 def test_resuming_a_full_checkpoint_on_other_base_weights_is_refused(tmp_path):
@@ -268,8 +274,8 @@ def test_resuming_a_full_checkpoint_on_other_base_weights_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"'a.weight' and 1 more are quantized in this run \(quantize_base\) and "
                                          r"stored unquantized"):
         ckpt.check_quantized_weights(tmp_path, {}, here, {"a.weight", "b.weight", "c"})
-    with pytest.raises(ValueError, match=r"'a.weight' and 1 more were 4-bit base weights .* resume with the same "
-                                         r"quantize_base"):
+    with pytest.raises(ValueError, match=r"'a.weight' and 1 more were 4-bit base weights .* Resume with the same "
+                                         r"quantize_base on a layout that quantizes them"):
         ckpt.check_quantized_weights(tmp_path, here, {}, set())
 
 
@@ -388,6 +394,10 @@ def test_nf4_weights_tensor_parallelism_cannot_cut_are_refused_naming_them():
     assert quantized_cut_problems(model, {"narrow": "colwise"}, 2, NF4_CUT) == []
     assert "cut into 2 pieces of 128 rows, each then into 3 FSDP row shards" in quantized_cut_problems(
         model, {"narrow": "colwise"}, 2, NF4_CUT, shards_after=3)[0]
+    # FSDP's rows of a piece must be whole 64-value blocks too: 512 x 32 over tp2, then 256 shards of one row
+    narrow_rows = _nf4().to_nf4(torch.randn(512, 32), 64, 256)
+    assert why_not_cut(narrow_rows, 0, 2, 128) is None
+    assert "into 256 FSDP row shards of whole 64-value blocks" in why_not_cut(narrow_rows, 0, 2, 256)
     assert "no cut for it: quantize it through the strategy's quantize_base=" in quantized_cut_problems(
         model, {"narrow": "colwise"}, 2, None)[0]
 

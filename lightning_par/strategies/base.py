@@ -555,9 +555,11 @@ class BaseParallelStrategy(ParallelStrategy):
         saved_meta = ckpt.read_meta(path)
         trainable_only = bool(saved_meta.get(ckpt.TRAINABLE_ONLY, False))
         stored = ckpt.stored_shapes(path, "state_dict.")
-        # frozen 4-bit base weights: never in a checkpoint; the model's must be the ones it was saved from
-        quantized = ckpt.quantized_fingerprints(model_sd)
+        # frozen 4-bit base weights: never in a checkpoint; the model's must be the ones it was saved from (an
+        # adapters-only checkpoint names none: the frozen weights are left out below anyway)
+        quantized: dict[str, Any] = {}
         if not trainable_only:
+            quantized = ckpt.quantized_fingerprints(model_sd)
             ckpt.check_quantized_weights(path, saved_meta.get(ckpt.QUANTIZED, {}), quantized, set(stored))
         model_sd = {k: v for k, v in model_sd.items() if k not in quantized}
         if trainable_only:  # adapters only: the frozen weights stay as pretrained= (or the init) left them

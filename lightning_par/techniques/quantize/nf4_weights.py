@@ -188,9 +188,10 @@ def why_not_cut(weight: torch.Tensor, dim: int, parts: int, shards_after: int = 
         return (f"{tuple(nf4.shape)} cut into {parts} pieces of its {what} {nf4.block_size}-value NF4 blocks) is "
                 f"not possible")
     local_rows = rows // parts if dim == 0 else rows
-    if local_rows % shards_after:
+    local_cols = cols if dim == 0 else cols // parts
+    if local_rows % shards_after or (local_rows // shards_after * local_cols) % nf4.block_size:
         return (f"{tuple(nf4.shape)} cut into {parts} pieces of {local_rows} rows, each then into {shards_after} "
-                f"FSDP row shards, is not possible")
+                f"FSDP row shards of whole {nf4.block_size}-value blocks, is not possible")
     return None
 
 
