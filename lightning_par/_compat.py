@@ -244,6 +244,14 @@ def is_quantized(t: torch.Tensor) -> bool:
     return hasattr(local_tensor(t), "get_original_weight")
 
 
+def inner_tensor_names(t: torch.Tensor) -> list[str]:
+    """The attribute names of the plain tensors a tensor subclass stores (QLoRA's NF4: codes, scales, factors, mean,
+    table); [] for a plain tensor. torch 2.11-2.13: the traceable wrapper subclass protocol's
+    ``__tensor_flatten__`` (what torch.compile and FSDP2 read too; documented for subclass authors, not as API)."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    return list(flatten()[0]) if flatten is not None else []
+
+
 def tensor_version(t: torch.Tensor) -> int:
     """The in-place version counter autograd checks saved tensors against (torch 2.11-2.13: ``Tensor._version``):
     a saved-tensor hook that keeps a tensor must check it itself, since autograd does not under such hooks."""

@@ -347,3 +347,16 @@ def test_nf4_gathers_into_a_dtensor_once_wrapped(tmp_path):
     finally:
         nf4_tensor.NF4Tensor.fsdp_post_all_gather = original
         dist.destroy_process_group()
+
+
+def test_inner_tensor_names_of_a_subclass_and_of_a_plain_tensor():
+    """``inner_tensor_names``: the plain tensors an NF4 weight stores (by torch's subclass protocol), none for a plain
+    tensor or a parameter."""
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    weight = nf4_tensor.to_nf4(torch.randn(256, 64), 64, 256)
+    names = _compat.inner_tensor_names(weight)
+    assert {"quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"} <= set(names)
+    assert all(type(getattr(weight, n)) is torch.Tensor for n in names)
+    assert _compat.inner_tensor_names(torch.randn(3)) == []
+    assert _compat.inner_tensor_names(torch.nn.Parameter(torch.randn(3))) == []

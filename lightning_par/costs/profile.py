@@ -36,7 +36,14 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
-from lightning_par._compat import autocast_accepts_meta, local_tensor, torch_dispatch_mode, tree_leaves, tree_map
+from lightning_par._compat import (
+    autocast_accepts_meta,
+    inner_tensor_names,
+    local_tensor,
+    torch_dispatch_mode,
+    tree_leaves,
+    tree_map,
+)
 from lightning_par.flop_formulas import ATTENTION_OPS, FORMULAS
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.modules import clean_name, find_block_list
@@ -693,9 +700,9 @@ def stored_itemsize(tensor: torch.Tensor) -> float:
     tensors (QLoRA's NF4: 4-bit codes, int8 scales, their factors; 0.516 bytes per weight) their bytes over its
     elements."""
     tensor = local_tensor(tensor)  # a DTensor: what its local shard holds
-    if not hasattr(tensor, "__tensor_flatten__") or tensor.numel() == 0:
+    names = inner_tensor_names(tensor)
+    if not names or tensor.numel() == 0:
         return tensor.element_size()
-    names, _ = tensor.__tensor_flatten__()
     inner = [getattr(tensor, name) for name in names]
     return sum(t.numel() * t.element_size() for t in inner) / tensor.numel()
 

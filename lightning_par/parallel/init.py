@@ -15,7 +15,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from lightning_par._compat import is_quantized, local_tensor
+from lightning_par._compat import inner_tensor_names, is_quantized, local_tensor
 from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.lora import lora_initializers
 
@@ -80,7 +80,7 @@ def _inner_tensors_to(module: nn.Module, device: torch.device) -> None:
         local = local_tensor(p)
         if not is_quantized(local):
             continue
-        for name in local.__tensor_flatten__()[0]:
+        for name in inner_tensor_names(local):
             inner = getattr(local, name)
             if inner.is_meta:
                 setattr(local, name, torch.empty_like(inner, device=device))

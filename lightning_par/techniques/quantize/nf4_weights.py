@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_par._compat import local_tensor, meta_nf4
+from lightning_par._compat import inner_tensor_names, local_tensor, meta_nf4
 from lightning_par.dims import ParallelDims
 from lightning_par.parallel.modules import inside_any
 from lightning_par.parallel.quantized_cut import QuantizedCut
@@ -154,7 +154,7 @@ def fill_nf4(tensor: torch.Tensor, whole: torch.Tensor) -> None:
                              f"{tuple(mine.shape)} in scale blocks of {mine.scaler_block_size}, its shard is "
                              f"{tuple(local.shape)} in blocks of {local.scaler_block_size} (placements "
                              f"{placements}).")
-        for name in local.__tensor_flatten__()[0]:  # codes, scales, factors, mean, the 16-value table
+        for name in inner_tensor_names(local):  # codes, scales, factors, mean, the 16-value table
             getattr(local, name).copy_(getattr(mine, name))
 
 

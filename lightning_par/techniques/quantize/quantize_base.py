@@ -81,7 +81,7 @@ class QuantizeBase(Technique):
                 f"weights (trainer.init_module(empty_init=False)) and load them before fit, or quantize_base=None.")
         raise_on_every_rank(problems)
         target.quantized_cut = NF4_CUT  # tensor parallelism cuts the NF4 weights with it, exactly
-        shards = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+        shards = dims.mesh_size("dp_shard_cp")  # FSDP's row shards of each weight
         if shards > 1 and dims.tp > 1:  # FSDP2 then gathers tensor-parallel NF4 pieces
             nf4_gathers_into_dtensors()
         # with a checkpoint to read, the weights become NF4 placeholders now, filled from it shard by shard later

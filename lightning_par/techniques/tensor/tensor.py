@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from lightning_par._compat import is_quantized
+from lightning_par._compat import inner_tensor_names, is_quantized
 from lightning_par.parallel.quantized_cut import QuantizedCut
 from lightning_par.techniques.tensor.sequence_regather import save_chunks_of_gathered_input
 from lightning_par.techniques.tensor.tensor_plan import (
@@ -181,9 +181,7 @@ def quantized_cut_problems(module: nn.Module, resolved: dict[str, object], tp: i
 
 def _storages(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors holding a tensor's values: itself, or a quantized subclass's inner tensors."""
-    if is_quantized(tensor):
-        return [getattr(tensor, name) for name in tensor.__tensor_flatten__()[0]]
-    return [tensor.data]
+    return [getattr(tensor, name) for name in inner_tensor_names(tensor)] or [tensor.data]
 
 
 @torch.no_grad()

@@ -251,7 +251,7 @@ class TensorParallel(Technique):
             plan = {fqn: style for fqn, style in resolved.items()
                     if any(fqn == owner or fqn.startswith(owner + ".") for owner in target.keep)}
         # FSDP's row shards of each tensor-parallel piece of a quantized weight
-        shards_after = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+        shards_after = dims.mesh_size("dp_shard_cp")
         mine = validate_tp_plan(target.module, plan, dims.tp, sequence_parallel=self.sequence_parallel,
                                 loss_parallel=self.loss_parallel, whole_model=target.keep is None)
         problems = quantized_cut_problems(target.module, mine, dims.tp, target.quantized_cut, shards_after)
