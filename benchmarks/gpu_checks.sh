@@ -3,10 +3,11 @@
 # H100). Each step has its own time limit and its own log, so that one failure or hang costs only its share; steps
 # run in the order given (default: all, most important first):
 #   cp          the context-parallel fused kernels' exactness (tests/test_gpu.py -k cp) and their speed at 32k
-#               tokens against one fused SDPA call (benchmarks/bench_cp_kernels.py, bench_context.py --world 1)
+#               tokens against one fused SDPA call, per kernel (benchmarks/bench_cp_kernels.py)
+#   cpworld     the context-parallel engine at world 1 against SDPA (benchmarks/bench_context.py --world 1)
 #   titan       lightning_par against torchtitan's Llama 3 code on the same model (benchmarks/bench_vs_torchtitan.py;
 #               its wheels travel in .whl/ and are installed by the caller, see docs/benchmarks.md)
-#   fsdp        FSDP2Strategy against a hand-written loop, eager and compiled, and float8 (benchmarks/bench_gpu.py)
+#   fsdp        FSDP2Strategy against a hand-written loop, compiled (bf16 and float8) and eager (benchmarks/bench_gpu.py)
 #   tests       the rest of tests/test_gpu.py, the compiled cases last
 #   planner     the planner's GPU half, the MoE GPU rows, the experts' grouped-matmul curve
 #
@@ -15,7 +16,7 @@ set -u
 out=${1:?usage: bash benchmarks/gpu_checks.sh OUT_DIR [SECONDS] [STEP ...]}
 total=${2:-540}
 shift $(( $# > 1 ? 2 : 1 ))
-steps=${*:-cp titan fsdp tests planner}
+steps=${*:-cp titan fsdp tests planner cpworld}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/tests"
 py=${PYTHON:-python3}
@@ -45,26 +46,33 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     "$py" -c "import torch, lightning, transformers; print('torch', torch.__version__, '| lightning', \
-lightning.__version__, '| transformers', transformers.__version__, '|', torch.cuda.get_device_name())"
+lightning.__version__, '| transformers', transformers.__version__, '| cuDNN', torch.backends.cudnn.version(), '|', \
+torch.cuda.get_device_name())"
 } >"$out/summary.txt" 2>&1
 cat "$out/summary.txt"
 
 run_cp() {
-    step test_gpu_cp 90 "$py" -m pytest -m gpu tests/test_gpu.py -k "cp_ or context_parallel" -v -rs \
-        -p no:cacheprovider
-    step cp_kernels 60 "$py" benchmarks/bench_cp_kernels.py --repeats 3 --cps 2 8 --math-seq 4096 \
-        --out "$out/cp_kernels.json"
+    # its own limit: the fixture runs every case on every fused kernel (cuDNN, flash, memory-efficient) first
+    step test_gpu_cp 150 "$py" -m pytest -m gpu tests/test_gpu.py -k "cp_ or context_parallel" -v -rs \
+        -p no:cacheprovider --durations=0
+    # per kernel (what SDPA picks, cuDNN, flash) for the unsplit call and the blocks alike; the GPU time by kernel
+    step cp_kernels 90 "$py" benchmarks/bench_cp_kernels.py --repeats 3 --cps 2 8 --kernels auto cudnn flash \
+        --math-seq 4096 --profile --out "$out/cp_kernels.json"
+}
+run_cpworld() {
     # our attention engine at world 1 (ring, all-gather, Ulysses blocks) against one fused SDPA call at 32k tokens
     step context_world1 60 "$py" benchmarks/bench_context.py --device cuda --world 1 --seq 32768 --iters 3 \
         --out "$out/context_world1.json"
 }
 run_titan() {
-    # 6 of Llama-3.1-8B's layers: what an 80 GB H100 holds with AdamW at seq 2,048 x 2 (the same on an H200)
-    step vs_torchtitan 170 "$py" benchmarks/bench_vs_torchtitan.py --budget-s 130 --layers 6 \
+    # 6 of Llama-3.1-8B's layers: what an 80 GB H100 holds with AdamW at seq 2,048 x 2 (the same on an H200);
+    # compiled bf16 and float8 first (the float8 goal), then eager, then seq 8,192 with full activation checkpointing
+    step vs_torchtitan 250 "$py" benchmarks/bench_vs_torchtitan.py --budget-s 215 --layers 6 --rows 1,2,0,3 \
         --out "$out/vs_torchtitan.json"
 }
 run_fsdp() {
-    step fsdp_gpu 200 "$py" benchmarks/bench_gpu.py --variants hand,fsdp2,hand_compiled,fsdp2_compiled \
+    step fsdp_gpu 200 "$py" benchmarks/bench_gpu.py \
+        --variants hand_compiled,fsdp2_compiled,hand_compiled_float8,fsdp2_compiled_float8,hand,fsdp2 \
         --steps 10 --warmup 6 --out "$out/fsdp_gpu.json"
 }
 run_tests() {
@@ -85,8 +93,8 @@ run_planner() {
 }
 for name in $steps; do
     case $name in
-        cp|titan|fsdp|tests|planner) "run_$name" ;;
-        *) echo "unknown step $name (cp titan fsdp tests planner)" | tee -a "$out/summary.txt" ;;
+        cp|cpworld|titan|fsdp|tests|planner) "run_$name" ;;
+        *) echo "unknown step $name (cp cpworld titan fsdp tests planner)" | tee -a "$out/summary.txt" ;;
     esac
 done
 cat "$out/summary.txt"

@@ -20,7 +20,8 @@ __all__ = ["all_to_all_single_autograd", "async_tensor_parallel_enabled", "check
            "enable_async_tensor_parallel", "fused_attention_backward", "fused_attention_forward",
            "ignore_profiler_ranges_in_selective_checkpointing",
            "in_backward", "is_transformers_experts", "live_process_groups", "local_chunk",
-           "meta_nf4", "move_graph_to_device", "pipeline_stage_class", "set_device_mesh", "symmetric_memory_enabled",
+           "meta_nf4", "move_graph_to_device", "pipeline_stage_class", "sdpa_kernel_choice", "set_device_mesh",
+           "symmetric_memory_enabled",
            "torch_dispatch_mode", "transformers_experts_gate", "transformers_experts_implementation",
            "train_dataloader_of", "tree_leaves", "tree_map", "without_function_modes"]
 
@@ -325,13 +326,31 @@ def is_transformers_experts(module: Any) -> bool:
 
 #: the memory-efficient kernel's lse holds its rows in tiles of this many (padded): its backward reads them so
 _EFFICIENT_LSE_ROWS = 32
+#: torch.nn.attention.SDPBackend's values (public enum) -> the kernel names below
+_SDPA_BACKENDS = {1: "flash", 2: "efficient", 3: "cudnn"}
+
+
+def sdpa_kernel_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> str | None:
+    """The fused kernel torch's SDPA would run for these tensors ("cudnn", "flash" or "efficient"), None for its
+    math path: torch's private ``_fused_sdp_choice`` (torch 2.11-2.13), the selector SDPA itself calls. It honours
+    ``torch.nn.attention.sdpa_kernel`` and torch's priority order (cuDNN first on Hopper and Blackwell with a recent
+    cuDNN, else flash), so a block of context-parallel attention runs the kernel one SDPA call would."""
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, causal)
+    return _SDPA_BACKENDS.get(int(choice))
 
 
 def fused_attention_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of torch's fused CUDA attention kernel ``kernel`` ("flash" or "efficient"), lse unpadded: the private
-    aten ops torch's own ring attention calls per block (``torch.distributed.tensor.experimental``'s
-    ``_templated_ring_attention``); their schemas are the same on torch 2.11 and 2.13 (tests/test_compat.py)."""
+    """(out, lse) of torch's fused CUDA attention kernel ``kernel`` ("cudnn", "flash" or "efficient"), lse as
+    (batch, heads, rows) unpadded: the private aten ops torch's own ring attention calls per block
+    (``torch.distributed.tensor.experimental``'s ``_templated_ring_attention``); their schemas are the same on torch
+    2.11 and 2.13 (tests/test_compat.py). cuDNN's lse keeps a trailing dimension of 1, dropped here; like torch's
+    ring attention, cuDNN is given contiguous inputs."""
+    if kernel == "cudnn":
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+        return out, lse.reshape(q.shape[:3])
     if kernel == "flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
     else:
@@ -344,11 +363,15 @@ def fused_attention_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k
                              out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the fused kernel's own backward given ``out`` and ``lse`` (any out and lse: the block's rows
-    of the merged ones, in context parallelism). lse must be contiguous (a strided slice gave wrong dq and dk, NaN
-    for causal blocks, on an H200 with torch 2.11), and for the memory-efficient kernel padded to its row tiles.
-    No dropout: the seed and offset the ops take are unused."""
+    of the merged ones, in context parallelism), all contiguous. lse must be contiguous (a strided slice gave wrong
+    dq and dk, NaN for causal blocks, on an H200 with torch 2.11), for the memory-efficient kernel padded to its row
+    tiles, for cuDNN with its trailing dimension of 1. No dropout: the seed and offset the ops take are unused."""
     no_rng = torch.empty((), dtype=torch.long)
     rows = q.size(2)
+    if kernel == "cudnn":
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.float().reshape(*lse.shape, 1).contiguous(), no_rng, no_rng, None, None, None,
+            rows, k.size(2), 0.0, causal, scale=scale)
     if kernel == "flash":
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse.float().contiguous(), None, None, rows, k.size(2), 0.0, causal, no_rng, no_rng,

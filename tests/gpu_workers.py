@@ -589,13 +589,29 @@ def sdpa_seconds(dtype: torch.dtype = torch.bfloat16, seq: int = 4096, repeats: 
 
 
 def run_cp_kernels() -> dict[str, Any]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from lightning_par.techniques.context import context as ctx
 
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     ran: dict[str, list[str]] = {}
-    out = {"math": cp_kernel_errors(False, "cuda", dtypes),
-           "fused": cp_kernel_errors(True, "cuda", dtypes, CP_CASES, ran), "kernels_ran": ran,
-           "seconds": {"math": cp_kernel_seconds(False), "fused": cp_kernel_seconds(True), "sdpa": sdpa_seconds()}}
+    out: dict[str, Any] = {"math": cp_kernel_errors(False, "cuda", dtypes), "kernels_ran": ran, "by_kernel": {},
+                           "by_kernel_ran": {}, "by_kernel_failed": {}}
+    try:  # a kernel that fails is a result for the tests to name, not the end of the others' checks
+        out["fused"] = cp_kernel_errors(True, "cuda", dtypes, CP_CASES, ran)
+        out["seconds"] = {"math": cp_kernel_seconds(False), "fused": cp_kernel_seconds(True), "sdpa": sdpa_seconds()}
+    except Exception as e:  # noqa: BLE001
+        out["fused_failed"] = f"{type(e).__name__}: {e}"[:2000]
+    # each fused kernel in turn, as torch.nn.attention.sdpa_kernel leaves it the only choice: every one must be exact
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        ran_here: dict[str, list[str]] = {}
+        try:
+            with sdpa_kernel([backend, SDPBackend.MATH]):
+                out["by_kernel"][name] = cp_kernel_errors(True, "cuda", dtypes, CP_CASES, ran_here)
+        except Exception as e:  # noqa: BLE001 - recorded; the test names the kernel and the error
+            out["by_kernel_failed"][name] = f"{type(e).__name__}: {e}"[:2000]
+        out["by_kernel_ran"][name] = ran_here
     before, ctx.SCORE_TILE_BYTES = ctx.SCORE_TILE_BYTES, 2**16  # the math path in row tiles of 64 KiB of scores
     try:
         out["tiled"] = cp_kernel_errors(False, "cuda", dtypes)

@@ -283,7 +283,31 @@ def test_the_fused_attention_ops_take_the_arguments_context_parallelism_passes()
     assert names(aten._scaled_dot_product_efficient_attention_backward)[:12] == [
         "grad_out_", "query", "key", "value", "attn_bias", "out", "logsumexp", "philox_seed", "philox_offset",
         "dropout_p", "grad_input_mask", "is_causal"]
-    assert callable(_compat.fused_attention_forward) and callable(_compat.fused_attention_backward)
+    assert names(aten._scaled_dot_product_cudnn_attention)[:8] == [
+        "query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal", "return_debug_mask"]
+    assert names(aten._scaled_dot_product_cudnn_attention_backward)[:15] == [
+        "grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset", "attn_bias",
+        "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal"]
+    # the calls' arguments (None for the tensors cuDNN does not need) get past the argument parser to the
+    # dispatcher, which has no CPU kernel for these ops: that refusal is the sign the arguments were accepted
+    q, lse = torch.randn(1, 2, 8, 16), torch.zeros(1, 2, 8)
+    for kernel in ("cudnn", "flash", "efficient"):
+        with pytest.raises(NotImplementedError, match="CPU"):
+            _compat.fused_attention_forward(kernel, q, q, q, 0.25, True)
+        with pytest.raises(NotImplementedError, match="CPU"):
+            _compat.fused_attention_backward(kernel, q, q, q, q, q, lse, 0.25, True)
+
+
+def test_sdpa_kernel_choice_follows_torch_selector_and_sdpa_kernel():
+    """``sdpa_kernel_choice`` (torch's private ``_fused_sdp_choice``) names a fused kernel, and None where
+    ``torch.nn.attention.sdpa_kernel`` leaves only the math path; on the CPU its answer is torch's CPU flash kernel
+    (the engine asks only for CUDA tensors)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, 2, 8, 16)
+    assert _compat.sdpa_kernel_choice(q, q, q, True) == "flash"
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert _compat.sdpa_kernel_choice(q, q, q, True) is None
 
 
 def test_a_meta_nf4_weight_has_the_inner_tensors_of_a_real_one():

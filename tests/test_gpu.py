@@ -240,23 +240,38 @@ def test_cp_math_path_is_exact_on_gpu(cp_kernels):
 
 
 def test_cp_fused_kernels_are_as_exact_as_the_math_path(cp_kernels):
-    """Each block's forward and backward through torch's fused kernels (flash attention for fp16/bf16, the
+    """Each block's forward and backward through the fused kernel SDPA picks (cuDNN or flash for fp16/bf16, the
     memory-efficient kernel for fp32), the backward given the block's rows of the merged out and lse, as exact as the
     math path in every case: causal and full, load-balanced, GQA, cp up to 8, sliding windows. The speed is measured,
     not asserted: ``cp_kernels["seconds"]`` here, and ``benchmarks/bench_cp_kernels.py`` at 32k tokens."""
+    assert "fused_failed" not in cp_kernels, cp_kernels["fused_failed"]
     for case, err in cp_kernels["fused"].items():
         assert err <= max(CP_TOL[case.split("/")[0]], 2 * cp_kernels["math"][case]), (case, err)
 
 
 def test_cp_blocks_ran_the_fused_kernels(cp_kernels):
-    """The fused path really ran: flash forward and backward in half precision, the memory-efficient kernel in
-    fp32 (with a sliding window, blocks it masks in part take the math path: not asserted here)."""
+    """The fused path really ran: in every case a fused kernel's forward and backward (cuDNN or flash in half
+    precision, the memory-efficient kernel in fp32), the same kernel SDPA picks (with a sliding window, blocks it
+    masks in part take the math path: not asserted here)."""
     for case, ops in cp_kernels["kernels_ran"].items():
         if "/w" in case:
             continue
-        kernel = "efficient" if case.startswith("float32/") else "flash"
-        assert {f"_scaled_dot_product_{kernel}_attention", f"_scaled_dot_product_{kernel}_attention_backward"} <= set(
-            ops), (case, ops)
+        kernels = ("efficient",) if case.startswith("float32/") else ("cudnn", "flash")
+        assert any({f"_scaled_dot_product_{k}_attention", f"_scaled_dot_product_{k}_attention_backward"} <= set(ops)
+                   for k in kernels), (case, ops)
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient"])
+def test_cp_blocks_on_each_fused_kernel_are_exact(cp_kernels, kernel):
+    """Each fused kernel alone (``torch.nn.attention.sdpa_kernel``: it, else the math path) computes the blocks as
+    exactly as the math path, and ran where it takes the dtype (cuDNN and flash: fp16/bf16)."""
+    assert kernel not in cp_kernels["by_kernel_failed"], cp_kernels["by_kernel_failed"][kernel]
+    for case, err in cp_kernels["by_kernel"][kernel].items():
+        assert err <= max(CP_TOL[case.split("/")[0]], 2 * cp_kernels["math"][case]), (kernel, case, err)
+    for case, ops in cp_kernels["by_kernel_ran"][kernel].items():
+        takes = not case.startswith("float32/") or kernel == "efficient"
+        if takes and "/w" not in case:
+            assert f"_scaled_dot_product_{kernel}_attention_backward" in ops, (kernel, case, ops)
 
 
 def test_cp_math_path_in_row_tiles_is_exact_on_gpu(cp_kernels):

@@ -12,8 +12,9 @@ the exact attention over the whole sequence. Two ways to move K/V, same block ma
 
 Plain torch.distributed (gloo and NCCL), no Lightning. On CPU each block is plain matmuls in fp32 (fp64 for fp64
 inputs). On CUDA each block's forward and backward run through torch's fused attention kernels, as torch's own ring
-attention does (``torch.distributed.tensor.experimental``'s ``_templated_ring_attention``): flash attention for
-fp16/bf16, the memory-efficient kernel for fp32, each backward given the block's rows of the MERGED out and lse.
+attention does (``torch.distributed.tensor.experimental``'s ``_templated_ring_attention``): the kernel SDPA itself
+would pick for the block (cuDNN or flash for fp16/bf16, the memory-efficient one for fp32), each backward given the
+block's rows of the MERGED out and lse.
 The kernels read lse as a contiguous array (the memory-efficient one padded to its 32-row tiles): a strided slice of
 the merged lse gave wrong dq and dk (NaN for causal blocks) in an earlier version. Blocks the kernels cannot express
 (a sliding window's partial mask, head dims they do not take) and the backward of attention sinks (whose lse has a
@@ -32,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from lightning_par._compat import fused_attention_backward, fused_attention_forward
+from lightning_par._compat import fused_attention_backward, fused_attention_forward, sdpa_kernel_choice
 from lightning_par.techniques.context import ulysses as a2a
 from lightning_par.techniques.context.context_sharding import (
     Block,
@@ -57,8 +58,9 @@ __all__ = [
 
 Algorithm = Literal["ring", "allgather", "ulysses"]
 ALGORITHMS = ("ring", "allgather", "ulysses")
-#: Which kernels compute a block on CUDA: "auto" (flash attention for fp16/bf16, memory-efficient for fp32, each
-#: where it takes the block's shapes, else the math path) or "math" (fp32 matmuls everywhere, the reference).
+#: Which kernels compute a block on CUDA: "auto" (the fused kernel torch's SDPA would pick for the block: cuDNN or
+#: flash for fp16/bf16, memory-efficient for fp32; ``torch.nn.attention.sdpa_kernel`` narrows the choice; the math
+#: path where none takes the block) or "math" (fp32 matmuls everywhere, the reference).
 #: CPU tensors always take the math path.
 CUDA_KERNELS: Literal["auto", "math"] = "auto"
 
@@ -174,19 +176,17 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse.isneginf(), 0.0)
 
 
-def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None) -> str | None:
-    """The fused CUDA kernel that computes this block ("flash" or "efficient"), or None for the math path."""
+def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  visible: torch.Tensor | None) -> str | None:
+    """The fused CUDA kernel that computes this block ("cudnn", "flash" or "efficient"): the one torch's SDPA would
+    pick for it (``sdpa_kernel_choice``), so the blocks run what one unsplit SDPA call runs (cuDNN on an H100 or
+    H200 with torch 2.11: twice flash's speed there) and ``torch.nn.attention.sdpa_kernel`` chooses for both. None
+    (the math path) off CUDA, for a partly masked block, or where no fused kernel takes the shapes."""
     if not q.is_cuda or CUDA_KERNELS == "math" or visible is not None:
         return None
-    d = q.size(-1)
-    if v.size(-1) != d or d % 8 != 0 or d > 256:
-        return None  # head dims the kernels do not take (or not alike for q and v: MLA)
-    capability = torch.cuda.get_device_capability(q.device)
-    # flash's backward takes head dims over 192 on sm80 and sm90 only (torch's sdp_utils refuses sm86/sm89)
-    if q.dtype in (torch.float16, torch.bfloat16) and capability >= (8, 0) and (d <= 192 or capability in ((8, 0),
-                                                                                                        (9, 0))):
-        return "flash"
-    return "efficient" if q.dtype in (torch.float16, torch.bfloat16, torch.float32) else None
+    if v.size(-1) != q.size(-1):
+        return None  # head dims not alike for q and v (MLA): the math path, as before
+    return sdpa_kernel_choice(q, k, v, causal)
 
 
 def _fused_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -213,7 +213,7 @@ def _block_forward(
     A row that sees no key of this block (sliding window) gets out 0 and lse -inf, which the merge weighs 0.
     Row tile by row tile where the scores would exceed ``SCORE_TILE_BYTES``."""
     k, v = _expand_kv(k, v, q.size(1))
-    kernel = _fused_kernel(q, k, v, visible)
+    kernel = _fused_kernel(q, k, v, causal, visible)
     if kernel is not None:
         return _fused_forward(kernel, q, k, v, scale, causal)
     tiles = _row_tiles(q, k, causal)
@@ -258,7 +258,8 @@ def _block_backward(
     """
     kv_heads = k.size(1)
     k, v = _expand_kv(k, v, q.size(1))
-    kernel = None if dlse is not None else _fused_kernel(q, k, v, visible)  # the kernels take no gradient of lse
+    # the kernels take no gradient of lse
+    kernel = None if dlse is not None else _fused_kernel(q, k, v, causal, visible)
     tiles = _row_tiles(q, k, causal)
     if kernel is not None:
         dq, dk, dv = _fused_backward(kernel, dout, q, k, v, out, lse, scale, causal)
