@@ -2,9 +2,11 @@
 
 Context parallelism splits a sequence over ``cp`` ranks and computes attention as blocks (each rank's queries
 against each rank's keys), merged by their log-sum-exp. On one GPU the blocks of ALL ranks run in one process
-(``tests/gpu_workers.py``'s ``emulated_cp_attention``: the engine's own block plan, kernels and merge, the K/V
+(``tests/gpu_workers.py``'s ``emulated_cp_blocks``: the engine's own block plan, kernels and merge, the K/V
 exchange replaced by indexing), so the time is the work of the whole cp group without its communication: the
-cost of cutting the attention into blocks. The goal is at most 1.15x one fused SDPA call (causal, forward +
+cost of cutting the attention into blocks. The inputs are cut into shards before the clock starts and the results
+stay in shards, as in a run (the 2026-11-27 and first 2026-11-28 runs timed the cutting and joining too: about 4 ms
+of the 67 at cp 2). The goal is at most 1.15x one fused SDPA call (causal, forward +
 backward), and the same result.
 
 Rows, per kernel (``--kernels``: ``auto`` is what SDPA picks, cuDNN on an H100 or H200 with torch 2.11; ``cudnn`` and
@@ -70,11 +72,11 @@ def _profile(batch: int, heads: int, seq: int, head_dim: int, cp: int, top: int 
     where the time beyond the attention kernels goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    q, k, v, dout = _inputs(batch, heads, seq, head_dim)
-    G.emulated_cp_attention(q, k, v, dout, cp, True, True)
+    shards = G.cp_shards(*_inputs(batch, heads, seq, head_dim), cp, True)
+    G.emulated_cp_blocks(shards, cp, True, True)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        G.emulated_cp_attention(q, k, v, dout, cp, True, True)
+        G.emulated_cp_blocks(shards, cp, True, True)
         torch.cuda.synchronize()
     times: dict[str, float] = {}
     for e in prof.events():

@@ -89,6 +89,9 @@ ROWS: list[dict[str, Any]] = [
     dict(name="8B s2048 compile AC", flavor="8B", seq=2048, batch=2, compile=True, ac=True, float8=False),
     dict(name="8B s8192 compile AC fp8", flavor="8B", seq=8192, batch=1, compile=True, ac=True, float8=True),
     dict(name="8B s8192 eager AC", flavor="8B", seq=8192, batch=1, compile=False, ac=True, float8=False),
+    # more tokens per matmul: float8's gain grows with the matmuls' size
+    dict(name="8B s2048 b8 compile", flavor="8B", seq=2048, batch=8, compile=True, ac=False, float8=False),
+    dict(name="8B s2048 b8 compile fp8", flavor="8B", seq=2048, batch=8, compile=True, ac=False, float8=True),
 ]
 # CPU smoke: debug-model-sized, tiny, compile off (float8 emulated: torchao's emulate mode runs on the CPU); the
 # compiled row last (Inductor's C++ on a CPU takes minutes: the budget may skip it).

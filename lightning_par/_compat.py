@@ -346,8 +346,8 @@ def fused_attention_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: to
     (``torch.distributed.tensor.experimental``'s ``_templated_ring_attention``); their schemas are the same on torch
     2.11 and 2.13 (tests/test_compat.py). cuDNN's lse keeps a trailing dimension of 1, dropped here; like torch's
     ring attention, cuDNN is given contiguous inputs."""
+    q, k, v = (t.contiguous() for t in (q, k, v))  # a strided K/V slice gave wrong results on the efficient kernel
     if kernel == "cudnn":
-        q, k, v = (t.contiguous() for t in (q, k, v))
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
         return out, lse.reshape(q.shape[:3])
@@ -366,7 +366,7 @@ def fused_attention_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k
     of the merged ones, in context parallelism), all contiguous. lse must be contiguous (a strided slice gave wrong
     dq and dk, NaN for causal blocks, on an H200 with torch 2.11), for the memory-efficient kernel padded to its row
     tiles, for cuDNN with its trailing dimension of 1. No dropout: the seed and offset the ops take are unused."""
-    no_rng = torch.empty((), dtype=torch.long)
+    no_rng = torch.empty((), dtype=torch.long, device=q.device if kernel == "cudnn" else "cpu")  # cuDNN: on the GPU
     rows = q.size(2)
     if kernel == "cudnn":
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(

@@ -12,6 +12,11 @@ that feeds each linear layer the tensors the layout's ranks feed it:
 - Context parallelism: each rank scales its half of every sequence, which no single process reproduces; the
   deviation it adds is float8 rounding (scales differing by a power of two round differently), checked to stay
   a fraction of what float8 itself changes against fp32.
+- Tensor parallelism over 2 ranks: every scale is the whole tensor's (torchao takes a DTensor's amax over all its
+  shards), so the cast values are one process's; but the row-parallel layers' outputs are sums in another order
+  (1e-7 apart), and once an updated weight or activation lies at a float8 rounding boundary the two runs round it
+  differently. So: equal to 1e-5 for the first steps, and within a fraction of float8's own deviation from fp32
+  over the whole run (measured: 7e-7 up to step 6, then 2.2e-4 against float8's own 1.5e-3).
 """
 
 from __future__ import annotations
@@ -46,7 +51,11 @@ WORLD2 = {  # name: (strategy options, dp ranks)
     "fsdp2": (dict(dp_shard=2), 2),
     "pp2_rowwise": (dict(pp=2, dp_shard=1, pp_microbatches=2, pp_schedule="gpipe", float8="rowwise"), 1),
     "cp2": (dict(cp=2, dp_shard=1), 1),
+    "tp2": (dict(tp=2, dp_shard=1), 1),
+    "tp2_sp": (dict(tp=2, dp_shard=1, sequence_parallel=True), 1),
 }
+#: the tp runs' losses equal one float8 process's to 1e-5 in these first steps (before any rounding flips)
+TP_EXACT_STEPS = 3
 
 
 class RankOrder(Sampler[int]):
@@ -92,8 +101,8 @@ def _world2() -> dict:
     for name, (options, dp) in WORLD2.items():
         options = {"float8": "tensorwise", **options}
         out[name] = fit(NDParallelStrategy(**options), devices=2, dp_size=dp, max_steps=STEPS)
-    out["errors"] = {"tp": error_of(lambda: fit(NDParallelStrategy(tp=2, dp_shard=1, float8="tensorwise"),
-                                                devices=2, dp_size=1, max_steps=1))}
+    out["errors"] = {"tp_rowwise": error_of(lambda: fit(NDParallelStrategy(tp=2, dp_shard=1, float8="rowwise"),
+                                                        devices=2, dp_size=1, max_steps=1))}
     return out
 
 
@@ -143,8 +152,22 @@ def test_a_bad_recipe_is_refused(value):
         NDParallelStrategy(float8=value)
 
 
-def test_float8_with_tensor_parallelism_is_refused_on_every_rank(world2):
-    assert "float8='tensorwise' with tp=2" in world2["errors"]["tp"]
+@pytest.mark.parametrize("name", ["tp2", "tp2_sp"])
+def test_tensor_parallel_float8_equals_one_float8_process_up_to_rounding_flips(world2, references, name):
+    """See the module's docstring: exact until a rounding flips, then within a third of float8's own deviation."""
+    reference = "one_batch"
+    got, want, fp32 = world2[name]["losses"], references[reference]["losses"], references["fp32"]["losses"]
+    assert max_loss_diff(got[:TP_EXACT_STEPS], want[:TP_EXACT_STEPS]) <= 1e-5, (got, want)
+    own = max_loss_diff(want, fp32)
+    assert max_loss_diff(got, want) <= own / 3, (max_loss_diff(got, want), own)
+    want_weights = references[reference]["weights"]
+    own_weights = max_weight_diff(want_weights, references["fp32"]["weights"])
+    assert max_weight_diff(world2[name]["weights"], want_weights) <= own_weights / 3, own_weights
+
+
+def test_rowwise_float8_with_tensor_parallelism_is_refused_on_every_rank(world2):
+    """Its per-row scales did not reproduce one float8 process under tp 2 (the first loss 3e-4 apart)."""
+    assert "float8='rowwise' with tp=2" in world2["errors"]["tp_rowwise"]
 
 
 @pytest.mark.parametrize("name, reference", [("fsdp2", "two_ranks"), ("pp2_rowwise", "two_micro_batches_rowwise")])

@@ -44,6 +44,23 @@ class _HooksLeft(Callback):
         self.kept = [w.handle is not None for w in trainer.strategy.fully_sharded.unused_parameters.watched]
 
 
+class _GradsAtBatchStart(Callback):
+    """Whether any parameter holds a gradient as each training batch starts (before its forward)."""
+
+    def __init__(self) -> None:
+        self.held: list[bool] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.held.append(any(p.grad is not None for p in pl_module.parameters()))
+
+
+class _ZeroGradHook(_GradsAtBatchStart):
+    """Overrides ``on_before_zero_grad``: it sees the gradients where Lightning zeroes them, so they must be kept."""
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer) -> None:
+        pass
+
+
 CLIP = 0.5
 RARE_TOKEN = 30  # in every global batch of the 10 steps, but missing from one rank's half in 4 of them
 PRECISIONS = {"bf16-mixed": torch.float32, "bf16-true": torch.bfloat16}  # -> dtype of the stored weights
@@ -89,19 +106,23 @@ def _run_configs(world_size: int, configs: dict) -> dict:
         out["meta_init"] = fit(FSDP2Strategy(), devices=2, dp_size=2, empty_init=True, module_cls=InitProbe,
                                callbacks=[_KeepModule(probe)])
         out["meta_init"]["initial"] = probe[0].initial_weights
-    dense_hooks, routed_hooks = _HooksLeft(), _HooksLeft()
+    dense_hooks, routed_hooks, grads = _HooksLeft(), _HooksLeft(), _GradsAtBatchStart()
     out["clipped"] = fit(FSDP2Strategy(), devices=world_size, dp_size=world_size, gradient_clip_val=CLIP,
-                         module_cls=SGDGPT, callbacks=[dense_hooks])
-    out["clipped"]["hooks_kept"] = dense_hooks.kept
+                         module_cls=SGDGPT, callbacks=[dense_hooks, grads])
+    out["clipped"]["hooks_kept"], out["clipped"]["grads_at_batch_start"] = dense_hooks.kept, grads.held
     if world_size == 2:
         out["rare_token_expert"] = fit(FSDP2Strategy(), devices=2, dp_size=2, module_cls=RareTokenExpertGPT,
                                        rare_token=RARE_TOKEN, callbacks=[routed_hooks])
         out["rare_token_expert"]["hooks_kept"] = routed_hooks.kept
         for name, kw in ACCUMULATED.items():  # gradient accumulation, with and without one reduction per step
-            counts = CollectiveCounts()
+            counts, grads = CollectiveCounts(), _GradsAtBatchStart()
             out[name] = fit(FSDP2Strategy(**kw), devices=2, dp_size=2, accumulate_grad_batches=2,
-                            callbacks=[counts])
+                            callbacks=[counts, grads])
             out[name]["per_batch"], out[name]["fsdp_units"] = counts.per_batch, counts.fsdp_units
+            out[name]["grads_at_batch_start"] = grads.held
+        hooked = _ZeroGradHook()
+        fit(FSDP2Strategy(), devices=2, dp_size=2, max_steps=3, callbacks=[hooked])
+        out["zero_grad_hook"] = {"grads_at_batch_start": hooked.held}
         out["rare_token_expert_zero1"] = fit(FSDP2Strategy(**ACCUMULATED["zero1_accumulated"]), devices=2, dp_size=2,
                                              module_cls=RareTokenExpertGPT, rare_token=RARE_TOKEN,
                                              accumulate_grad_batches=2)
@@ -191,6 +212,19 @@ def test_gradient_accumulation_reduces_per_micro_batch_or_once_per_step(world2, 
         else:  # each unit gathered for forward and (but the last) again for backward, reduced each micro-batch
             assert scatters == [units] * 19, scatters
             assert gathers == [2 * units - 1] * 19, gathers
+
+
+def test_gradients_are_freed_right_after_the_optimizer_step(world2, world4):
+    """Lightning zeroes gradients after the next ``training_step``, so the last step's would be held through that
+    forward; the strategy frees them right after the optimizer step instead (as torchtitan does), so no batch starts
+    with gradients but the accumulating micro-batches, which must keep them. Where a callback overrides
+    ``on_before_zero_grad`` (it sees the gradients there), Lightning's order is kept. Parity of these runs is
+    asserted by the clipping and accumulation tests."""
+    for run in (world2, world4):
+        assert run[0]["clipped"]["grads_at_batch_start"] == [False] * 10
+    for name in ACCUMULATED:
+        assert world2[0][name]["grads_at_batch_start"] == [False, True] * 10, name
+    assert world2[0]["zero_grad_hook"]["grads_at_batch_start"] == [False, True, True]
 
 
 def test_unused_parameters_taken_back_once_per_accumulated_step(world2):

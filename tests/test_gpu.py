@@ -264,12 +264,13 @@ def test_cp_blocks_ran_the_fused_kernels(cp_kernels):
 @pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient"])
 def test_cp_blocks_on_each_fused_kernel_are_exact(cp_kernels, kernel):
     """Each fused kernel alone (``torch.nn.attention.sdpa_kernel``: it, else the math path) computes the blocks as
-    exactly as the math path, and ran where it takes the dtype (cuDNN and flash: fp16/bf16)."""
+    exactly as the math path, and ran where the engine takes it: cuDNN and flash for fp16/bf16, the memory-efficient
+    kernel for fp32 only (in half precision its backward gave wrong gradients: the math path runs instead)."""
     assert kernel not in cp_kernels["by_kernel_failed"], cp_kernels["by_kernel_failed"][kernel]
     for case, err in cp_kernels["by_kernel"][kernel].items():
         assert err <= max(CP_TOL[case.split("/")[0]], 2 * cp_kernels["math"][case]), (kernel, case, err)
     for case, ops in cp_kernels["by_kernel_ran"][kernel].items():
-        takes = not case.startswith("float32/") or kernel == "efficient"
+        takes = case.startswith("float32/") == (kernel == "efficient")
         if takes and "/w" not in case:
             assert f"_scaled_dot_product_{kernel}_attention_backward" in ops, (kernel, case, ops)
 

@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
@@ -407,7 +408,25 @@ class NDParallelStrategy(BaseParallelStrategy):
             closure = self.fault_tolerant.wrap_closure(closure, plain)
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.float8.after_optimizer_step()
+        if self._frees_gradients_after_step():
+            plain = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            plain.zero_grad(set_to_none=True)
         return result
+
+    def _frees_gradients_after_step(self) -> bool:
+        """Whether the gradients are freed right after the optimizer step. Lightning zeroes them after the next
+        ``training_step``, so the last step's gradients (fp32, 4 bytes a parameter of the rank's shard) stay through
+        that forward, on top of its activations; torchtitan frees them before its forward. Done only where nothing
+        can tell the difference: automatic optimization (the next step starts from zero gradients anyway), and no
+        LightningModule or callback that overrides ``on_before_zero_grad`` or ``optimizer_zero_grad``."""
+        module = self.lightning_module
+        if module is None or not module.automatic_optimization:
+            return False
+        if any(is_overridden(hook, module) for hook in ("on_before_zero_grad", "optimizer_zero_grad")):
+            return False
+        trainer = module._trainer
+        callbacks = trainer.callbacks if trainer is not None else []
+        return not any(is_overridden("on_before_zero_grad", cb, pl.Callback) for cb in callbacks)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self.fault_tolerant is not None:

@@ -126,8 +126,8 @@ def _expand_kv(k: torch.Tensor, v: torch.Tensor, q_heads: int) -> tuple[torch.Te
 
 
 def _fold_kv_grad(d: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """GQA: a K/V head's gradient is the sum over the query heads that shared it."""
-    return d if d.size(1) == kv_heads else d.unflatten(1, (kv_heads, -1)).sum(2)
+    """GQA: a K/V head's gradient is the sum over the query heads that shared it (in fp32 or fp64)."""
+    return d if d.size(1) == kv_heads else d.unflatten(1, (kv_heads, -1)).sum(2, dtype=_acc(d))
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
@@ -179,14 +179,20 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   visible: torch.Tensor | None) -> str | None:
     """The fused CUDA kernel that computes this block ("cudnn", "flash" or "efficient"): the one torch's SDPA would
-    pick for it (``sdpa_kernel_choice``), so the blocks run what one unsplit SDPA call runs (cuDNN on an H100 or
-    H200 with torch 2.11: twice flash's speed there) and ``torch.nn.attention.sdpa_kernel`` chooses for both. None
+    pick for it (``sdpa_kernel_choice``), so the blocks run what one unsplit SDPA call runs (cuDNN on an H200 with
+    torch 2.11: 1.7x flash's speed at 32k tokens) and ``torch.nn.attention.sdpa_kernel`` chooses for both. None
     (the math path) off CUDA, for a partly masked block, or where no fused kernel takes the shapes."""
     if not q.is_cuda or CUDA_KERNELS == "math" or visible is not None:
         return None
     if v.size(-1) != q.size(-1):
         return None  # head dims not alike for q and v (MLA): the math path, as before
-    return sdpa_kernel_choice(q, k, v, causal)
+    kernel = sdpa_kernel_choice(q, k, v, causal)
+    if kernel == "efficient" and q.dtype != torch.float32:
+        # its half-precision backward given a block's rows of the merged out and lse returned wrong gradients (0.83
+        # relative, cp 2 load-balanced) on an H200 with torch 2.11, fp32 exact: SDPA picks it in half precision only
+        # where cuDNN and flash cannot run, and there the math path is the exact one
+        return None
+    return kernel
 
 
 def _fused_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -201,8 +207,8 @@ def _fused_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k: torch.T
     """The kernel's own backward of one block, given the block's rows of the merged out and lse: with the final lse,
     exp(scores - lse) is this block's slice of the whole softmax, and rowsum(dO * out) the whole row's delta."""
     dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out.to(q.dtype)))
-    grads = fused_attention_backward(kernel, dout, q, k, v, out, lse, scale, causal)
-    return tuple(g.float() for g in grads)  # summed over blocks (and GQA's shared heads) in fp32
+    # in the kernel's dtype: the caller adds them into fp32 sums (GQA's shared heads too), casting as it adds
+    return fused_attention_backward(kernel, dout, q, k, v, out, lse, scale, causal)
 
 
 def _block_forward(
@@ -305,10 +311,11 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, blk_out: torch.Ten
     exp(lse_side - lse). Rows that have seen no keys yet carry lse = -inf, hence weight 0; a block's own lse is
     always finite because every planned block row sees at least one key.
     """
-    o, m = out[:, :, rows], lse[:, :, rows]
-    new = torch.logaddexp(m, blk_lse)
-    weight = _finite(new)  # rows still without any key (sliding window): both sides weigh 0, not NaN
-    out[:, :, rows] = o * torch.exp(m - weight).unsqueeze(-1) + blk_out * torch.exp(blk_lse - weight).unsqueeze(-1)
+    new = torch.logaddexp(lse[:, :, rows], blk_lse)
+    # the block's share exp(blk_lse - new) of the merged softmax; the running side's, exp(lse - new), is 1 minus it:
+    # one in-place interpolation, one pass over out. Rows still without any key (sliding window) get share 0, not NaN
+    share = torch.exp(blk_lse - _finite(new))
+    out[:, :, rows].lerp_(blk_out, share.unsqueeze(-1))
     lse[:, :, rows] = new
 
 
