@@ -254,6 +254,21 @@ PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = tuple((d.pattern, d.peak_
 
 PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
 
+#: dense float8 peak FLOP/s by :data:`DEVICES` name (the datasheets' FP8 Tensor Core figures, printed with sparsity:
+#: halved): the devices with float8 matmuls (compute capability 8.9 and up)
+FLOAT8_PEAK: dict[str, float] = {
+    "GB200": 5e15, "B200": 4.5e15,  # GB200 NVL72 spec: FP8 720 PFLOPS* / 72; HGX B200: 72 PFLOPS* / 8
+    "H200-NVL": 1.671e15, "H100-NVL": 1.671e15,  # 3,341*
+    "GH200-144GB": 1.979e15, "GH200": 1.979e15, "H200": 1.979e15, "H800": 1.979e15, "H100-SXM": 1.979e15,  # 3,958*
+    "H100-PCIe": 1.513e15,  # 3,026*
+    "L40S": 733e12, "L4": 242.5e12,  # 1,466*, 485*
+}
+#: the share of the float8 peak's gain over bf16 that float8 training's matmuls reach (their rate over the bf16
+#: matmuls' at the same shapes, against the peaks' ratio, 2 on Hopper): fitted to one measurement, the H200's
+#: compiled float8 at 6 of Llama-3.1-8B's layers, seq 2,048 x 8 (1.225x bf16's tokens/s, 2026-11-28), and checked
+#: on its second, seq 2,048 x 2 (benchmarks/results/gpu_h200/vs_torchtitan_2026-11-28*.json; docs/planner.md)
+FLOAT8_MATMUL_SHARE = 0.63
+
 
 def find_device(name: str) -> DeviceSpec | None:
     """The device of a :data:`DEVICES` key (any case) or, failing that, the first whose pattern matches a torch
@@ -388,6 +403,11 @@ class Hardware:
     #: matmuls (``Section.memory_traffic``); None: ``matmul_flops`` covers them (the CPU, where the probe measures
     #: the step's rate with the model's own work, and a table device given a step ``efficiency`` by hand)
     memory_bandwidth: float | None = None
+    #: float8 training (``with_float8``): how many times faster the matmuls float8 converts run than at
+    #: ``matmul_flops``, and the bytes/s its casts move at (their own kernels: not what ``fused`` assumes of the
+    #: other ops); None: no float8
+    float8_speedup: float | None = None
+    float8_cast_bandwidth: float | None = None
 
     def matmul_rate(self, tp: int) -> float:
         """The matmul FLOP/s of a layout with tensor parallelism ``tp`` (see ``matmul_by_tp``)."""
@@ -450,6 +470,11 @@ class Hardware:
                 or not 0 < self.cp_attention_rate <= 1):
             raise ValueError(f"Hardware cp_attention_rate={self.cp_attention_rate!r} must be in (0, 1] (the context-"
                              f"parallel attention blocks' FLOP rate against matmul_flops) or None (fused kernels).")
+        if (self.float8_speedup is None) != (self.float8_cast_bandwidth is None):
+            raise ValueError("Hardware float8_speedup and float8_cast_bandwidth go together (devices.with_float8).")
+        if self.float8_speedup is not None:
+            positive("float8_speedup", self.float8_speedup, "times the matmul rate, or None")
+            positive("float8_cast_bandwidth", self.float8_cast_bandwidth, "bytes/s, or None")
         for entry in self.matmul_by_tp:
             if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], int)
                     and not isinstance(entry[0], bool) and entry[0] >= 1):
@@ -542,6 +567,29 @@ def known_hardware(
         grouped_mm=H100_GROUPED_MM,
         cp_attention_rate=cp_attention_rate(spec, precision, float32_matmul_precision) if cp_math_path else None,
     )
+
+
+def with_float8(hardware: Hardware) -> Hardware:
+    """``hardware`` for float8 training (the strategies' ``float8="tensorwise"``): the matmuls it converts at the
+    device's float8 rate (:data:`FLOAT8_PEAK` over its bf16 peak, :data:`FLOAT8_MATMUL_SHARE` of that gain), its
+    casts as bytes (``planner.predict.FLOAT8_CAST_BYTES``) at :data:`BANDWIDTH_SHARE` of the device's memory
+    bandwidth, whether or not the rest is fused. Refused for a device without float8 matmuls (the CPU: float8 there
+    is for correctness only)."""
+    spec = next((d for d in DEVICES.values() if d.name == hardware.device), None)
+    if spec is None:
+        try:
+            spec = lookup_device(hardware.device)
+        except ValueError:
+            spec = None
+    peak = FLOAT8_PEAK.get(spec.name) if spec is not None else None
+    if peak is None or "bf16" not in spec.peak_flops:
+        raise ValueError(f"float8 on {hardware.device}: it has no float8 matmuls the planner knows of (float8 needs "
+                         f"a GPU of compute capability 8.9 or more: {sorted(FLOAT8_PEAK)}); plan without float8.")
+    speedup = 1 + FLOAT8_MATMUL_SHARE * (peak / spec.peak_flops["bf16"] - 1)
+    casts = spec.memory_bandwidth * BANDWIDTH_SHARE
+    return dataclasses.replace(hardware, float8_speedup=speedup, float8_cast_bandwidth=casts,
+                               source=f"{hardware.source}; float8 matmuls {speedup:.3g}x, casts at "
+                                      f"{casts / 1e12:.3g} TB/s")
 
 
 def fused(hardware: Hardware, traffic: float | None = None) -> Hardware:

@@ -1119,6 +1119,52 @@ def test_a_compiled_run_is_planned_with_its_non_matmul_ops_fused(monkeypatch, ca
     assert fused_hw.memory_bandwidth == pytest.approx(plain.memory_bandwidth / FUSED_TRAFFIC)
 
 
+def test_a_float8_run_is_planned_with_float8_matmuls_and_its_casts(monkeypatch, capsys):
+    """``--float8 tensorwise`` and ``AutoParallelStrategy(float8="tensorwise")`` price the converted matmuls at the
+    device's float8 rate (``devices.with_float8``) and its casts at the memory bandwidth: a layout of Llama-3.1-8B's
+    widths is predicted faster on an H100, and the strategy line it prints trains it with float8. Refused on an
+    A100 (no float8 matmuls), naming why; under ``auto_parallel`` on a device without them (the CPU) the plain
+    matmuls are priced."""
+    from lightning_par.planner.cli import main
+    from lightning_par.strategies import auto
+
+    config = ["--hf-config", "llama", "--hf-override", "vocab_size=32000", "hidden_size=4096",
+              "intermediate_size=14336", "num_hidden_layers=2", "num_attention_heads=32", "num_key_value_heads=8",
+              "--world", "8", "--seq-len", "2048", "--batch", "64", "--restrict", "dp_shard=8", "--top", "1",
+              "--compile"]
+
+    def first_row_speed(out: str) -> float:
+        lines = out.splitlines()
+        row = lines[next(i for i, line in enumerate(lines) if line.startswith("  #  tok/s/dev")) + 1]
+        return float(row.split()[1].replace(",", ""))
+
+    assert main([*config, "--device", "H100"]) == 0
+    plain = capsys.readouterr().out
+    assert main([*config, "--device", "H100", "--float8", "tensorwise"]) == 0
+    float8 = capsys.readouterr().out
+    assert "float8 matmuls 1.63x" in float8 and "float8" not in plain
+    assert "float8='tensorwise'" in float8.replace("\n  ", " ")
+    assert first_row_speed(float8) > first_row_speed(plain)
+    with pytest.raises(SystemExit, match="--float8: float8 on A100-80GB: it has no float8 matmuls"):
+        main([*config, "--device", "A100-80GB", "--float8", "tensorwise"])
+
+    from lightning_par.planner import probe
+
+    seen = []
+    monkeypatch.setattr(auto, "train_dataloader_of", lambda trainer: [batch()])
+    monkeypatch.setattr(auto, "plan_layouts", lambda *args, **kwargs: seen.append(args[3]))
+    # this machine's probe, as a CPU's: no float8 matmuls there
+    monkeypatch.setattr(probe, "probe_hardware", lambda *args, **kwargs: Hardware(
+        "cpu (x86_64, 2 threads)", 2e10, None, 8, 2e9, 2e-5, 2e9, 2e-5, "a CPU, as planner.probe names one"))
+    for device in ("H100", None):  # None: this machine, probed
+        strategy = AutoParallelStrategy(device=device, gpus_per_node=8, float8="tensorwise")
+        strategy._lightning_module = gpt()
+        strategy.parallel_devices = [torch.device("cpu")]
+        strategy._plan(None)
+    assert seen[0].float8_speedup == pytest.approx(1.63, abs=0.01)
+    assert seen[1].float8_speedup is None
+
+
 def test_cli_every_option_has_help():
     from lightning_par.planner.cli import _parser
 

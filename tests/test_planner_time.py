@@ -651,3 +651,66 @@ def test_tensor_parallelism_splits_the_sharded_traffic_and_sequence_parallelism_
 
     whole, split = memory_time(Layout(tp=2)), memory_time(Layout(tp=2, sequence_parallel=True))
     assert 0 < split < whole < memory_time(Layout())
+
+
+def test_the_profile_records_the_matmuls_float8_converts(gpt):
+    """float8 converts the blocks' linear layers whose weights have both dimensions multiples of 16 (the tiny GPT's
+    are all 32 wide; not its head, outside the blocks; a Llama's MLP 40 wide stays out): the profile holds their
+    forward FLOPs, the elements of their inputs and outputs its casts read, and their weights' elements."""
+    tokens = GLOBAL_BATCH * SEQ
+    for name in gpt.blocks:
+        linear = [p for p in gpt.params if p.section == name and len(p.shape) == 2]
+        assert linear and all(d % 16 == 0 for p in linear for d in p.shape)
+        section = gpt.sections[name]
+        assert section.float8_flops == sum(2 * tokens * p.numel for p in linear) <= section.flops
+        assert section.float8_weight_elements == sum(p.numel for p in linear)
+        assert section.float8_cast_elements == sum(tokens * (p.shape[0] + p.shape[1]) for p in linear)
+    assert gpt.sections["first"].float8_flops == gpt.sections["last"].float8_flops == 0  # embedding, head
+    with torch.device("meta"):
+        module = HFCausalLM("llama", num_key_value_heads=4, intermediate_size=40)
+    ids = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long)
+    llama = profile_model(module, (ids, ids))
+    weights = [p for p in llama.params if p.section == llama.blocks[0] and len(p.shape) == 2]
+    aligned = [p for p in weights if not any(d % 16 for d in p.shape)]
+    assert {p.fqn.split(".")[-2] for p in aligned} == {"q_proj", "k_proj", "v_proj", "o_proj"}  # not the MLP
+    section = llama.sections[llama.blocks[0]]
+    assert section.float8_weight_elements == sum(p.numel for p in aligned)
+    assert section.float8_flops == sum(2 * tokens * p.numel for p in aligned)
+
+
+def test_float8_is_priced_where_the_device_has_float8_matmuls():
+    """``with_float8``: the matmuls float8 converts at FLOAT8_MATMUL_SHARE of the float8 peak's gain (an H100's
+    peak is twice its bf16 one), its casts at the bandwidth share of the device's memory bandwidth; refused on a
+    device without float8 matmuls (an A100, the CPU), naming why."""
+    from lightning_par.devices import BANDWIDTH_SHARE, FLOAT8_MATMUL_SHARE, with_float8
+
+    h100 = with_float8(known_hardware("H100-SXM"))
+    assert h100.float8_speedup == pytest.approx(1 + FLOAT8_MATMUL_SHARE * (1979 / 989 - 1))
+    assert h100.float8_cast_bandwidth == pytest.approx(3.35e12 * BANDWIDTH_SHARE)
+    for hardware in (known_hardware("A100-80GB"), CPU):
+        with pytest.raises(ValueError, match="has no float8 matmuls the planner knows of"):
+            with_float8(hardware)
+
+
+@pytest.mark.parametrize("batch, measured", [(8, 1.225), (2, 1.114)])
+def test_float8_gain_against_the_h200_measurement(batch, measured):
+    """Compiled float8 over compiled bf16 tokens/s on 6 of Llama-3.1-8B's layers, seq 2,048, one H200
+    (benchmarks/results/gpu_h200/vs_torchtitan_2026-11-28_b8.json and _2026-11-28.json, this engine's rows):
+    FLOAT8_MATMUL_SHARE was fitted to batch 8 (within 0.5 %), batch 2 is held out (measured 1.114: within 2 %)."""
+    from lightning_par.devices import fused, with_float8
+    from lightning_par.planner.predict import trace_dtype
+    from lightning_par.planner.search import plan_layouts
+
+    with torch.device("meta"):
+        module = HFCausalLM("llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                            num_key_value_heads=8, head_dim=128, num_hidden_layers=6, vocab_size=128256)
+    ids = torch.zeros(batch, 2048, dtype=torch.long)
+    profile = profile_model(module, (ids, ids), dtype=trace_dtype("bf16-mixed"))
+    bf16 = fused(known_hardware("H200"))
+
+    def step(hardware: Hardware) -> float:
+        plan = plan_layouts(profile, (ids, ids), 1, hardware, precision="bf16-mixed", activation_checkpointing=(False,))
+        return plan.best.step_s
+
+    ratio = step(bf16) / step(with_float8(bf16))
+    assert ratio == pytest.approx(measured, rel=0.005 if batch == 8 else 0.02)

@@ -49,6 +49,7 @@ from lightning_par.parallel.hf import outermost_hf_models
 from lightning_par.parallel.modules import clean_name, find_block_list
 from lightning_par.techniques.context.context_sharding import blockwise_share
 from lightning_par.techniques.experts.experts import find_experts, num_experts_of
+from lightning_par.techniques.float8.float8_layers import ALIGNMENT as FLOAT8_ALIGNMENT
 from lightning_par.techniques.recompute.recompute import SelectivePolicy
 from lightning_par.techniques.tensor.sequence_regather import first_tensor_argument
 from lightning_par.techniques.tensor.tensor_plan import (
@@ -152,6 +153,12 @@ class Section:
     #: the tensor-parallel layout of their outputs: work a GPU's memory bandwidth bounds, priced apart from the
     #: matmuls' FLOPs where the hardware says how fast its memory is (``Hardware.memory_bandwidth``)
     memory_traffic: SavedBytes = field(default_factory=SavedBytes)
+    #: of ``flops``, the matmuls float8 training converts (a block's linear layers whose weights have both dimensions
+    #: multiples of ``float8_layers.ALIGNMENT``; not the experts), and the elements its casts read per micro-batch:
+    #: those matmuls' inputs and outputs (whose gradients backward casts), and their weights
+    float8_flops: float = 0.0
+    float8_cast_elements: int = 0
+    float8_weight_elements: int = 0
 
     def attention_work(self, seq_len: int) -> float:
         """``attention_flops`` as the kernels do them at sequence length ``seq_len`` (still at the traced tokens): a
@@ -314,6 +321,16 @@ class _Trace(torch_dispatch_mode()):  # type: ignore[misc]
         self.kept.setdefault(name, [])
         self.kept_lse.setdefault(name, [])
 
+    def _float8_candidate(self, sec: Section, args: tuple, out: torch.Tensor, flops: float) -> None:
+        """A block's matmul of a parameter: what float8 training converts where the weight is aligned."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        weight = next((t for t in tensors if t.ndim == 2 and _cdata(t) in self.params), None)
+        if weight is None or any(d % FLOAT8_ALIGNMENT for d in weight.shape):
+            return
+        sec.float8_flops += flops
+        sec.float8_cast_elements += out.numel() + sum(t.numel() for t in tensors if t is not weight and t.ndim == 2)
+        sec.float8_weight_elements += weight.numel()
+
     def kind(self, t: torch.Tensor) -> str:
         """How tensor parallelism lays ``t`` out: "sharded", "vocab", "gathered", "layer_input" or "residual"."""
         kind = self.layout.get(t) or ("layer_input" if self.regatherable_inputs.get(t)
@@ -430,6 +447,8 @@ class _Trace(torch_dispatch_mode()):  # type: ignore[misc]
                 if self.in_experts is not None:
                     rows, hidden, so_far = self.in_experts
                     self.in_experts = (rows, hidden, so_far + flops)
+                elif key in _LINEAR_MATMULS and self.section not in END_SECTIONS:
+                    self._float8_candidate(sec, args, out, flops)
         self.selective(func, out, flops)
         self._propagate_half(key, (args, kwargs), out)
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
@@ -445,6 +464,9 @@ class _Trace(torch_dispatch_mode()):  # type: ignore[misc]
                                                            _traffic(key, tensors, outputs, self.params))
         return out
 
+
+#: the matmuls a linear layer runs (``F.linear`` of a 2-D or flattened input; ``addmm`` with a bias)
+_LINEAR_MATMULS = frozenset({_aten.mm, _aten.addmm})
 
 #: ops that move no bytes on a GPU (aliases, metadata) though torch does not mark them as views
 _NO_TRAFFIC = frozenset({_aten.detach, _aten.lift_fresh, _aten._local_scalar_dense, _aten.alias,

@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
                       "globs as the Hugging Face model names them, e.g. 'model.embed_tokens.*' 'model.layers.[0-7].*'")
     tune.add_argument("--quantize-base", choices=("nf4",), help="QLoRA: the blocks' frozen linear weights in 4 "
                       "bits (NF4: 0.516 bytes per weight), as NDParallelStrategy(quantize_base='nf4') stores them; "
-                      "with --lora-rank or --freeze; tensor parallelism is then left out (not with 4-bit weights)")
+                      "with --lora-rank or --freeze; tensor parallelism only where it cuts the weights into whole "
+                      "blocks")
     data = p.add_argument_group("the batch")
     data.add_argument("--seq-len", type=int, help="tokens per sequence (Hugging Face models; default 4096)")
     data.add_argument("--batch", type=int, help="sequences per step, the global batch (default: 1 per device)")
@@ -76,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--compile", action="store_true", help="the run compiles (the strategy's compile=True): "
                        "the non-matmul ops priced as torch.compile fuses them (devices.FUSED_TRAFFIC of eager's "
                        "bytes; a GPU's only)")
+    where.add_argument("--float8", choices=("tensorwise",), help="float8 training (the strategies' float8="
+                       "'tensorwise'): the blocks' aligned linear layers' matmuls at the device's float8 rate, their "
+                       "casts priced as memory traffic (a GPU with float8 matmuls only: devices.with_float8)")
     where.add_argument("--precision", default="bf16-mixed", help="the Trainer's precision, which sets the bytes "
                        "and the matmul rate priced: 32-true, bf16-mixed (default), 16-mixed or bf16-true")
     where.add_argument("--memory-budget", type=float, help="bytes per device (default: the device's memory less "
@@ -333,11 +337,18 @@ def plan_yaml(plan: Any, name: str, global_batch: int, argv: list[str], batch_ar
 def _hardware(args: argparse.Namespace, profile: Any) -> Any:
     """A known device from the table; else this machine's matmul throughput, measured here, with the links from the
     table (one process cannot measure a link; the planner under ``auto_parallel`` measures them). With
-    ``--compile`` its non-matmul ops are priced as torch.compile fuses them."""
-    from lightning_par.devices import fused
+    ``--compile`` its non-matmul ops are priced as torch.compile fuses them; with ``--float8`` the matmuls float8
+    converts at the device's float8 rate."""
+    from lightning_par.devices import fused, with_float8
 
     hardware = _device_hardware(args, profile)
-    return fused(hardware) if args.compile else hardware
+    hardware = fused(hardware) if args.compile else hardware
+    if args.float8:
+        try:
+            hardware = with_float8(hardware)
+        except ValueError as e:
+            raise SystemExit(f"--float8: {e}") from None
+    return hardware
 
 
 def _device_hardware(args: argparse.Namespace, profile: Any) -> Any:
@@ -387,7 +398,10 @@ def _fixed_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.module and (args.lora_rank or args.freeze):
         raise SystemExit("--lora-rank and --freeze are for --hf-config; a LightningCLI project's module sets its own "
                          "adapters and frozen weights (configure_model)")
-    return {"quantize_base": args.quantize_base} if args.quantize_base else {}
+    if args.quantize_base and args.float8:
+        raise SystemExit("--quantize-base and --float8 do not combine (the strategies refuse them together)")
+    fixed = {"quantize_base": args.quantize_base} if args.quantize_base else {}
+    return {**fixed, "float8": args.float8} if args.float8 else fixed
 
 
 def _fine_tuned(model: nn.Module, args: argparse.Namespace) -> nn.Module:

@@ -57,6 +57,13 @@ MATH_PATH_BACKWARD_EXTRA = 0.5
 #: and what it saved (its inputs or output) and writes the gradient of its inputs, about twice the forward's reads
 #: and writes (a residual add's backward moves fewer, a norm's more)
 BACKWARD_TRAFFIC = 2.0
+#: bytes float8 training's casts move per activation element of a converted matmul, over a step: its input and its
+#: output's gradient each read twice in bf16 (the largest value, then the scaled cast: 4 bytes) and written once in
+#: float8 (1), and the transposed float8 copy the backward's other matmul takes written and read (2)
+FLOAT8_CAST_BYTES = 7.0
+#: per element of a converted weight, each micro-batch: read twice in fp32 (8), written in float8 (1), for the
+#: forward and again transposed for the backward
+FLOAT8_WEIGHT_CAST_BYTES = 18.0
 #: the share of device memory the planner keeps free for what it does not model: the caching allocator's reserved
 #: but unallocated blocks (fragmentation), cuBLAS/NCCL workspaces and the CUDA context. Measured on an H200
 #: (2026-11-26, ``bench_planner.py --device cuda``, 325 M-parameter models, 8-13 GiB allocated): 1.36 GiB outside the
@@ -312,7 +319,8 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
     (params, grads, optimizer, activations), busiest, recompute = _busiest_ranks(sheet, hardware.matmul_share,
                                                                                  hardware.grouped_mm,
                                                                                  hardware.cp_attention_rate,
-                                                                                 flops_per_byte)
+                                                                                 flops_per_byte,
+                                                                                 _float8(hardware, layout.tp))
     host = 0.0
     if sheet.offload:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
@@ -358,30 +366,38 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
                       total, step - busy, step, tokens / step / layout.world_size, budget, host_bytes=host)
 
 
+def _float8(hardware: Hardware, tp: int) -> tuple[float, float] | None:
+    """float8 training's (speedup of the matmuls it converts, its casts' bytes in matmul FLOPs), or None."""
+    if hardware.float8_speedup is None:
+        return None
+    return hardware.float8_speedup, hardware.matmul_rate(tp) / hardware.float8_cast_bandwidth
+
+
 def shares_cores(hardware: Hardware) -> bool:
     """Whether the ranks run on CPU cores they share, communication included (see the module docstring)."""
     return hardware.device.lower().startswith("cpu")
 
 
 def _busiest_ranks(sheet: CostSheet, matmul_share: float, grouped_mm: GroupedMatmulCurve | None = None,
-                   cp_attention_rate: float | None = None,
-                   flops_per_byte: float = 0.0) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+                   cp_attention_rate: float | None = None, flops_per_byte: float = 0.0,
+                   float8: tuple[float, float] | None = None) -> tuple[tuple[float, ...], tuple[float, ...], float]:
     """Of the pipeline ranks' ``_rank_costs``: the (parameters, gradients, optimizer state, saved activations) of
     the one that needs the most memory, the costs of the one that computes the most, and the largest transient
     activations; a layout whose sheet asks what an earlier one's asked gets the same answer back."""
     def reduce() -> tuple[tuple[float, ...], tuple[float, ...], float]:
-        ranks = _rank_costs(sheet, matmul_share, grouped_mm, cp_attention_rate, flops_per_byte)
+        ranks = _rank_costs(sheet, matmul_share, grouped_mm, cp_attention_rate, flops_per_byte, float8)
         return max((r[:4] for r in ranks), key=sum), max(ranks, key=lambda r: r[5]), max(r[4] for r in ranks)
 
     return per_cut(sheet, ("busiest ranks", tuple(sheet.inflight), sheet.token_scale, sheet.sequence_scale,
                            sheet.activation_scale, sheet.autocast_only, sheet.tp, sheet.cp, sheet.shard,
                            sheet.sequence_sharded, sheet.inputs_chunked, sheet.vocab_sharded, sheet.checkpointing,
                            sheet.dims.ep, sheet.microbatches, matmul_share, grouped_mm, cp_attention_rate,
-                           flops_per_byte), reduce)
+                           flops_per_byte, float8), reduce)
 
 
 def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0, grouped_mm: GroupedMatmulCurve | None = None,
-                cp_attention_rate: float | None = None, flops_per_byte: float = 0.0) -> list[tuple[float, ...]]:
+                cp_attention_rate: float | None = None, flops_per_byte: float = 0.0,
+                float8: tuple[float, float] | None = None) -> list[tuple[float, ...]]:
     """Per pipeline rank: (parameters, gradients, optimizer state, saved activations, transient activations,
     FLOPs and of them the attention kernels', in time at the hardware's matmul throughput). Ranks holding equal
     sections (blocks alike in parameters and costs) are worked out once: planning thousands of layouts of an
@@ -414,10 +430,11 @@ def _rank_costs(sheet: CostSheet, matmul_share: float = 1.0, grouped_mm: Grouped
                 memo[act_key] = _rank_activations(sheet, rank)
             flops_key = ("flops", key, scale, sheet.sequence_scale, sheet.tp, sheet.cp, sheet.checkpointing,
                          sheet.microbatches, matmul_share, sheet.dims.ep, grouped_mm, cp_attention_rate,
-                         flops_per_byte, sheet.activation_scale, sheet.sequence_sharded, sheet.vocab_sharded)
+                         flops_per_byte, sheet.activation_scale, sheet.sequence_sharded, sheet.vocab_sharded,
+                         float8)
             if flops_key not in memo:
                 memo[flops_key] = _rank_flops(sheet, rank, matmul_share, grouped_mm, cp_attention_rate,
-                                              flops_per_byte)
+                                              flops_per_byte, float8)
             costs[key] = (memo[state_key], memo[act_key], memo[flops_key])
         (params, grads, optimizer), (kept, transient, weight_copies), (flops, attention) = costs[key]
         inflight = sheet.inflight[rank] if sheet.inflight else 1.0  # micro-batches whose activations it holds
@@ -535,7 +552,8 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float, float]
 # ---- time ------------------------------------------------------------------------------------------------------
 def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
                 grouped_mm: GroupedMatmulCurve | None = None,
-                cp_attention_rate: float | None = None, flops_per_byte: float = 0.0) -> tuple[float, float]:
+                cp_attention_rate: float | None = None, flops_per_byte: float = 0.0,
+                float8: tuple[float, float] | None = None) -> tuple[float, float]:
     """The rank's FLOPs in one step, and of them its attention kernels' (what the cp ring hides behind): forward
     x 3 (backward = 2 forward), + the blocks' forward again with full activation checkpointing (up to where torch
     stops the recomputation). Selective checkpointing recomputes the matmuls its policy does not keep and all the
@@ -552,8 +570,13 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
     With ``flops_per_byte`` (the matmul rate over the memory bandwidth, a GPU's: ``Hardware.memory_bandwidth``) the
     bytes of the non-matmul ops (``Section.memory_traffic``, this rank's share of them) are priced too, as the
     FLOPs that take as long: forward, backward (:data:`BACKWARD_TRAFFIC` times the forward's) and again where
-    either checkpointing recomputes the block."""
-    forward = recomputed = attentions = backward_extra = traffic = 0.0
+    either checkpointing recomputes the block.
+
+    With ``float8`` (float8 training, ``devices.with_float8``: (speedup, FLOPs per cast byte)) the matmuls float8
+    converts (``Section.float8_flops``) run ``speedup`` times faster, forward, backward and recomputed, and its
+    casts move ``FLOAT8_CAST_BYTES`` per activation element and ``FLOAT8_WEIGHT_CAST_BYTES`` per weight element of
+    each micro-batch, at the casts' own bandwidth."""
+    forward = recomputed = attentions = backward_extra = traffic = casts = 0.0
     tp, cp, sp, lp = sheet.tp, sheet.cp, sheet.sequence_sharded, sheet.vocab_sharded
     byte_scale = sheet.token_scale * sheet.activation_scale
     math_path = cp_attention_rate is not None and sheet.cp > 1
@@ -574,6 +597,12 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
         # ExpertParallel.account routes them), so they are not divided by tp as the rest is (below: per_step)
         whole = (sheet.tp - 1) * (section.expert_flops * sheet.token_scale + slower)
         flops = section.flops * sheet.token_scale + attention + slower + whole
+        faster = 0.0  # the converted matmuls' time float8 saves, in FLOPs at the matmul rate
+        if float8 is not None:
+            faster = section.float8_flops * sheet.token_scale * (1 - 1 / float8[0])
+            flops -= faster
+            casts += (FLOAT8_CAST_BYTES * section.float8_cast_elements * byte_scale / cp
+                      + FLOAT8_WEIGHT_CAST_BYTES * section.float8_weight_elements) / tp
         forward += flops
         attentions += 3 * attention
         moved = section.memory_traffic.per_rank(tp, cp, sp, lp, byte_scale) if flops_per_byte else 0.0
@@ -583,7 +612,7 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
         if sheet.checkpointing != "none":
             traffic += moved
         if sheet.checkpointing == "full":
-            recomputed += section.full_recompute_flops * sheet.token_scale + attention + slower + whole
+            recomputed += section.full_recompute_flops * sheet.token_scale + attention + slower + whole - faster
             attentions += attention
         elif sheet.checkpointing == "selective":  # (whole: the duplicated experts, recomputed in full)
             recomputed += (matmul_share * section.selective_recompute_flops * sheet.token_scale + slower + whole
@@ -592,8 +621,9 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
                 recomputed += matmul_share * attention
                 attentions += attention
     per_step = sheet.microbatches / (sheet.tp * sheet.cp)
-    return ((3 * forward + recomputed + backward_extra) * per_step + traffic * flops_per_byte * sheet.microbatches,
-            attentions * per_step)
+    cast_flops = casts * float8[1] * sheet.microbatches if float8 is not None else 0.0
+    return ((3 * forward + recomputed + backward_extra) * per_step + traffic * flops_per_byte * sheet.microbatches
+            + cast_flops, attentions * per_step)
 
 
 def expert_slowdown(sheet: CostSheet, section: Section, grouped_mm: GroupedMatmulCurve | None) -> float:

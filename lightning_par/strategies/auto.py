@@ -122,7 +122,7 @@ class AutoParallelStrategy(NDParallelStrategy):
         super().setup(trainer)
 
     def _plan(self, trainer: pl.Trainer) -> Plan:
-        from lightning_par.devices import fused, known_hardware
+        from lightning_par.devices import fused, known_hardware, with_float8
         from lightning_par.planner.probe import precision_family, probe_dtype, probe_hardware, probe_shapes, tp_degrees
 
         module = self.lightning_module
@@ -145,6 +145,11 @@ class AutoParallelStrategy(NDParallelStrategy):
                                       tp_sizes=tp_degrees(shapes, per_node))
         if self.compile.enabled:  # its non-matmul ops fused (a GPU's memory term; nothing to change on the CPU)
             hardware = fused(hardware)
+        if any(getattr(o, "float8", None) == "tensorwise" for o in fixed):
+            try:  # the converted matmuls at the device's float8 rate, the casts at its memory bandwidth
+                hardware = with_float8(hardware)
+            except ValueError:
+                pass  # no float8 matmuls here (the CPU: float8 for correctness only): priced as plain matmuls
         weigh = dict(self.weigh)  # what the user fixed; the planner weighs the rest
         TensorParallelOptions.auto_weigh(weigh, bool(self.compile.enabled))
         for name in UNTRIED:  # never run (Inductor's async tensor parallelism): only when asked for
