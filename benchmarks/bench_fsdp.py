@@ -183,10 +183,13 @@ def run_lightning(
     class ProbeAndYield(Callback):
         """After the timer (callbacks run in list order): bytes at the last step, else hand the turn on."""
 
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if trainer.global_step >= trainer.max_steps:  # the last step: gradients and AdamW state all present
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            # the last step's, before it: gradients (freed right after the step) and AdamW state all present
+            if trainer.global_step == trainer.max_steps - 1:
                 self.bytes = state_bytes(pl_module.parameters(), trainer.optimizers[0])
-            else:
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step < trainer.max_steps:
                 yield_turn()
 
     timer, probe = step_timer(), ProbeAndYield()

@@ -374,12 +374,16 @@ def run_lightning(cfg: dict[str, Any], world: int, strategy: Any, module: Any, n
                 self.recorder = collective_recorder()
                 self.recorder.__enter__()
 
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            # the last step's, before it: gradients (freed right after the step) beside the optimizer's state
+            if self.recorder is not None:
+                self.state = expert_state(pl_module.named_parameters(), trainer.optimizers[0])
+
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.losses.append(float(outputs["loss"]))
             if batch_idx == last:
                 self.recorder.__exit__(None, None, None)
                 self.comm = self.recorder.summary(row_bytes)
-                self.state = expert_state(pl_module.named_parameters(), trainer.optimizers[0])
             elif yield_turn is not None:
                 yield_turn()
 

@@ -186,11 +186,15 @@ def probe_callback(probe_step: int, live: bool = False) -> Any:
                     settle_process_groups()  # every rank is here: a barrier per group (see settled_new_storages)
                 self.live_bytes = sum(settled_new_storages(self.before, params).values())
 
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            # the model state at its fullest: gradients (freed right after the step) beside the optimizer's state
+            if self.ctx is not None:
+                self.state = state_bytes(pl_module.parameters(), trainer.optimizers[0])
+
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if self.ctx is not None:
                 self.ctx.__exit__(None, None, None)
                 self.ctx = None
                 self.activation_bytes = self.total()
-                self.state = state_bytes(pl_module.parameters(), trainer.optimizers[0])
 
     return Probe()
