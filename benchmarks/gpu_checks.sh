@@ -67,7 +67,9 @@ run_cpworld() {
 run_titan() {
     # 6 of Llama-3.1-8B's layers: what an 80 GB H100 holds with AdamW at seq 2,048 x 2 (the same on an H200);
     # compiled bf16 and float8 first (the float8 goal), then eager, then seq 8,192 with full activation checkpointing
-    step vs_torchtitan 250 "$py" benchmarks/bench_vs_torchtitan.py --budget-s 215 --layers 6 --rows ${TITAN_ROWS:-1,2,0,3} \
+    # 20 timed steps a side: six (2026-11-28) did not separate a 1-2 % difference from noise
+    step vs_torchtitan 250 "$py" benchmarks/bench_vs_torchtitan.py --budget-s 215 --layers 6 --steps 20 \
+        --rows ${TITAN_ROWS:-1,2,0,3} \
         --out "$out/vs_torchtitan.json"
 }
 run_fsdp() {
