@@ -334,7 +334,10 @@ def sdpa_kernel_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     """The fused kernel torch's SDPA would run for these tensors ("cudnn", "flash" or "efficient"), None for its
     math path: torch's private ``_fused_sdp_choice`` (torch 2.11-2.13), the selector SDPA itself calls. It honours
     ``torch.nn.attention.sdpa_kernel`` and torch's priority order (cuDNN first on Hopper and Blackwell with a recent
-    cuDNN, else flash), so a block of context-parallel attention runs the kernel one SDPA call would."""
+    cuDNN, else flash), so a block of context-parallel attention runs the kernel one SDPA call would. Asked as for
+    training (the tensors marked as requiring gradients), so that the kernel's backward constraints apply too (flash
+    takes no head dims over 192 in backward on sm86/sm89): the engine's blocks run without autograd."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     choice = torch._fused_sdp_choice(q, k, v, None, 0.0, causal)
     return _SDPA_BACKENDS.get(int(choice))
 
