@@ -575,12 +575,7 @@ def with_float8(hardware: Hardware) -> Hardware:
     casts as bytes (``planner.predict.FLOAT8_CAST_BYTES``) at :data:`BANDWIDTH_SHARE` of the device's memory
     bandwidth, whether or not the rest is fused. Refused for a device without float8 matmuls (the CPU: float8 there
     is for correctness only)."""
-    spec = next((d for d in DEVICES.values() if d.name == hardware.device), None)
-    if spec is None:
-        try:
-            spec = lookup_device(hardware.device)
-        except ValueError:
-            spec = None
+    spec = find_device(hardware.device)  # a table name, or a probed GPU's torch name
     peak = FLOAT8_PEAK.get(spec.name) if spec is not None else None
     if peak is None or "bf16" not in spec.peak_flops:
         raise ValueError(f"float8 on {hardware.device}: it has no float8 matmuls the planner knows of (float8 needs "

@@ -1084,6 +1084,13 @@ def test_auto_parallel_plans_async_tp_only_when_asked(monkeypatch, given, weighe
     assert seen["async_tp"] == weighed
 
 
+def first_row_speed(out: str) -> float:
+    """The first layout's tokens/s per device in the command line's table."""
+    lines = out.splitlines()
+    row = lines[next(i for i, line in enumerate(lines) if line.startswith("  #  tok/s/dev")) + 1]
+    return float(row.split()[1].replace(",", ""))
+
+
 def test_a_compiled_run_is_planned_with_its_non_matmul_ops_fused(monkeypatch, capsys):
     """torch.compile fuses a step's elementwise ops: ``--compile`` and ``auto_parallel(compile=True)`` price their
     bytes at ``devices.FUSED_TRAFFIC`` of eager's, so the same layout is predicted faster on a GPU."""
@@ -1095,11 +1102,6 @@ def test_a_compiled_run_is_planned_with_its_non_matmul_ops_fused(monkeypatch, ca
               "intermediate_size=3584", "num_hidden_layers=4", "num_attention_heads=8", "num_key_value_heads=8",
               "--world", "8", "--device", "H100", "--seq-len", "2048", "--batch", "8", "--restrict", "dp_shard=8",
               "--top", "1"]
-
-    def first_row_speed(out: str) -> float:
-        lines = out.splitlines()
-        row = lines[next(i for i, line in enumerate(lines) if line.startswith("  #  tok/s/dev")) + 1]
-        return float(row.split()[1].replace(",", ""))
 
     assert main(config) == 0
     eager = capsys.readouterr().out
@@ -1132,11 +1134,6 @@ def test_a_float8_run_is_planned_with_float8_matmuls_and_its_casts(monkeypatch, 
               "intermediate_size=14336", "num_hidden_layers=2", "num_attention_heads=32", "num_key_value_heads=8",
               "--world", "8", "--seq-len", "2048", "--batch", "64", "--restrict", "dp_shard=8", "--top", "1",
               "--compile"]
-
-    def first_row_speed(out: str) -> float:
-        lines = out.splitlines()
-        row = lines[next(i for i, line in enumerate(lines) if line.startswith("  #  tok/s/dev")) + 1]
-        return float(row.split()[1].replace(",", ""))
 
     assert main([*config, "--device", "H100"]) == 0
     plain = capsys.readouterr().out
