@@ -25,9 +25,9 @@ import torch
 from hf_models import HFCausalLM
 
 from example_projects.gpt.lit import GPTModule
-from lightning_par.costs.profile import ModelProfile
+from lightning_par.costs.profile import ModelProfile, price_experts_as, profile_model
 from lightning_par.devices import GiB, Hardware, fused, known_hardware
-from lightning_par.planner.predict import RESERVE, Layout, Prediction
+from lightning_par.planner.predict import RESERVE, Layout, Prediction, trace_dtype
 from lightning_par.planner.search import CHECKPOINTING, PIPELINE_SCHEDULES, RESTRICTABLE, Plan, plan_layouts
 
 _VOCAB = dict(vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False, max_position_embeddings=8192)
@@ -69,6 +69,9 @@ class PublishedCase:
     #: whether the run's software fused the non-matmul ops (Megatron's fused kernels, Transformer Engine,
     #: torch.compile): their bytes priced at ``devices.FUSED_TRAFFIC`` of the eager trace's (``devices.fused``)
     fused_kernels: bool = False
+    #: how the run's software held the experts under tp (``costs.profile.price_experts_as``: Megatron-Core's
+    #: "split", ETP = TP, its default, or "folded", ETP = 1); "whole": as the engine, on every tp rank
+    experts_over_tp: str = "whole"
     #: the run's gradient accumulation (torchtitan's benchmarks ran none), None: the planner's choice
     accumulate_grad_batches: int | None = None
     restrict: dict[str, list[int]] = field(default_factory=dict)
@@ -431,6 +434,9 @@ def case_budget(case: PublishedCase) -> float | None:
 
 def plan(case: PublishedCase) -> Plan:
     module, batch = build(case)
+    if case.experts_over_tp != "whole":  # traced as plan_layouts traces it, then priced as the run held experts
+        module = price_experts_as(profile_model(module, batch, dtype=trace_dtype(case.precision)),
+                                  case.experts_over_tp)
     return plan_layouts(module, batch, case.world, case_hardware(case), precision=case.precision,
                         memory_budget=case_budget(case),
                         restrict=case.restrict, activation_checkpointing=case.checkpointing,

@@ -17,7 +17,7 @@ from hf_models import HFCausalLM
 from workers import GLOBAL_BATCH, TINY_GPT
 
 from example_projects.gpt.lit import GPTModule
-from lightning_par.costs.profile import ModelProfile, Section, profile_model
+from lightning_par.costs.profile import ModelProfile, Section, price_experts_as, profile_model
 from lightning_par.costs.sheet import CostSheet, Transfer
 from lightning_par.devices import GroupedMatmulCurve, Hardware, known_hardware
 from lightning_par.planner.predict import OVERLAP, Layout, account, predict
@@ -561,6 +561,45 @@ def test_experts_stay_whole_under_tensor_parallelism():
     assert experts > 0
     one, two = (predict(Layout(tp=tp), profile, GPU, GLOBAL_BATCH, SEQ).compute_s for tp in (1, 2))
     assert two == pytest.approx(one / 2 + 3 * experts / 2 / GPU.matmul_flops)
+
+
+def test_experts_priced_as_other_software_holds_them_under_tensor_parallelism():
+    """Published runs' software holds experts otherwise (``price_experts_as``): Megatron-Core's default splits each
+    expert's width over tp ("split"), its ETP 1 spreads whole experts over the tp ranks too ("folded"). Either way a
+    tp rank computes 1 / tp of the experts' FLOPs and holds 1 / tp of their weights; split gathers the routed rows
+    over tp and reduce-scatters the outputs, folded sends 1 / tp of the rows over ep and nothing over tp."""
+    with torch.device("meta"):
+        model = HFCausalLM("qwen3_moe")
+    whole = profile_model(model, (torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long),) * 2)
+    experts = sum(s.expert_flops for s in whole.sections.values())
+    expert_bytes = sum(p.numel * p.itemsize for p in whole.params if p.expert)
+    saved = sum(s.expert_saved for s in whole.sections.values())
+    assert experts > 0 and saved > 0
+    layout = Layout(dp_shard=2, tp=2, ep=2)
+    batch = GLOBAL_BATCH // layout.dp
+    base = predict(layout, whole, GPU, batch, SEQ)
+    for mode in ("split", "folded"):
+        priced = price_experts_as(whole, mode)
+        assert priced.experts_over_tp == mode and whole.experts_over_tp == "whole"  # a copy
+        p = predict(layout, priced, GPU, batch, SEQ)
+        # the experts' duplicated half leaves the compute: 3 passes of experts x (this rank's batch share) / tp
+        assert base.compute_s - p.compute_s == pytest.approx(3 * experts * batch / GLOBAL_BATCH / 2
+                                                             / GPU.matmul_flops, rel=1e-9)
+        # parameters: the experts' whole bytes over the data ranks (2), then over tp as well
+        assert base.params - p.params == pytest.approx(expert_bytes / 2 / 2, rel=1e-6)
+        # activations (no sequence parallelism): half of the experts' intermediates
+        assert base.activations - p.activations == pytest.approx(saved * batch / GLOBAL_BATCH / 2, rel=1e-9)
+        sheet_whole, sheet = (account(layout, prof, batch, SEQ, "32-true") for prof in (whole, priced))
+        rows_whole, rows = (max(t.nbytes for t in sh.transfers if t.kind == "all_to_all")
+                            for sh in (sheet_whole, sheet))
+        assert rows == pytest.approx(rows_whole / 2)  # each tp rank sends its sequence chunk's rows
+        over_tp = [t for t in sheet.transfers if t.dim == "tp" and t.collective in ("all_gather", "reduce_scatter")
+                   and t not in sheet_whole.transfers]
+        assert len(over_tp) == (2 if mode == "split" else 0)
+    with pytest.raises(ValueError, match="experts_over_tp='sharded'.*choose from"):
+        price_experts_as(whole, "sharded")
+    with pytest.raises(ValueError, match="has no experts modules"):
+        price_experts_as(profile_model_gpt4(), "split")
 
 
 # ---- the GPU time model: the non-matmul ops' bytes at the memory bandwidth ------------------------------------

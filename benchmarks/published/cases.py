@@ -38,7 +38,11 @@ How a row becomes a case (every choice that the row does not state is in ``ASSUM
   reduction per step, no replicas, 1F1B and interleaved 1F1B; equal pipeline stages up to 2024 (NeMo 24.x), unequal
   ones from 2025 (Megatron-Core 0.10's first/last-stage layer counts, which NeMo 25.04's Llama 3.1 405B at PP 8 x
   VP 8 over 126 layers needs). Expert parallelism lies within ``dp_shard x cp``, as Megatron-Core's does with ETP =
-  TP (the planner keeps the experts whole on every tp rank, where Megatron's ETP = TP splits them). llm-foundry
+  TP. Megatron-Core splits each expert over the tp ranks unless told otherwise (``--expert-tensor-parallel-size``
+  defaults to the tp size; before that option existed experts were always split so): a row with tp > 1 and experts
+  is priced so (``experts_over_tp="split"``: ``costs.profile.price_experts_as``; the engine keeps experts whole on
+  every tp rank), and one that prints ETP 1 with the tp ranks folded into the experts' mesh ("folded"); another
+  ETP is unmappable. llm-foundry
   rows are FSDP over all GPUs (``dp_shard``, its ``FULL_SHARD``/``SHARD_GRAD_OP`` being the planner's choice of
   resharding, as planner_heldout's ``mpt``); torchtitan rows are FSDP (``dp_shard``) x TP x PP x CP as printed.
 - Gradient accumulation. A row without a pipeline whose micro-batches per step (printed ``grad_accum``, else
@@ -430,9 +434,15 @@ def to_case(row: dict[str, Any]) -> PublishedCase | str:
 
     options: dict[str, Any] = {}
     layout = {"dp_shard": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
+    etp = lay.get("etp")
     if repo in MEGATRON_REPOSITORIES:  # Megatron-Core over Transformer Engine: fused non-matmul kernels
         options = dict(MEGATRON_CORE, uneven_stages=row["year"] >= 2025, fused_kernels=True)
         data = f"DP {dp} (distributed optimizer, planned ZeRO-1-like)"
+        if experts and tp > 1:  # the experts split over tp unless the row prints ETP 1 (ETP defaults to TP)
+            if etp not in (None, 1, tp):
+                return f"unmappable: ETP {etp} is neither 1 nor TP {tp}, the two ways the planner prices experts"
+            options["experts_over_tp"] = "folded" if etp == 1 else "split"
+            data += f", ETP {tp if etp != 1 else 1}"
     elif repo == "mosaicml/llm-foundry":
         if (lay.get("fsdp") or gpus) != gpus or (tp, pp, cp) != (1, 1, 1):
             return f"incomplete: llm-foundry layout {lay} is not FSDP over all {gpus} GPUs"

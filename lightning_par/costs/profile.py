@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -139,6 +139,10 @@ class Section:
     #: two), what the planner needs to price their skinny matmuls (``devices.GroupedMatmulCurve``)
     expert_flops: float = 0.0
     expert_width: float = 0.0
+    #: of ``saved``, what the experts modules save that is not as wide as the model (their matmuls' outputs, the
+    #: activation's input and output: the ``expert_width``-wide intermediates), which expert tensor parallelism
+    #: would split over tp (``price_experts_as``)
+    expert_saved: int = 0
     #: ``saved`` as autocast alone (no half-precision parameters) leaves it: in half precision, the tensors the
     #: matmul family saves (autocast casts them first: ``LOWERED_BY_AUTOCAST``) and any other saved tensor computed
     #: from half-precision ones alone (an activation of a matmul's output); in the traced dtype, the rest (norms,
@@ -236,6 +240,11 @@ class ModelProfile:
     #: the dtype the floating-point weights were traced in (``profile_model``'s ``dtype``, else most of theirs)
     dtype: torch.dtype = torch.float32
     hidden_itemsize: int = 4  # the bytes of one element of the residual stream (the blocks' input)
+    #: how tp ranks hold the experts: "whole" (every tp rank all of its experts, routing the micro-batch's tokens:
+    #: the engine, ``techniques.tensor.tensor_plan._inside_experts``), or as other software runs them, set only by
+    #: ``price_experts_as`` to price published runs: "split" (each tp rank ``1 / tp`` of every expert's width) or
+    #: "folded" (whole experts, each tp rank routing its sequence chunk to expert groups that span the tp ranks)
+    experts_over_tp: str = "whole"
 
     @property
     def tokens(self) -> int:
@@ -243,6 +252,34 @@ class ModelProfile:
 
     def param_bytes(self, trainable_only: bool = False) -> int:
         return sum(p.numel * p.itemsize for p in self.params if p.trainable or not trainable_only)
+
+
+#: Megatron-Core's expert tensor parallelism: ``--expert-tensor-parallel-size`` (ETP) defaults to the tp size,
+#: and before that option existed its experts were always split over tp; ETP 1 folds the tp ranks into the experts'
+#: own mesh (expert groups span them; with sequence parallelism, which Megatron requires for experts under tp, each
+#: tp rank routes its own sequence chunk)
+EXPERTS_OVER_TP = {"split": "ETP = TP", "folded": "ETP = 1"}
+
+
+def price_experts_as(profile: ModelProfile, experts_over_tp: str) -> ModelProfile:
+    """``profile`` priced as software that holds the experts differently under tp (``ModelProfile.experts_over_tp``):
+    "split", each tp rank holding and running ``1 / tp`` of each expert's width on every token of the micro-batch
+    (its tp group gathers the routed rows and reduce-scatters the outputs: ``ExpertParallel.account``); "folded",
+    whole experts sharded over the tp ranks as well as the data ranks, each tp rank routing ``1 / tp`` of the
+    tokens. The engine runs neither (its experts stay whole on every tp rank): this prices published runs as their
+    software ran them (``benchmarks/published/cases.py``), never an engine layout."""
+    if experts_over_tp not in EXPERTS_OVER_TP:
+        raise ValueError(f"price_experts_as: experts_over_tp={experts_over_tp!r}; choose from "
+                         f"{sorted(EXPERTS_OVER_TP)} ('whole', the engine's, is how every profile is traced).")
+    if not profile.num_experts:
+        raise ValueError(f"price_experts_as: {profile.name} has no experts modules.")
+
+    def split_dim(p: ParamInfo) -> int:  # the width for "split", the experts themselves for "folded"
+        return 0 if experts_over_tp == "folded" else max(range(1, len(p.shape)), key=lambda d: p.shape[d])
+
+    params = [replace(p, tp_dim=split_dim(p)) if p.expert and len(p.shape) > 1 and p.tp_dim is None else p
+              for p in profile.params]
+    return replace(profile, params=params, experts_over_tp=experts_over_tp)
 
 
 # ---- the trace -------------------------------------------------------------------------------------------------
@@ -301,6 +338,7 @@ class _Trace(torch_dispatch_mode()):  # type: ignore[misc]
         self.in_attention = False
         #: inside an experts module: (rows, the model's width x the expert's matmuls, FLOPs so far)
         self.in_experts: tuple[int, int, float] | None = None
+        self.expert_input_width = 0  # the model's width, as the experts module receives its rows
         self.saved = _StorageMap()  # saved tensors stay alive until backward: their storages are not reused meanwhile
         self.params: set[int] = set()
         self.gathered_inputs = _StorageMap()
@@ -357,6 +395,8 @@ class _Trace(torch_dispatch_mode()):  # type: ignore[misc]
         self.saved.set(t, self.section)
         kind = self.kind(t)
         self.sections[self.section].saved.add(kind, nbytes)
+        if self.in_experts is not None and t.ndim and t.shape[-1] != self.expert_input_width:
+            self.sections[self.section].expert_saved += nbytes
         if kind == "layer_input":
             self.sections[self.section].regathered_inputs += 1
 
@@ -775,6 +815,7 @@ def _count_routed(trace: _Trace, args: tuple, module: nn.Module) -> None:
         section.routed_choices = choices
     matmuls = 3 if getattr(module, "has_gate", True) else 2  # transformers' ungated experts: up and down only
     trace.in_experts = (rows, x.shape[-1] * matmuls, 0.0)
+    trace.expert_input_width = x.shape[-1]
 
 
 def _count_expert_flops(trace: _Trace) -> None:

@@ -458,7 +458,7 @@ def _section_kinds(profile: ModelProfile) -> dict[str, int]:
                    section.reduce_scattered_bytes, astuple(section.autocast_lowered),
                    astuple(section.autocast_kept), section.autocast_weight_bytes, astuple(section.memory_traffic),
                    section.routed_bytes, section.routed_rows, section.routed_choices, section.expert_flops,
-                   section.expert_width)
+                   section.expert_width, section.expert_saved)
             cache[name] = numbers.setdefault(key, len(numbers))
         profile.__dict__["_section_kinds"] = cache
     return cache
@@ -528,6 +528,11 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float, float]
                     + section.autocast_lowered.per_rank(tp, cp, sp, lp, scale))
         else:
             full = section.saved.per_rank(tp, cp, sp, lp, scale)
+        # experts not whole on every tp rank (``price_experts_as``) keep 1 / tp of their intermediates (under
+        # sequence parallelism their rows are priced as the residual stream's, split already)
+        split_off = (section.expert_saved * scale * (1 - 1 / tp) / cp
+                     if profile.experts_over_tp != "whole" and not sp else 0.0)
+        full -= split_off
         if sheet.checkpointing != "none" and name not in END_SECTIONS:
             kept += section.input_bytes * input_scale / (tp if sp else 1) / cp  # the block's input
             kept += CHECKPOINT_RNG_BYTES
@@ -544,7 +549,7 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float, float]
                     kept += section.reduce_scattered_bytes * scale / tp / cp
             peak_block = max(peak_block, full + copies)  # recomputed in backward, one block at a time
         else:  # (the re-gathered inputs' chunks: only outside checkpointing, which saves nothing else)
-            kept += section.saved.per_rank(tp, cp, sp, lp, scale, True) if sheet.inputs_chunked else full
+            kept += section.saved.per_rank(tp, cp, sp, lp, scale, True) - split_off if sheet.inputs_chunked else full
             weight_copies += copies
     return kept, peak_block, weight_copies
 
@@ -560,7 +565,8 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
     non-matmul work: the latter counted as the ``1 - matmul_share`` of a forward's time it takes. The experts'
     grouped matmuls run at ``grouped_mm``'s share of the matmul rate (``expert_slowdown``, on the ``matmul_share``
     of their time that is matmuls), not divided by tp (every tp rank runs the whole experts on the micro-batch's
-    tokens), recomputed under either checkpointing (neither keeps a grouped matmul), as is
+    tokens; unless the profile prices other software's experts, ``costs.profile.price_experts_as``), recomputed
+    under either checkpointing (neither keeps a grouped matmul), as is
     context-parallel attention (the engine's own function: selective checkpointing keeps only fused kernels).
 
     With ``cp_attention_rate`` (a GPU's: ``Hardware.cp_attention_rate``) and context parallelism, attention is the
@@ -594,8 +600,10 @@ def _rank_flops(sheet: CostSheet, rank: int, matmul_share: float = 1.0,
         # the experts' extra matmul time, in the step's units (a pass's matmuls are matmul_share of its time)
         slower = matmul_share * expert_slowdown(sheet, section, grouped_mm)
         # tensor parallelism leaves the experts whole: every tp rank runs them on the micro-batch's tokens (as
-        # ExpertParallel.account routes them), so they are not divided by tp as the rest is (below: per_step)
-        whole = (sheet.tp - 1) * (section.expert_flops * sheet.token_scale + slower)
+        # ExpertParallel.account routes them), so they are not divided by tp as the rest is (below: per_step);
+        # unless priced as software that splits or folds them (``price_experts_as``)
+        whole = 0.0 if sheet.profile.experts_over_tp != "whole" else (
+            (sheet.tp - 1) * (section.expert_flops * sheet.token_scale + slower))
         flops = section.flops * sheet.token_scale + attention + slower + whole
         faster = 0.0  # the converted matmuls' time float8 saves, in FLOPs at the matmul rate
         if float8 is not None:
@@ -637,7 +645,11 @@ def expert_slowdown(sheet: CostSheet, section: Section, grouped_mm: GroupedMatmu
         return 0.0
     ep = sheet.dims.ep
     rows = section.routed_rows * sheet.token_scale / sheet.cp * ep / experts
-    rate = grouped_mm.rate(rows, max(1, experts // ep), section.expert_width)
+    # split over tp (``price_experts_as``): the same rows through 1 / tp of each expert's width; folded: 1 / tp of
+    # the rows (each tp rank routes its chunk) over experts spread over tp times the ranks
+    width = section.expert_width / sheet.tp if sheet.profile.experts_over_tp == "split" else section.expert_width
+    rows /= sheet.tp if sheet.profile.experts_over_tp == "folded" else 1
+    rate = grouped_mm.rate(rows, max(1, experts // ep), width)
     return section.expert_flops * sheet.token_scale * (1.0 / rate - 1.0)
 
 

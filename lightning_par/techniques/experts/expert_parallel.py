@@ -161,9 +161,18 @@ class ExpertParallel(Technique):
         messages = 3 if per_rank else 2
         # tensor parallelism leaves the experts whole: every tp rank routes the micro-batch's tokens (its cp chunk)
         nbytes = sum(routed) / layers * sheet.token_scale / dims.cp * 2 / messages
+        m = sheet.microbatches * layers
+        if sheet.profile.experts_over_tp != "whole" and dims.tp > 1:
+            # priced as software that splits or folds the experts over tp (``costs.profile.price_experts_as``,
+            # Megatron-Core's all-to-all dispatcher): each tp rank sends its sequence chunk's rows; split, its tp
+            # group gathers what arrived, every tp rank runs its slice of the experts on all of it, and the outputs
+            # are reduce-scattered before they go back; in forward and in backward (and in a full recomputation)
+            nbytes /= dims.tp
+            rows = sum(routed) / layers * sheet.token_scale / dims.cp
+            for collective in ("all_gather", "reduce_scatter") if sheet.profile.experts_over_tp == "split" else ():
+                sheet.transfers.append(Transfer("tp", "tp", collective, rows, 2 * m, False, recomputed_full=m))
         # in forward and in backward; the recomputed forward sends its messages again under full checkpointing
         # (selective keeps the all-to-alls' outputs: lightning_par.techniques.recompute.recompute.KEPT_OPS)
-        m = sheet.microbatches * layers
         per_node = self._ranks_per_node(sheet) if per_rank else dims.ep
         if 1 < per_node < dims.ep:  # two steps: the bytes between nodes are those of ep / per_node places
             between = sum(sent(busiest, dims.ep // per_node))

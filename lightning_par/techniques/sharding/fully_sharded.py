@@ -331,7 +331,8 @@ def unit_bytes(sheet: CostSheet) -> tuple[list[float], list[float]]:
     sizes = section_bytes(sheet.profile)
     ep = sheet.dims.ep if sheet.profile.num_experts else 1
     busiest = busiest_sections(sheet)
-    experts = {s: sizes[s][2] for s in busiest if s in sizes} if ep > 1 else {}
+    held = _experts_held(sheet)
+    experts = {s: sizes[s][2] * held for s in busiest if s in sizes} if ep > 1 else {}
     per_section = {s: sizes[s][0] / sheet.tp + sizes[s][1] - experts.get(s, 0.0) for s in busiest if s in sizes}
     root = per_section.pop("first", 0.0) + per_section.pop("last", 0.0)
     return [*per_section.values(), *([root] if root else [])], [n / ep for n in experts.values() if n]
@@ -347,10 +348,17 @@ def trainable_unit_bytes(sheet: CostSheet) -> float:
         total = 0.0
         for s in set(busiest_sections(sheet)):
             split, whole, experts = sizes.get(s, (0.0, 0.0, 0.0))
+            experts *= _experts_held(sheet)
             total += split / sheet.tp + whole - experts + experts / ep
         return total
 
     return per_cut(sheet, ("trainable_units", sheet.tp, ep), compute)
+
+
+def _experts_held(sheet: CostSheet) -> float:
+    """The share of its experts' bytes a tp rank holds: all of them (the engine keeps them whole), or ``1 / tp``
+    priced as software that splits or folds them over tp (``costs.profile.price_experts_as``)."""
+    return 1.0 if sheet.profile.experts_over_tp == "whole" else 1 / sheet.tp
 
 
 def section_bytes(profile: Any, trainable_only: bool = False) -> dict[str, tuple[float, float, float]]:
