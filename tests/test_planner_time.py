@@ -731,6 +731,37 @@ def test_float8_is_priced_where_the_device_has_float8_matmuls():
             with_float8(hardware)
 
 
+def test_float8_all_gathers_send_the_converted_weights_at_one_byte(gpt):
+    """On a GPU with float8 training under FSDP's bf16 mixed precision, the engine gathers the blocks' converted
+    weights in float8 (torchao's float8 all-gather): each block unit's all-gather sends 1 byte per converted
+    element instead of 2, the rest (norms, the root's embeddings and head) as before; not on the CPU (gloo), not
+    without float8."""
+    from lightning_par.devices import with_float8
+
+    layout, batch = Layout(dp_shard=4), GLOBAL_BATCH // 4
+
+    def gathers(sheet: CostSheet) -> list[float]:
+        return sorted(t.nbytes for t in sheet.transfers if t.kind == "fsdp_all_gather")
+
+    plain, float8 = (account(layout, gpt, batch, SEQ, "bf16-mixed", float8_gathers=on) for on in (False, True))
+    converted = gpt.sections[gpt.blocks[0]].float8_weight_elements
+    assert converted > 0 and all(gpt.sections[b].float8_weight_elements == converted for b in gpt.blocks)
+    # per block unit: 4 fp32 bytes gathered as 2 in bf16, of which the converted ones as 1
+    block_units = len(gpt.blocks)
+    saved = [p - f for p, f in zip(gathers(plain), gathers(float8))]
+    assert sorted(saved, reverse=True)[:1] == [pytest.approx(converted * (4 * 0.5 - 1))]
+    assert sum(s > 0 for s in saved) == 1 and max(t.count for t in float8.transfers  # one Transfer: equal blocks
+                                                   if t.kind == "fsdp_all_gather") >= block_units
+    def gathered_s(hardware: Hardware) -> float:
+        return predict(layout, gpt, hardware, batch, SEQ, "bf16-mixed").comm_total_s["fsdp_all_gather"]
+
+    h100 = known_hardware("H100-SXM")
+    assert gathered_s(with_float8(h100)) < gathered_s(h100)
+    # ranks sharing CPU cores run gloo, which gathers in bf16 whatever float8 does
+    cpu_with_float8 = replace(CPU, float8_speedup=1.5, float8_cast_bandwidth=1e9)
+    assert gathered_s(cpu_with_float8) == gathered_s(CPU)
+
+
 @pytest.mark.parametrize("batch, measured", [(8, 1.225), (2, 1.114)])
 def test_float8_gain_against_the_h200_measurement(batch, measured):
     """Compiled float8 over compiled bf16 tokens/s on 6 of Llama-3.1-8B's layers, seq 2,048, one H200

@@ -91,6 +91,9 @@ class CostSheet:
     #: a half-precision copy of every weight those functions read is saved too
     autocast_only: bool = False
     gather_scale: float = 1.0  # what FSDP all-gathers per parameter byte (bf16-mixed: 0.5)
+    #: float8 training's all-gathers (torchao's ``enable_fsdp_float8_all_gather``, which the engine turns on for
+    #: "tensorwise" on GPUs): the blocks' converted weights gathered at 1 byte an element
+    float8_gathers: bool = False
     #: devices per node (consecutive ranks), where known: expert parallelism across nodes dispatches in two steps
     ranks_per_node: int | None = None
     grad_scale: float = 1.0  # gradients kept in fp32 against activations (bf16: 2)

@@ -274,9 +274,10 @@ class Prediction:
 
 
 def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, precision: str,
-            ranks_per_node: int | None = None) -> CostSheet:
+            ranks_per_node: int | None = None, float8_gathers: bool = False) -> CostSheet:
     """Every technique of the engine's recipe writes its share into one sheet, in the engine's order
-    (``ranks_per_node``: the devices of a node, where the hardware says)."""
+    (``ranks_per_node``: the devices of a node, where the hardware says; ``float8_gathers``: float8 training's
+    all-gathers, ``CostSheet.float8_gathers``)."""
     mixed = precision in MIXED_HALF_DTYPES
     # mixed precision over weights already in its half dtype (a module built so) computes, gathers and keeps them
     # as the trace did, and autocast changes nothing; FSDP still reduces in fp32, cp's dK/dV travel in fp32
@@ -288,7 +289,7 @@ def account(layout: Layout, profile: ModelProfile, batch: int, seq_len: int, pre
     sheet = CostSheet(dims, profile, batch, seq_len, activation_scale=act, autocast_only=autocast_only,
                       gather_scale=gather, grad_scale=grad, reduce_scale=2.0 if half_weights else 1.0,
                       microbatches=layout.accumulate_grad_batches,
-                      ranks_per_node=ranks_per_node)
+                      ranks_per_node=ranks_per_node, float8_gathers=float8_gathers)
     for technique in recipe:
         technique.account(sheet)
     return sheet
@@ -312,7 +313,11 @@ def predict(layout: Layout, profile: ModelProfile, hardware: Hardware, batch: in
             memory_reserve: float = RESERVE) -> Prediction:
     """``batch``: samples per data-parallel rank per step; ``memory_budget``: bytes a device may use (default: the
     hardware's memory less ``memory_reserve`` of it)."""
-    sheet = account(layout, profile, batch, seq_len, precision, hardware.gpus_per_node)
+    # float8 training gathers its converted weights in float8 where the engine runs it on GPUs ("tensorwise" over
+    # NCCL; gloo cannot all-gather float8), under FSDP's mixed precision
+    float8_gathers = hardware.float8_speedup is not None and not shares_cores(hardware) and precision in (
+        "bf16-mixed", "bf16-true")
+    sheet = account(layout, profile, batch, seq_len, precision, hardware.gpus_per_node, float8_gathers)
     # the non-matmul ops' bytes, in the matmuls' time units (none where the hardware's rate covers them)
     flops_per_byte = (hardware.matmul_rate(layout.tp) / hardware.memory_bandwidth
                       if hardware.memory_bandwidth else 0.0)

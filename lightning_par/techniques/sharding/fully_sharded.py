@@ -279,8 +279,11 @@ class FullySharded(Technique):
                 continue
             size = dims.mesh_size(group)
             if size > 1:
+                float8 = _float8_elements(sheet) if sheet.float8_gathers and group == "dp_shard_cp" else {}
                 for nbytes, k in equal_units:
-                    wire = nbytes * sheet.gather_scale
+                    # float8 all-gathers (torchao's, on GPUs): the converted weights travel as 1 byte an element
+                    wire = nbytes * sheet.gather_scale - float8.get(nbytes, 0.0) * (
+                        sheet.profile.dtype.itemsize * sheet.gather_scale - 1)
                     sheet.transfers.append(Transfer("fsdp_all_gather", group, "all_gather", wire, gathers * k,
                                                     True))
                     sheet.transfers.append(Transfer("fsdp_reduce_scatter", group, "reduce_scatter",
@@ -328,14 +331,34 @@ def unit_bytes(sheet: CostSheet) -> tuple[list[float], list[float]]:
     """Bytes of each FSDP unit on the busiest pipeline rank, whole (before sharding), after tensor parallelism:
     every block it runs, and the root (what it runs outside the blocks); and under expert parallelism, apart, each
     block's experts on this rank (``1 / ep`` of them, a unit of their own)."""
+    per_section, experts = _section_units(sheet)
+    ep = sheet.dims.ep if sheet.profile.num_experts else 1
+    root = per_section.pop("first", 0.0) + per_section.pop("last", 0.0)
+    return [*per_section.values(), *([root] if root else [])], [n / ep for n in experts.values() if n]
+
+
+def _section_units(sheet: CostSheet) -> tuple[dict[str, float], dict[str, float]]:
+    """Per section of the busiest pipeline rank: the bytes of its unit after tensor parallelism, its experts
+    apart (their bytes before ep splits them; none without ep)."""
     sizes = section_bytes(sheet.profile)
     ep = sheet.dims.ep if sheet.profile.num_experts else 1
     busiest = busiest_sections(sheet)
     held = _experts_held(sheet)
     experts = {s: sizes[s][2] * held for s in busiest if s in sizes} if ep > 1 else {}
-    per_section = {s: sizes[s][0] / sheet.tp + sizes[s][1] - experts.get(s, 0.0) for s in busiest if s in sizes}
-    root = per_section.pop("first", 0.0) + per_section.pop("last", 0.0)
-    return [*per_section.values(), *([root] if root else [])], [n / ep for n in experts.values() if n]
+    return ({s: sizes[s][0] / sheet.tp + sizes[s][1] - experts.get(s, 0.0) for s in busiest if s in sizes},
+            experts)
+
+
+def _float8_elements(sheet: CostSheet) -> dict[float, float]:
+    """Block unit bytes -> the elements of its weights float8 converts (after tensor parallelism): what its
+    float8 all-gather sends at 1 byte an element (the blocks of one size convert alike)."""
+    def compute() -> dict[float, float]:
+        per_section, _ = _section_units(sheet)
+        return {nbytes: sheet.profile.sections[s].float8_weight_elements / sheet.tp
+                for s, nbytes in per_section.items() if s not in ("first", "last")}
+
+    ep = sheet.dims.ep if sheet.profile.num_experts else 1
+    return per_cut(sheet, ("float8_units", sheet.tp, ep), compute)
 
 
 def trainable_unit_bytes(sheet: CostSheet) -> float:
