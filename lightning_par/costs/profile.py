@@ -395,7 +395,8 @@ class _Trace(torch_dispatch_mode()):  # type: ignore[misc]
         self.saved.set(t, self.section)
         kind = self.kind(t)
         self.sections[self.section].saved.add(kind, nbytes)
-        if self.in_experts is not None and t.ndim and t.shape[-1] != self.expert_input_width:
+        if (self.in_experts is not None and t.is_floating_point() and t.ndim
+                and t.shape[-1] != self.expert_input_width):
             self.sections[self.section].expert_saved += nbytes
         if kind == "layer_input":
             self.sections[self.section].regathered_inputs += 1
