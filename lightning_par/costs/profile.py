@@ -250,6 +250,11 @@ class ModelProfile:
     def tokens(self) -> int:
         return self.batch * self.seq_len
 
+    def expert_tp_share(self, tp: int) -> float:
+        """The share of its experts (weights, FLOPs, intermediates) one of ``tp`` tensor-parallel ranks holds: all of
+        them as the engine runs them, ``1 / tp`` as priced for software that splits or folds them."""
+        return 1.0 if self.experts_over_tp == "whole" else 1 / tp
+
     def param_bytes(self, trainable_only: bool = False) -> int:
         return sum(p.numel * p.itemsize for p in self.params if p.trainable or not trainable_only)
 
@@ -258,7 +263,7 @@ class ModelProfile:
 #: and before that option existed its experts were always split over tp; ETP 1 folds the tp ranks into the experts'
 #: own mesh (expert groups span them; with sequence parallelism, which Megatron requires for experts under tp, each
 #: tp rank routes its own sequence chunk)
-EXPERTS_OVER_TP = {"split": "ETP = TP", "folded": "ETP = 1"}
+EXPERTS_OVER_TP = ("split", "folded")  # ETP = TP, ETP = 1
 
 
 def price_experts_as(profile: ModelProfile, experts_over_tp: str) -> ModelProfile:

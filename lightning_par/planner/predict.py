@@ -535,8 +535,7 @@ def _rank_activations(sheet: CostSheet, rank: int) -> tuple[float, float, float]
             full = section.saved.per_rank(tp, cp, sp, lp, scale)
         # experts not whole on every tp rank (``price_experts_as``) keep 1 / tp of their intermediates (under
         # sequence parallelism their rows are priced as the residual stream's, split already)
-        split_off = (section.expert_saved * scale * (1 - 1 / tp) / cp
-                     if profile.experts_over_tp != "whole" and not sp else 0.0)
+        split_off = 0.0 if sp else section.expert_saved * scale * (1 - profile.expert_tp_share(tp)) / cp
         full -= split_off
         if sheet.checkpointing != "none" and name not in END_SECTIONS:
             kept += section.input_bytes * input_scale / (tp if sp else 1) / cp  # the block's input

@@ -343,7 +343,7 @@ def _section_units(sheet: CostSheet) -> tuple[dict[str, float], dict[str, float]
     sizes = section_bytes(sheet.profile)
     ep = sheet.dims.ep if sheet.profile.num_experts else 1
     busiest = busiest_sections(sheet)
-    held = _experts_held(sheet)
+    held = sheet.profile.expert_tp_share(sheet.tp)
     experts = {s: sizes[s][2] * held for s in busiest if s in sizes} if ep > 1 else {}
     return ({s: sizes[s][0] / sheet.tp + sizes[s][1] - experts.get(s, 0.0) for s in busiest if s in sizes},
             experts)
@@ -371,17 +371,11 @@ def trainable_unit_bytes(sheet: CostSheet) -> float:
         total = 0.0
         for s in set(busiest_sections(sheet)):
             split, whole, experts = sizes.get(s, (0.0, 0.0, 0.0))
-            experts *= _experts_held(sheet)
+            experts *= sheet.profile.expert_tp_share(sheet.tp)
             total += split / sheet.tp + whole - experts + experts / ep
         return total
 
     return per_cut(sheet, ("trainable_units", sheet.tp, ep), compute)
-
-
-def _experts_held(sheet: CostSheet) -> float:
-    """The share of its experts' bytes a tp rank holds: all of them (the engine keeps them whole), or ``1 / tp``
-    priced as software that splits or folds them over tp (``costs.profile.price_experts_as``)."""
-    return 1.0 if sheet.profile.experts_over_tp == "whole" else 1 / sheet.tp
 
 
 def section_bytes(profile: Any, trainable_only: bool = False) -> dict[str, tuple[float, float, float]]:
